@@ -1,0 +1,35 @@
+"""LoRA (incl. rsLoRA, rank/alpha patterns, lora_bias, bias="all"/"lora_only") and, with `use_dora`, DoRA.
+
+PEFT forward (eval): ``y = W0 x + b0 + s·(B (A x) + b_B)``, ``s = α/r`` (rsLoRA: ``α/√r``), per-layer r and α
+from `rank_pattern` / `alpha_pattern`. Normal form: A, B with s (folded into B at load), ``c = s·b_B``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from scute.adapters.checkpoint import LayerCheckpoint, pattern_value
+from scute.adapters.dora import dora_slots
+from scute.adapters.registry import register_method
+from scute.adapters.slots import Slots
+
+KEYS = ("lora_A.weight", "lora_B.weight", "lora_B.bias", "lora_magnitude_vector")
+
+
+def lora_scale(layer: LayerCheckpoint) -> tuple[int, float]:
+    """(r, s) of this layer, resolving PEFT's rank_pattern / alpha_pattern by module name."""
+    cfg = layer.config
+    r = int(pattern_value(cfg.get("rank_pattern"), layer.name, cfg["r"]))
+    alpha = pattern_value(cfg.get("alpha_pattern"), layer.name, cfg.get("lora_alpha", 8))
+    return r, alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+
+
+@register_method("LORA", keys=KEYS)
+def convert_lora(layer: LayerCheckpoint) -> Slots:
+    r, s = lora_scale(layer)
+    A = layer.tensor("lora_A.weight", (r, layer.in_features))
+    B = layer.tensor("lora_B.weight", (layer.out_features, r))
+    if layer.config.get("use_dora"):
+        return dora_slots(layer, A, B, s)
+    c = s * layer.tensor("lora_B.bias", (layer.out_features,)) if layer.has("lora_B.bias") else None
+    return Slots(layer.in_features, layer.out_features, A=A, B=B, c=c, scale=s)

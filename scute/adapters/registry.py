@@ -1,0 +1,70 @@
+"""The method registry: `peft_type` -> a converter from a PEFT checkpoint layer to `Slots`.
+
+Adding a method is one file::
+
+    @register_method("IA3", keys=("ia3_l",))
+    def convert_ia3(layer: LayerCheckpoint) -> Slots:
+        ...
+
+`keys` are the per-layer tensor names the method saves (after the module path), `global_keys` the
+model-level ones (saved as ``base_model.<key>``, e.g. VeRA's shared projections). The loader groups a
+checkpoint's tensors by module with them, checks that every tensor is used, and hands each adapted layer to
+the converter as a `LayerCheckpoint` (see `scute.adapters.checkpoint`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scute.adapters.checkpoint import LayerCheckpoint
+    from scute.adapters.slots import Slots
+
+Converter = Callable[["LayerCheckpoint"], "Slots"]
+
+
+@dataclass(frozen=True)
+class Method:
+    peft_type: str
+    convert: Converter
+    keys: tuple[str, ...]
+    global_keys: tuple[str, ...] = ()
+
+
+_METHODS: dict[str, Method] = {}
+
+
+def register_method(
+    peft_type: str, *, keys: tuple[str, ...], global_keys: tuple[str, ...] = ()
+) -> Callable[[Converter], Converter]:
+    """Register `convert` as the converter of PEFT checkpoints whose `peft_type` is `peft_type`."""
+
+    def wrap(convert: Converter) -> Converter:
+        if peft_type in _METHODS:
+            raise ValueError(f"a converter for peft_type {peft_type!r} is already registered")
+        _METHODS[peft_type] = Method(peft_type, convert, tuple(keys), tuple(global_keys))
+        return convert
+
+    return wrap
+
+
+def get_method(peft_type: str) -> Method:
+    _load_builtin_methods()
+    try:
+        return _METHODS[peft_type]
+    except KeyError:
+        raise KeyError(
+            f"peft_type {peft_type!r} is not supported; supported: {', '.join(supported_methods())}"
+        ) from None
+
+
+def supported_methods() -> list[str]:
+    _load_builtin_methods()
+    return sorted(_METHODS)
+
+
+def _load_builtin_methods() -> None:
+    # Imported lazily: the method files import this module to register themselves.
+    from scute.adapters import ia3, lora, oft, vera  # noqa: F401

@@ -1,0 +1,61 @@
+"""The one piece of hidden state in Scute: the scoped per-step forward context.
+
+`nn.Linear` modules receive no kwargs from a transformers model, so `ScuteLinear` reads each token's adapter
+slot from here; the engine's attention function reads its paged-KV metadata from here too. A context is set
+for exactly one forward (``with forward_context(ctx): model(...)``), never nested, and reading it outside one
+is a bug that raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+
+@dataclass
+class ForwardContext:
+    """Per-step metadata of one forward.
+
+    token_adapter_slots: [T] int64, the adapter slot of each token of the packed batch (−1 = base model).
+    sample_adapter_slots: [S] int64, the slots of the rows that reach the LM head when the model computes
+        logits only for some positions (None: the LM head sees all T tokens).
+    attn: the attention backend's metadata (block tables, slot mapping, ...), None outside the engine.
+    """
+
+    token_adapter_slots: Tensor
+    sample_adapter_slots: Tensor | None = None
+    attn: Any = None
+
+    def adapter_slots(self, num_tokens: int) -> Tensor:
+        """The slots of a layer call over `num_tokens` rows (all tokens, or only the sampled ones)."""
+        if self.token_adapter_slots.shape[0] == num_tokens:
+            return self.token_adapter_slots
+        if self.sample_adapter_slots is not None and self.sample_adapter_slots.shape[0] == num_tokens:
+            return self.sample_adapter_slots
+        raise RuntimeError(
+            f"a linear layer got {num_tokens} rows but the forward context has adapter slots for "
+            f"{self.token_adapter_slots.shape[0]} tokens: pass all tokens of the step as one packed row"
+        )
+
+
+_context: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _context
+    assert _context is None, "forward_context is already set: forward contexts do not nest"
+    _context = ctx
+    try:
+        yield ctx
+    finally:
+        _context = None
+
+
+def get_forward_context() -> ForwardContext:
+    assert _context is not None, "no forward context: run the model inside `with forward_context(...)`"
+    return _context
