@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import re
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -200,11 +199,13 @@ class LayerCheckpoint:
         return self.globals[key].to(self.dtype)
 
 
-_INTERNED: weakref.WeakValueDictionary[tuple, Tensor] = weakref.WeakValueDictionary()
+# Shared matrices by content. Kept for the life of the process (a view does not keep its base's Python object
+# alive, so a weak map would forget them); it holds one entry per distinct VeRA (key, r, dims): a few MiB.
+_INTERNED: dict[tuple, Tensor] = {}
 
 
 def intern_shared(x: Tensor) -> Tensor:
-    """Return one tensor object per distinct content, so that adapters sharing a matrix share the object."""
+    """Return one tensor per distinct content, so that adapters sharing a matrix share its storage."""
     x = x.contiguous()
     key = (x.dtype, tuple(x.shape), hashlib.sha256(x.cpu().view(torch.uint8).numpy().tobytes()).hexdigest())
     return _INTERNED.setdefault(key, x)
@@ -238,8 +239,8 @@ def convert_checkpoint(ckpt: AdapterCheckpoint, modules: Mapping[str, nn.Module]
     shared: dict = {}
     shapes = {n: tuple(modules[n].weight.shape) for n in groups}
     out: dict[str, Slots] = {}
-    for name, tensors in groups.items():
-        base = modules[name]
+    for name in sorted(groups, key=list(modules).index):  # model order: the first problem reported is the first
+        tensors, base = groups[name], modules[name]
         dtype = acc_dtype(base.weight.dtype)
         w = base.weight.detach().to(dtype)
         b0 = None if base.bias is None else base.bias.detach().to(dtype)
@@ -316,17 +317,20 @@ class Adapter:
 
     def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Adapter:
         """Move every tensor; a tensor shared by several layers stays shared."""
-        memo: dict[int, Tensor] = {}
+        memo: dict[int, Tensor] = {}  # storage address -> moved storage: shared matrices move once, stay shared
 
         def move(x: Tensor) -> Tensor:
-            if x._base is not None:  # a view of a shared matrix (VeRA): move the matrix once, view it again
-                base = move(x._base)
-                return base.as_strided(x.size(), x.stride(), x.storage_offset())
-            if id(x) not in memo:
-                memo[id(x)] = x.to(device=device, dtype=dtype)
-            return memo[id(x)]
+            key = x.untyped_storage().data_ptr()
+            if key not in memo:
+                whole = torch.empty(0, dtype=x.dtype, device=x.device).set_(x.untyped_storage())
+                memo[key] = whole.to(device=device, dtype=dtype)
+            return memo[key].as_strided(x.size(), x.stride(), x.storage_offset())
 
-        layers = {n: replace(s, **{k: move(x) for k, x in s.tensors().items()}) for n, s in self.layers.items()}
+        def move_slots(s: Slots) -> Slots:
+            return replace(s, **{k: move(x) if k in s.shared else x.to(device=device, dtype=dtype)
+                                 for k, x in s.tensors().items()})
+
+        layers = {n: move_slots(s) for n, s in self.layers.items()}
         return replace(self, layers=layers)
 
     def num_bytes(self) -> int:

@@ -75,6 +75,8 @@ class Slots:
         """Raise ValueError if a slot's shape does not fit this layer (the message names the slot)."""
         i, o = self.in_features, self.out_features
         r = self.rank
+        if self.A is None and (self.m is not None or self.v is not None):
+            raise ValueError("slots m and v need A and B")
         want = {"t": (i,), "o": (o,), "o2": (o,), "c": (o,), "m": (r,), "v": (o,)}
         for name, shape in want.items():
             x = getattr(self, name)
@@ -86,8 +88,6 @@ class Slots:
             raise ValueError(f"slot A has shape {tuple(self.A.shape)}, layer needs [r, {i}]")
         if self.B is not None and tuple(self.B.shape) != (o, r):
             raise ValueError(f"slot B has shape {tuple(self.B.shape)}, layer needs ({o}, {r})")
-        if self.A is None and (self.m is not None or self.v is not None):
-            raise ValueError("slots m and v need A and B")
         if self.t_blocks is not None:
             nb, b, b2 = self.t_blocks.shape
             if b != b2 or i % b or nb not in (1, i // b):

@@ -1,0 +1,70 @@
+"""The normal form's own rules: folding, validation, sharing of VeRA's projections."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import VeraConfig
+
+from scute.adapters import Slots, load_adapter
+from scute.ops.reference import scute_linear_ref
+from tests.helpers import make_adapter, tiny_model
+
+g = torch.Generator().manual_seed(0)
+
+
+def rand(*shape):
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def full_slots(shared=frozenset()):
+    return Slots(8, 6, t=rand(8), o=rand(6), c=rand(6), A=rand(3, 8), m=rand(3), B=rand(6, 3), v=rand(6),
+                 scale=0.7, shared=frozenset(shared))
+
+
+@pytest.mark.parametrize("shared", [(), ("A",), ("B",), ("A", "B")])
+def test_folding_is_exact_and_keeps_only_what_must_stay_live(shared):
+    s = full_slots(shared)
+    f = s.folded()
+    x, w, b = rand(5, 8), rand(6, 8), rand(6)
+    slots = torch.tensor([0, -1, 0, 0, -1])
+    assert torch.allclose(scute_linear_ref(x, w, b, [s], slots), scute_linear_ref(x, w, b, [f], slots), rtol=1e-12)
+    assert f.scale == 1.0 and "s" in f.merged
+    assert (f.v is None) == ("B" not in shared)  # v only stays live when B is shared
+    assert (f.m is None) == (set(shared) != {"A", "B"})  # m only when both are shared
+    for name in shared:
+        assert getattr(f, name) is getattr(s, name), "shared tensors are never rewritten"
+
+
+@pytest.mark.parametrize("kwargs,problem", [
+    (dict(t=torch.ones(7)), "slot t"),
+    (dict(o=torch.ones(5)), "slot o"),
+    (dict(A=torch.ones(2, 8)), "given together"),
+    (dict(A=torch.ones(2, 7), B=torch.ones(6, 2)), "slot A"),
+    (dict(A=torch.ones(2, 8), B=torch.ones(6, 3)), "slot B"),
+    (dict(m=torch.ones(2)), "need A and B"),
+    (dict(t_blocks=torch.ones(3, 4, 4)), "t_blocks"),
+    (dict(o2=torch.ones(6)), "rot_group"),
+    (dict(o2=torch.ones(6), rot_group=4), "divide"),
+])
+def test_validation_names_the_slot(kwargs, problem):
+    with pytest.raises(ValueError, match=problem):
+        Slots(8, 6, **kwargs)
+
+
+def test_vera_projections_are_shared_objects(tmp_path):
+    cfg = dict(r=8, target_modules=["q_proj", "v_proj", "up_proj"], projection_prng_key=3)
+    make_adapter(str(tmp_path / "a"), VeraConfig(**cfg), seed=1)
+    make_adapter(str(tmp_path / "b"), VeraConfig(**cfg, save_projection=False), seed=2)
+    make_adapter(str(tmp_path / "c"), VeraConfig(**{**cfg, "r": 4}), seed=3)
+    model = tiny_model()
+    a, b, c = (load_adapter(tmp_path / n, model) for n in "abc")
+    bases = {s.A.untyped_storage().data_ptr() for ad in (a, b) for s in ad.layers.values()}
+    assert len(bases) == 1, "same key, r and targets: one shared A across layers and adapters (saved or not)"
+    assert not bases & {s.A.untyped_storage().data_ptr() for s in c.layers.values()}
+    s = next(iter(a.layers.values()))
+    assert s.live == ("A", "m", "B", "v") and s.shared == {"A", "B"}
+    assert s.num_bytes() == (8 + s.out_features) * 4  # only m and v are per adapter
+    moved = a.to(dtype=torch.float64)
+    assert len({s.A.untyped_storage().data_ptr() for s in moved.layers.values()}) == 1, "moving keeps it shared"
+    assert all(torch.equal(m.A, s.A.double()) for m, s in zip(moved.layers.values(), a.layers.values()))
