@@ -24,11 +24,15 @@ class ForwardContext:
     sample_adapter_slots: [S] int64, the slots of the rows that reach the LM head when the model computes
         logits only for some positions (None: the LM head sees all T tokens).
     attn: the attention backend's metadata (block tables, slot mapping, ...), None outside the engine.
+    lora_meta: the adapter kernels' per-step token metadata (a `scute.ops.meta.MetaCache`: tokens sorted by
+        adapter, tiles), built once per step by the first `ScuteLinear` that needs it (None until then), or
+        ahead by the engine into preallocated buffers.
     """
 
     token_adapter_slots: Tensor
     sample_adapter_slots: Tensor | None = None
     attn: Any = None
+    lora_meta: Any = None
 
     def adapter_slots(self, num_tokens: int) -> Tensor:
         """The slots of a layer call over `num_tokens` rows (all tokens, or only the sampled ones)."""

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from scute.adapters.slots import Slots
-from scute.engine.context import get_forward_context
-from scute.ops import scute_linear
+from scute.engine.context import ForwardContext, get_forward_context
+from scute.ops import LoraMeta, MetaCache, SlotPool, scute_linear_ref, scute_linear_triton, triton_enabled
 
 
 class ScuteLinear(nn.Module):
@@ -16,7 +16,10 @@ class ScuteLinear(nn.Module):
     there, or None if that adapter does not adapt this layer (its tokens then get the base output).
 
     Forward: the token slots come from the forward context; tokens with slot −1, or whose slot is empty here,
-    get exactly ``F.linear(x, weight, bias)``.
+    get exactly ``F.linear(x, weight, bias)``. On CUDA the Triton kernels run, reading the slots from a
+    `SlotPool` (device tables, non-persistent: rebuilt from the slots, never saved in a state dict); elsewhere the
+    PyTorch reference op. `set_slot` updates the pool's tables in place: a captured CUDA graph stays valid while
+    ``pool.signature`` is unchanged (re-capture when it changes, e.g. on the first OFT adapter of a layer).
     """
 
     def __init__(self, base: nn.Linear, max_adapters: int) -> None:
@@ -26,6 +29,7 @@ class ScuteLinear(nn.Module):
         self.bias = base.bias
         self.slots: list[Slots | None] = [None] * max_adapters
         self.num_filled = 0
+        self.pool: SlotPool | None = None
 
     def set_slot(self, index: int, slots: Slots | None) -> None:
         if slots is not None and (slots.in_features, slots.out_features) != (self.in_features, self.out_features):
@@ -33,17 +37,39 @@ class ScuteLinear(nn.Module):
                 f"slots for a {slots.in_features}->{slots.out_features} layer do not fit "
                 f"{self.in_features}->{self.out_features}"
             )
-        self.slots[index] = slots
+        self.slots[index] = slots if slots is None or slots.scale == 1.0 else slots.folded()
         self.num_filled = sum(s is not None for s in self.slots)
+        if self.pool is not None:
+            self.pool.update([self.slots])
 
     def forward(self, x: Tensor) -> Tensor:
         if self.num_filled == 0:  # no adapter touches this layer: the plain GEMM, no metadata needed
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, self.in_features)
-        token_slots = get_forward_context().adapter_slots(flat.shape[0])
-        y = scute_linear(flat, self.weight, self.bias, self.slots, token_slots)
+        ctx = get_forward_context()
+        token_slots = ctx.adapter_slots(flat.shape[0])
+        if triton_enabled(flat):
+            pool = self._pool_for(flat)
+            y = scute_linear_triton(flat, self.weight, self.bias, pool, lora_meta(ctx, token_slots, pool))
+        else:
+            y = scute_linear_ref(flat, self.weight, self.bias, self.slots, token_slots)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _pool_for(self, x: Tensor) -> SlotPool:
+        """The device pool, built on the first forward on a device (before any graph capture: the engine warms
+        up first) and kept up to date by `set_slot` afterwards."""
+        if self.pool is None or self.pool.device != x.device or self.pool.dtype != x.dtype:
+            self.pool = SlotPool(self.in_features, (self.out_features,), len(self.slots), x.device, x.dtype)
+            self.pool.update([self.slots])
+        return self.pool
 
     def extra_repr(self) -> str:
         filled = self.num_filled
         return f"in_features={self.in_features}, out_features={self.out_features}, adapters={filled}/{len(self.slots)}"
+
+
+def lora_meta(ctx: ForwardContext, token_slots: Tensor, pool: SlotPool) -> LoraMeta:
+    """The step's token metadata for `pool`'s slot grouping: built by the first layer, shared by the rest."""
+    if ctx.lora_meta is None:
+        ctx.lora_meta = MetaCache()
+    return ctx.lora_meta.get(token_slots, pool.slot_group, pool.group_key)

@@ -1,8 +1,46 @@
-"""Scute's ops. `scute_linear` runs one adapted linear layer for a batch of tokens with per-token adapters."""
+"""Scute's ops: one adapted linear layer for a batch of tokens, each with its own adapter (or none).
 
+Two implementations of the same semantics: `scute_linear_ref` (PyTorch, any device; the CPU path) and the
+Triton kernels (`scute_linear_triton`, CUDA), which read the layer's adapters from a `SlotPool` and the step's
+token order from a `LoraMeta`. `triton_enabled` says which one a tensor gets.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from scute.ops.meta import LoraMeta, MetaCache, build_lora_meta
+from scute.ops.pool import SlotPool
 from scute.ops.reference import scute_linear_ref
+from scute.ops.triton_ops import scute_linear_triton, scute_linears_triton
 
-# The CPU and fallback path; the Triton kernels take over on CUDA once registered.
+# The CPU and fallback path.
 scute_linear = scute_linear_ref
 
-__all__ = ["scute_linear", "scute_linear_ref"]
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _have_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_HAVE_TRITON = _have_triton()
+
+
+def triton_enabled(x: Tensor) -> bool:
+    """True if the Triton kernels serve `x`: CUDA tensors of a 16/32-bit float dtype; CPU tensors only under
+    ``SCUTE_TRITON_CPU=1`` (with ``TRITON_INTERPRET=1``: the kernel tests)."""
+    if not _HAVE_TRITON or x.dtype not in _TRITON_DTYPES:
+        return False
+    return x.is_cuda or (x.device.type == "cpu" and os.environ.get("SCUTE_TRITON_CPU") == "1")
+
+
+__all__ = ["LoraMeta", "MetaCache", "SlotPool", "build_lora_meta", "scute_linear", "scute_linear_ref",
+           "scute_linear_triton", "scute_linears_triton", "triton_enabled"]

@@ -1,0 +1,108 @@
+"""Per-step token metadata of the adapter kernels (vLLM's LoRA kernel metadata, plus a tile list).
+
+Built once per step from ``token_adapter_slots`` and shared by every layer: tokens stably sorted by their
+slot's *group* (a slot is its own group unless several slots share VeRA-style matrices, see `scute.ops.pool`),
+tokens per group, start offsets, and the list of ``BLOCK_M``-token tiles the shrink and expand kernels run over.
+Everything is computed on the device with fixed-size outputs: no host sync, no data-dependent Python branch, so
+the decode step can be captured in a CUDA graph (replaying it recomputes the metadata for the new slots).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+BLOCK_M = 16  # tokens per tile; 16 is the smallest M a tensor-core tl.dot takes
+
+
+def max_tiles(num_tokens: int, num_slots: int, block_m: int = BLOCK_M) -> int:
+    """Upper bound of the tile count: Σ_g ceil(c_g / BM) ≤ T // BM + (number of groups present)."""
+    return num_tokens // block_m + min(num_tokens, num_slots)
+
+
+@dataclass
+class LoraMeta:
+    """Token metadata of one step for one slot grouping (all int32, on the tokens' device).
+
+    token_slots [T]: each token's adapter slot (−1 = base model).
+    sorted_idx [T]: token indices stably sorted by group; base tokens last.
+    num_tokens_per_slot [M], slot_start [M]: tokens of each group and where they start in `sorted_idx`
+        (indexed by the group's representative slot; 0 for other slots).
+    tile_group [NT], tile_start [NT], tile_end [NT]: tile j covers sorted positions
+        ``[tile_start[j], min(tile_start[j] + BLOCK_M, tile_end[j]))`` of group ``tile_group[j]``; −1 = no tile.
+    """
+
+    token_slots: Tensor
+    sorted_idx: Tensor
+    num_tokens_per_slot: Tensor
+    slot_start: Tensor
+    tile_group: Tensor
+    tile_start: Tensor
+    tile_end: Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_slots.shape[0]
+
+    @staticmethod
+    def empty(num_tokens: int, num_slots: int, device: torch.device | str) -> LoraMeta:
+        """Preallocated buffers, to be filled in place by ``build_lora_meta(..., out=meta)``."""
+        nt = max_tiles(num_tokens, num_slots)
+        sizes = (num_tokens, num_tokens, num_slots, num_slots, nt, nt, nt)
+        return LoraMeta(*(torch.empty(n, dtype=torch.int32, device=device) for n in sizes))
+
+
+def build_lora_meta(token_slots: Tensor, slot_group: Tensor, out: LoraMeta | None = None) -> LoraMeta:
+    """Sort the step's tokens by adapter group and cut each group into tiles.
+
+    Semantics:
+        key[t] = slot_group[token_slots[t]] if token_slots[t] >= 0 else M        (base tokens sort last)
+        sorted_idx = stable argsort(key);  num_tokens_per_slot[g] = #{t : key[t] = g}
+        slot_start = exclusive cumsum(num_tokens_per_slot)
+        tiles: for each g in increasing order, ceil(count_g / BLOCK_M) tiles of consecutive sorted positions.
+
+    Shapes: token_slots [T] int (values in [-1, M)), slot_group [M] int; returns `LoraMeta` (see there),
+    written into `out` if given (same T and M).
+    """
+    num_slots, num_tokens = slot_group.shape[0], token_slots.shape[0]
+    ts = token_slots.long()
+    key = torch.where(ts >= 0, slot_group.long()[ts.clamp(min=0)], num_slots)
+    sorted_idx = torch.sort(key, stable=True).indices
+    # scatter_add_ rather than bincount: bincount's output size depends on the data (a host sync).
+    counts = torch.zeros(num_slots + 1, dtype=torch.long, device=ts.device).scatter_add_(0, key, torch.ones_like(key))
+    starts = torch.cumsum(counts, 0) - counts
+    ntiles = (counts[:num_slots] + BLOCK_M - 1) // BLOCK_M
+    tiles_end = torch.cumsum(ntiles, 0)
+    j = torch.arange(max_tiles(num_tokens, num_slots), device=ts.device)
+    g = torch.searchsorted(tiles_end, j, right=True)  # the group whose tile range holds tile j (M: none)
+    gc = g.clamp(max=num_slots - 1)
+    tile_start = starts[gc] + (j - (tiles_end[gc] - ntiles[gc])) * BLOCK_M
+    meta = LoraMeta(ts, sorted_idx, counts[:num_slots], starts[:num_slots],
+                    torch.where(g < num_slots, gc, -1), tile_start, starts[gc] + counts[gc])
+    if out is None:
+        return LoraMeta(*(getattr(meta, f.name).to(torch.int32) for f in fields(LoraMeta)))
+    for f in fields(LoraMeta):
+        getattr(out, f.name).copy_(getattr(meta, f.name))
+    return out
+
+
+class MetaCache:
+    """The `ForwardContext.lora_meta` of one step: one `LoraMeta` per (token-slot tensor, slot grouping), built
+    by the first layer that needs it and reused by every other layer of the step."""
+
+    def __init__(self) -> None:
+        self._metas: dict[tuple, tuple[Tensor, LoraMeta]] = {}
+
+    def get(self, token_slots: Tensor, slot_group: Tensor, group_key: tuple | None) -> LoraMeta:
+        key = (id(token_slots), group_key)
+        hit = self._metas.get(key)
+        if hit is None or hit[0] is not token_slots:
+            hit = (token_slots, build_lora_meta(token_slots, slot_group))
+            self._metas[key] = hit
+        return hit[1]
+
+    def put(self, token_slots: Tensor, meta: LoraMeta, group_key: tuple | None = None) -> None:
+        """Register a meta built ahead (e.g. into preallocated buffers by the engine)."""
+        self._metas[(id(token_slots), group_key)] = (token_slots, meta)

@@ -1,0 +1,179 @@
+"""The slot pool: one layer's adapters packed into a device table the Triton kernels read.
+
+A pool covers ``P`` projections that share one input (``P = 1`` for a plain `ScuteLinear`; q/k/v or gate/up
+can be grouped so that one launch serves all of them) and ``num_slots`` adapter slots. It is one int64 tensor
+``table [P, num_slots, NUM_FIELDS]`` of pointers and sizes, plus the device copies the pointers point to:
+
+* per-slot fields (row = the slot): flags, and the addresses of the vectors ``o, o2, c, v, m, t`` (float32) and
+  of ``t_blocks`` (the pool's matrix dtype);
+* per-group fields (row = the group's representative slot): the low-rank matrices ``A [r, in]`` and
+  ``Bt = Bᵀ [r, out]`` (matrix dtype, contiguous), their rank, where their rank rows live in the kernels' ``h``
+  buffer, the RoAd group size and whether the group needs the expand at all.
+
+A *group* is the unit of weight reuse: slots whose A and B are views of the same shared matrices (VeRA) form one
+group, so their tokens are sorted together and the shared matrices are read once per batch; every other slot is
+its own group. Tensors are deduplicated by storage (a shared matrix is copied once per pool, whatever the number of
+adapters using it), and a shared A used by several projections of one pool is multiplied once (``a_rank = 0`` on
+the duplicates, whose ``b_hoff`` points at the first one's rows of ``h``).
+
+Only the table's *contents* change when a slot is set: a captured CUDA graph stays valid as long as `signature`
+is unchanged (it holds every host-side value the launchers turn into a kernel constant or a buffer size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:  # annotations only: scute.adapters imports scute.ops
+    from scute.adapters.slots import Slots
+
+# Table fields (int64 each). Group fields are read at the group's representative slot, slot fields at the slot.
+(F_A, F_ARANK, F_AHOFF, F_BT, F_RANK, F_BHOFF, F_ROT, F_ACTIVE,
+ F_FLAGS, F_O, F_O2, F_C, F_V, F_M, F_T, F_TB, F_TBN, F_TBB) = range(18)
+NUM_FIELDS = 18
+# Bits of F_FLAGS: which per-slot vectors are live.
+HAS_O, HAS_O2, HAS_C, HAS_V, HAS_M, HAS_T, HAS_TB = 1, 2, 4, 8, 16, 32, 64
+_VECTORS = (("o", F_O, HAS_O), ("o2", F_O2, HAS_O2), ("c", F_C, HAS_C), ("v", F_V, HAS_V), ("m", F_M, HAS_M),
+            ("t", F_T, HAS_T))
+
+
+def _storage_key(x: Tensor, kind: str) -> tuple:
+    return (kind, x.device, x.dtype, x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape),
+            tuple(x.stride()))
+
+
+class SlotPool:
+    """Device tables of the adapters of ``P`` projections (one input, ``out_features[p]`` outputs each).
+
+    Attributes set by `update`: ``table`` (device, int64 [P, num_slots, NUM_FIELDS]), ``slot_group``
+    (device int32 [num_slots]: each slot's group representative), ``group_key`` (host tuple of the same, None
+    when every slot is its own group), ``h_width`` (rank rows of ``h`` per token), ``has_lowrank``,
+    ``has_input_transform``, ``has_expand``, ``block_b`` / ``min_block`` (power-of-two cover of the largest OFT
+    block, smallest OFT block).
+    """
+
+    def __init__(self, in_features: int, out_features: Sequence[int], num_slots: int,
+                 device: torch.device | str, dtype: torch.dtype) -> None:
+        self.in_features, self.out_features = in_features, tuple(out_features)
+        self.num_slots, self.device, self.dtype = num_slots, torch.device(device), dtype
+        self.num_proj = len(self.out_features)
+        self.table = torch.zeros(self.num_proj, num_slots, NUM_FIELDS, dtype=torch.int64, device=self.device)
+        self.slot_group = torch.arange(num_slots, dtype=torch.int32, device=self.device)
+        self._cache: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self.group_key: tuple[int, ...] | None = None
+        self.h_width, self.has_lowrank, self.has_input_transform, self.has_expand = 1, False, False, False
+        self.block_b, self.min_block = 1, 1
+
+    @property
+    def signature(self) -> tuple:
+        """Everything a captured graph bakes in; a graph stays valid while this is unchanged."""
+        return (self.group_key, self.h_width, self.has_lowrank, self.has_input_transform, self.has_expand,
+                self.block_b, self.min_block)
+
+    # ------------------------------------------------------------------ device copies
+    def _dev(self, x: Tensor, kind: str, keep: dict) -> Tensor:
+        """The pool's copy of `x` (kind 'vec': float32; 'mat': matrix dtype; 'matT': transposed), made once per
+        storage. The cache holds `x` itself, so the storage (and the key) cannot be reused while cached."""
+        key = _storage_key(x, kind)
+        hit = self._cache.get(key)
+        if hit is None:
+            y = x.t() if kind == "matT" else x
+            y = y.to(device=self.device, dtype=torch.float32 if kind == "vec" else self.dtype).contiguous()
+            hit = (x, y)
+        keep[key] = hit
+        return hit[1]
+
+    # ------------------------------------------------------------------ building
+    def update(self, slots: Sequence[Sequence[Slots | None]]) -> None:
+        """Rebuild the table from ``slots[p][s]`` (folded: scale 1) and copy it into place."""
+        if len(slots) != self.num_proj or any(len(row) != self.num_slots for row in slots):
+            raise ValueError(f"pool needs {self.num_proj} lists of {self.num_slots} slots")
+        keep: dict[tuple, tuple[Tensor, Tensor]] = {}
+        host = torch.zeros(self.num_proj, self.num_slots, NUM_FIELDS, dtype=torch.int64)
+        groups = self._groups(slots)
+        h_width, blocks = 0, []
+        for p, row in enumerate(slots):
+            for s, sl in enumerate(row):
+                if sl is not None:
+                    blocks += self._fill_slot(host[p, s], sl, keep)
+        for g in sorted(set(groups)):
+            h_width = max(h_width, self._fill_group(host[:, g], [row[g] for row in slots], keep))
+            members = [s for s in range(self.num_slots) if groups[s] == g]
+            for p, row in enumerate(slots):
+                host[p, g, F_ACTIVE] = int(any(_needs_expand(row[s]) for s in members))
+        self._cache = keep
+        self.table.copy_(host)
+        self.group_key = None if groups == list(range(self.num_slots)) else tuple(groups)
+        self.slot_group.copy_(torch.tensor(groups, dtype=torch.int32))
+        self.h_width, self.has_lowrank = max(h_width, 1), h_width > 0
+        self.has_input_transform = bool((host[..., F_FLAGS] & (HAS_T | HAS_TB)).any())
+        self.has_expand = bool(host[..., F_ACTIVE].any())
+        self.block_b = 1 << (max(blocks, default=1) - 1).bit_length()
+        self.min_block = min(blocks, default=1)
+
+    def _groups(self, slots: Sequence[Sequence[Slots | None]]) -> list[int]:
+        """Each slot's group representative: the lowest slot with the same shared (A, B) in every projection."""
+        first: dict[tuple, int] = {}
+        groups = []
+        for s in range(self.num_slots):
+            column = [row[s] for row in slots]
+            key = _share_key(column)
+            groups.append(s if key is None else first.setdefault(key, s))
+        return groups
+
+    def _fill_slot(self, row: Tensor, sl: Slots, keep: dict) -> list[int]:
+        if sl.scale != 1.0:
+            raise ValueError("the slot pool needs folded slots (scale 1): call Slots.folded() first")
+        flags = 0
+        for name, field, bit in _VECTORS:
+            x = getattr(sl, name)
+            if x is not None:
+                row[field], flags = self._dev(x, "vec", keep).data_ptr(), flags | bit
+        if sl.t_blocks is not None:
+            tb = self._dev(sl.t_blocks, "mat", keep)
+            row[F_TB], row[F_TBN], row[F_TBB] = tb.data_ptr(), tb.shape[0], tb.shape[-1]
+            flags |= HAS_TB
+        row[F_FLAGS] = flags
+        return [] if sl.t_blocks is None else [sl.t_blocks.shape[-1]]
+
+    def _fill_group(self, rows: Tensor, column: list[Slots | None], keep: dict) -> int:
+        """Low-rank fields of one group (rows [P, NUM_FIELDS] at the representative); returns its h width."""
+        width, seen = 0, {}
+        for p, sl in enumerate(column):
+            if sl is None:
+                continue
+            rows[p, F_ROT] = sl.rot_group
+            if sl.A is None:
+                continue
+            r, a_key = sl.A.shape[0], _storage_key(sl.A, "mat")
+            rows[p, F_BT], rows[p, F_RANK] = self._dev(sl.B, "matT", keep).data_ptr(), r
+            if a_key in seen:  # the same A as an earlier projection (VeRA's shared A): multiply once
+                rows[p, F_BHOFF] = seen[a_key]
+                continue
+            rows[p, F_A], rows[p, F_ARANK] = self._dev(sl.A, "mat", keep).data_ptr(), r
+            rows[p, F_AHOFF] = rows[p, F_BHOFF] = seen[a_key] = width
+            width += r
+        return width
+
+
+def _needs_expand(sl: Slots | None) -> bool:
+    return sl is not None and any(getattr(sl, n) is not None for n in ("o", "o2", "c", "A"))
+
+
+def _share_key(column: list[Slots | None]) -> tuple | None:
+    """A key equal for slots that may share a group (shared A and B in every projection they adapt), else None."""
+    if not any(sl is not None and sl.A is not None for sl in column):
+        return None
+    key = []
+    for sl in column:
+        if sl is None:
+            key.append(None)
+        elif sl.A is None or not {"A", "B"} <= sl.shared:
+            return None
+        else:
+            key.append((_storage_key(sl.A, "mat"), _storage_key(sl.B, "matT"), sl.rot_group))
+    return tuple(key)

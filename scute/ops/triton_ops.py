@@ -1,0 +1,170 @@
+"""The six-slot op on the GPU: Triton kernels registered as `torch.library` custom ops.
+
+One adapted layer call (``P`` projections sharing the input ``x``; ``P = 1`` for a `ScuteLinear`):
+
+    x'_p = input_transform(x)                       only if some slot of the pool has T      (scute::input_transform)
+    z_p  = F.linear(x'_p or x, W_p, b_p)            the base GEMM stays on cuBLAS
+    h    = shrink(x)                                A x for every token's group, split over K (scute::shrink)
+    z_p ← expand(z_p, h)                            o ⊙ z + o2 ⊙ rot_g(z) + c + v ⊙ (B (m ⊙ h)), in place (scute::expand_)
+
+Tokens whose slot is −1 are never read or written by the kernels after the GEMM: their rows are exactly
+``F.linear(x, W, b)``. Every launch has a fixed grid (sized by the number of tokens and slots, not by the data)
+and no host sync, so the whole call can be captured in a CUDA graph; the fake implementations let
+`torch.compile` trace through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from scute.ops.meta import BLOCK_M, LoraMeta
+from scute.ops.pool import SlotPool
+
+BLOCK_R = 16  # rank tile: the smallest N/K of a tensor-core tl.dot; ranks 1..15 are padded to it
+BLOCK_K = 64  # shrink K tile
+HALF_N = 64  # expand tile = 2·HALF_N output columns (HALF_N column pairs)
+TARGET_PROGRAMS = 1024  # shrink split-K aims at this many programs (~8 per SM on an H200), for memory parallelism
+MAX_SPLIT_K = 32
+
+
+def _kernels():
+    from scute.ops import kernels  # lazy: triton.jit reads TRITON_INTERPRET when the kernels are decorated
+
+    return kernels
+
+
+def choose_split_k(in_features: int, num_tiles: int, block_k: int = BLOCK_K) -> int:
+    """Split-K factor of the shrink: at decode one adapter's A is read by a handful of programs unless K is
+    split (design.md §6: the split-K shrink halved the step time). A power of two, fixed by the shapes only."""
+    want = max(1, TARGET_PROGRAMS // max(num_tiles, 1))
+    split = 1 << (want.bit_length() - 1)
+    return max(1, min(split, MAX_SPLIT_K, triton_cdiv(in_features, block_k)))
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("scute::input_transform", mutates_args=())
+def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, num_proj: int, block_b: int,
+                    min_block: int) -> Tensor:
+    """Each token's input transform, for each projection of the pool.
+
+    Semantics:
+        out[p, t] = T_{p,a}(x[t]) with a = token_slots[t]:  t ⊙ x[t] (diag), then chunk k ← t_blocks[k or 0] @ chunk k
+        out[p, t] = x[t]                                    if a == −1 or slot a of projection p has no T
+    Reference: `scute.ops.reference.input_transform_ref` (per projection).
+
+    Shapes: x [T, in] (fp16/bf16/fp32, contiguous), table [P, M, NUM_FIELDS] int64 (`SlotPool.table`),
+    token_slots [T] int32; block_b = power of two ≥ the largest OFT block, min_block = the smallest one.
+    Returns [P, T, in] in x.dtype.
+    """
+    out = x.new_empty((num_proj, *x.shape))
+    num_tokens, in_features = x.shape
+    if num_tokens == 0:
+        return out
+    block_c = 1024  # copy chunk per program (tokens without a block transform)
+    blocks_per_prog = max(1, 4096 // (block_b * block_b))  # ~4k elements of T per program: no register spill
+    chunks = max(triton_cdiv(in_features, block_c), triton_cdiv(in_features // min_block, blocks_per_prog))
+    _kernels().input_transform_kernel[(num_tokens, chunks, num_proj)](
+        x, out, table, token_slots, num_tokens, in_features, table.shape[1],
+        BC=block_c, BB=block_b, NBP=blocks_per_prog)
+    return out
+
+
+@input_transform.register_fake
+def _(x, table, token_slots, num_proj, block_b, min_block):
+    return x.new_empty((num_proj, *x.shape))
+
+
+@torch.library.custom_op("scute::shrink", mutates_args=())
+def shrink(x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group: Tensor, tile_start: Tensor,
+           tile_end: Tensor, num_proj: int, h_width: int, split_k: int, block_k: int) -> Tensor:
+    """Down projection of every token by its group's A (all projections of the pool), split over K.
+
+    Semantics:
+        Σ_s h[s, i, hoff_{p,g} : hoff_{p,g} + r_{p,g}] = A_{p,g} x[sorted_idx[i]]     for each tile's rows i (group g)
+    (the rank-space scale m is applied by the expand; rows of base tokens and unused columns are not written).
+
+    Shapes: x [T, in], table (see `input_transform`), sorted_idx [T], tile_* [NT] int32 (`LoraMeta`).
+    Returns h [split_k, T, h_width] float32, indexed by *sorted* position.
+    """
+    num_tokens, in_features = x.shape
+    h = x.new_empty((split_k, num_tokens, h_width), dtype=torch.float32)
+    if num_tokens == 0:
+        return h
+    k_per_split = triton_cdiv(triton_cdiv(in_features, split_k), block_k) * block_k
+    _kernels().shrink_kernel[(tile_group.shape[0], split_k)](
+        x, h, table, sorted_idx, tile_group, tile_start, tile_end, num_tokens, in_features, table.shape[1],
+        h_width, k_per_split, P=num_proj, BM=BLOCK_M, BR=BLOCK_R, BK=block_k)
+    return h
+
+
+@shrink.register_fake
+def _(x, table, sorted_idx, tile_group, tile_start, tile_end, num_proj, h_width, split_k, block_k):
+    return x.new_empty((split_k, x.shape[0], h_width), dtype=torch.float32)
+
+
+@torch.library.custom_op("scute::expand_", mutates_args=("zs",))
+def expand_(zs: list[Tensor], h: Tensor, table: Tensor, token_slots: Tensor, sorted_idx: Tensor,
+            tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, half_n: int) -> None:
+    """Epilogue and low-rank delta, in place on each projection's base output.
+
+    Semantics (token t with slot a ≥ 0, projection p, group g of a; z = zs[p][t] before the call):
+        zs[p][t] ← o ⊙ z + o2 ⊙ rot_g(z) + c + v ⊙ (B_{p,g} (m ⊙ Σ_s h[s, i, hoff : hoff + r]))
+    with empty slots as identity / zero, computed in float32 and stored in z's dtype; rows of base tokens
+    (slot −1) are not touched. Reference: `scute.ops.reference.epilogue_ref`.
+
+    Shapes: zs = P ≤ 3 tensors [T, out_p] (contiguous, one dtype), h from `shrink` ([S, T, W] float32; with no
+    low-rank slot in the pool any [1, T, 1] tensor), the rest as in `shrink`; half_n = column pairs per program.
+    """
+    num_tokens = zs[0].shape[0]
+    if num_tokens == 0:
+        return
+    outs = [z.shape[1] for z in zs] + [0] * (3 - len(zs))
+    z3 = list(zs) + [zs[0]] * (3 - len(zs))
+    n_tiles = sum(triton_cdiv(n, 2 * half_n) for n in outs)
+    _kernels().expand_kernel[(tile_group.shape[0], n_tiles)](
+        *z3, h, table, token_slots, sorted_idx, tile_group, tile_start, tile_end, num_tokens, table.shape[1],
+        h.shape[2], *outs, P=len(zs), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=BLOCK_R, HB=half_n)
+
+
+@expand_.register_fake
+def _(zs, h, table, token_slots, sorted_idx, tile_group, tile_start, tile_end, half_n):
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- one layer call
+def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], pool: SlotPool,
+                         meta: LoraMeta, half_n: int = HALF_N, block_k: int = BLOCK_K) -> list[Tensor]:
+    """``P`` adapted projections of one input (q/k/v, gate/up, or one layer): the normal form of every token.
+
+    Semantics: ys[p] = scute_linear_ref(x, weights[p], biases[p], slots[p], token_slots) for the slots the pool
+    was built from. Shapes: x [T, in]; weights[p] [out_p, in]; returns ys[p] [T, out_p] in x.dtype.
+    """
+    x = x.contiguous()
+    xs = None
+    if pool.has_input_transform:  # a pool property, not data: fixed for a captured graph (see pool.signature)
+        xs = input_transform(x, pool.table, meta.token_slots, pool.num_proj, pool.block_b, pool.min_block)
+    zs = [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
+    if not pool.has_expand:
+        return zs
+    if pool.has_lowrank:
+        split_k = choose_split_k(x.shape[1], meta.tile_group.shape[0], block_k)
+        h = shrink(x, pool.table, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end,
+                   pool.num_proj, pool.h_width, split_k, block_k)
+    else:  # epilogue-only pool (IA3, RoAd): the expand reads no h
+        h = x.new_empty((1, 1, 1), dtype=torch.float32)
+    expand_(zs, h, pool.table, meta.token_slots, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end,
+            half_n)
+    return zs
+
+
+def scute_linear_triton(x: Tensor, weight: Tensor, bias: Tensor | None, pool: SlotPool, meta: LoraMeta) -> Tensor:
+    """One adapted linear layer (``pool.num_proj == 1``); semantics of `scute_linear_ref`."""
+    return scute_linears_triton(x, [weight], [bias], pool, meta)[0]
