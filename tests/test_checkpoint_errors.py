@@ -138,3 +138,8 @@ def test_identity_changes_with_content(lora_dir):
     before = read_checkpoint(lora_dir).identity
     edit_tensors(lora_dir, lambda t: t[f"{Q0}.lora_A.weight"].mul_(2))
     assert read_checkpoint(lora_dir).identity != before
+
+
+def test_modules_to_save_refused(tmp_path):
+    make_adapter(str(tmp_path), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    assert "modules_to_save" in load_error(tmp_path)

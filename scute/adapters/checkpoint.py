@@ -274,6 +274,11 @@ def _group_keys(ckpt: AdapterCheckpoint, method: Method, modules: Mapping[str, n
             globals_[key[len(GLOBAL_PREFIX):]] = x
             continue
         rel = key[len(LAYER_PREFIX):] if key.startswith(LAYER_PREFIX) else key
+        if ".modules_to_save." in rel or ".trainable_tokens_" in rel:
+            raise ckpt.error(
+                f"tensor {key!r} is a fully trained module copy (modules_to_save / trainable tokens): Scute serves "
+                "adapters of linear layers only; merge it into the base model instead"
+            )
         suffix = next((s for s in suffixes if rel.endswith("." + s)), None)
         if suffix is None:
             raise ckpt.error(f"unexpected tensor {key!r}: not a {ckpt.peft_type} tensor")
