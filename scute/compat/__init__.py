@@ -1,0 +1,2 @@
+"""Compatibility with vLLM: a drop-in API (`scute.compat.vllm`) and adapter -> LoRA conversion
+(`scute.compat.convert`)."""

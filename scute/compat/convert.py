@@ -1,0 +1,324 @@
+"""Any adapter Scute serves -> a PEFT LoRA checkpoint of a given rank: the baseline a LoRA-only server needs.
+
+Per adapted layer the normal form is one affine map ``y = W_eff x + b_eff``. Its change from the base,
+``ΔW = W_eff − W0`` (the *whole* map: IA3, OFT and DoRA change the base path, not only add a delta) is written
+as ``B·A`` by a truncated SVD, keeping the `rank` largest singular triplets: the best rank-R approximation in
+Frobenius and spectral norm. It is exact when ΔW has rank ≤ R: a LoRA stays itself, VeRA is exact at its own
+rank. ``Δb = b_eff − b0`` (IA3 on a biased layer) fits LoRA only as ``lora_bias``; with ``bias="drop"`` it is
+left out and counted in the error. Every layer gets the same rank R (``lora_alpha = R``, so PEFT's scale is 1);
+layers narrower than R are zero-padded, as a LoRA server pads every adapter to its maximum rank anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from scute.adapters.checkpoint import LAYER_PREFIX, Adapter
+from scute.adapters.slots import Slots
+from scute.ops.reference import rotate_pairs
+
+BIAS_POLICIES = ("keep", "drop")
+
+
+def effective_delta(slots: Slots, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The layer's change under `slots`, in float64: ``(ΔW [out, in], Δb [out])`` with
+    ``U(W0 T x + b0) + s·v ⊙ B(m ⊙ A x) = (W0 + ΔW) x + (b0 + Δb)`` for every x."""
+    f64 = torch.float64
+    w0 = weight.detach().to(f64)
+    b0 = torch.zeros(w0.shape[0], dtype=f64) if bias is None else bias.detach().to(f64)
+    w = w0
+    if slots.t is not None:
+        w = w * slots.t.to(f64)[None, :]
+    if slots.t_blocks is not None:  # chunk k of x becomes T_k x_k: columns of chunk k of W0 become W0_k T_k
+        tb = slots.t_blocks.to(f64)
+        b = tb.shape[-1]
+        chunks = w.unflatten(1, (-1, b))  # [out, nb, b]
+        w = torch.einsum("onj,nji->oni", chunks, tb.expand(chunks.shape[1], b, b)).flatten(1)
+    w, b_eff = _epilogue(slots, w), _epilogue(slots, b0[:, None])[:, 0]
+    if slots.c is not None:
+        b_eff = b_eff + slots.c.to(f64)
+    if slots.A is not None:
+        B, A = low_rank_factors(slots)
+        w = w + B @ A
+    return w - w0, b_eff - b0
+
+
+def _epilogue(slots: Slots, z: Tensor) -> Tensor:
+    """The linear part of U (o, o2; not c) applied to the columns of z [out, k]."""
+    f64 = torch.float64
+    y = z * slots.o.to(f64)[:, None] if slots.o is not None else z
+    if slots.o2 is not None:
+        y = y + slots.o2.to(f64)[:, None] * rotate_pairs(z.T, slots.rot_group).T
+    return y
+
+
+def low_rank_factors(slots: Slots) -> tuple[Tensor, Tensor]:
+    """(B' [out, r], A' [r, in]) in float64 with ``B'A' = s·diag(v)·B·diag(m)·A``."""
+    f64 = torch.float64
+    A, B = slots.A.to(f64), slots.B.to(f64) * slots.scale
+    if slots.m is not None:
+        A = slots.m.to(f64)[:, None] * A
+    if slots.v is not None:
+        B = slots.v.to(f64)[:, None] * B
+    return B, A
+
+
+def _base_path_changed(slots: Slots) -> bool:
+    return any(getattr(slots, n) is not None for n in ("t", "t_blocks", "o", "o2"))
+
+
+@dataclass
+class LayerConversion:
+    """One layer as a rank-`rank` LoRA: ``ΔW ≈ B A`` and its error."""
+
+    name: str
+    in_features: int
+    out_features: int
+    A: Tensor  # [rank, in] float64 (zero rows past the layer's kept rank)
+    B: Tensor  # [out, rank] float64
+    bias: Tensor | None  # Δb, written as lora_B.bias; None if zero or dropped
+    delta_norm: float  # ‖ΔW‖_F
+    error_norm: float  # ‖ΔW − B A‖_F
+    bias_norm: float  # ‖Δb‖
+    bias_error_norm: float  # ‖Δb‖ if dropped, else 0
+    delta_rank: int  # numerical rank of ΔW (singular values above 1e-12 of the largest), or the factor rank
+    method: str  # "factors" (the adapter's own factors, exact) or "svd"
+    exact_elems: int  # elements of the exact adapter's live per-layer tensors (shared ones excluded)
+
+    @property
+    def rel_error(self) -> float:
+        """‖ΔW − B A‖_F / ‖ΔW‖_F: the fraction of the layer's weight change that the LoRA misses."""
+        return self.error_norm / self.delta_norm if self.delta_norm else 0.0
+
+    @property
+    def exact(self) -> bool:
+        return self.error_norm <= 1e-9 * max(self.delta_norm, 1e-300) and self.bias_error_norm == 0.0
+
+
+def convert_layer(name: str, slots: Slots, weight: Tensor, bias: Tensor | None, rank: int,
+                  bias_policy: str = "keep") -> LayerConversion:
+    """One layer's normal form -> rank-`rank` LoRA factors (see the module docstring)."""
+    out_f, in_f = weight.shape
+    dW, db = effective_delta(slots, weight, bias)
+    b_ref = 1.0 if bias is None else max(bias.detach().double().norm().item(), 1e-300)
+    db_norm = db.norm().item()
+    has_bias = db_norm > 1e-9 * b_ref  # DoRA's (1 − g)⊙b0 correction cancels to rounding
+    delta_norm = dW.norm().item()
+    A = torch.zeros(rank, in_f, dtype=torch.float64)
+    B = torch.zeros(out_f, rank, dtype=torch.float64)
+    if slots.A is not None and not _base_path_changed(slots) and slots.rank <= rank:
+        Bf, Af = low_rank_factors(slots)  # already ΔW = B'A' at rank ≤ R: exact without an SVD
+        k, method = slots.rank, "factors"
+        B[:, :k], A[:k] = Bf, Af
+        error = (dW - B @ A).norm().item()
+    else:
+        U, S, Vh = torch.linalg.svd(dW, full_matrices=False)
+        k, method = min(rank, S.numel()), "svd"
+        root = S[:k].sqrt()
+        B[:, :k], A[:k] = U[:, :k] * root, root[:, None] * Vh[:k]
+        error = S[k:].square().sum().sqrt().item()
+        k = int((S > 1e-12 * S[0]).sum()) if S.numel() and S[0] > 0 else 0
+    keep = has_bias and bias_policy == "keep"
+    return LayerConversion(
+        name, in_f, out_f, A, B, db if keep else None, delta_norm, error, db_norm if has_bias else 0.0,
+        db_norm if has_bias and not keep else 0.0, k, method, slots.num_bytes(element_size=1),
+    )
+
+
+@dataclass
+class LoraConversion:
+    """A whole adapter as a rank-`rank` PEFT LoRA."""
+
+    source: str
+    peft_type: str
+    rank: int
+    layers: dict[str, LayerConversion]
+    shared_elems: int = 0  # elements the exact adapter shares between layers (VeRA's pair), counted once
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def rel_error(self) -> float:
+        """Whole-model weight error: sqrt(Σ‖ΔW − BA‖²) / sqrt(Σ‖ΔW‖²) over every adapted layer."""
+        num = sum(l.error_norm ** 2 + l.bias_error_norm ** 2 for l in self.layers.values())
+        den = sum(l.delta_norm ** 2 + l.bias_norm ** 2 for l in self.layers.values())
+        return (num / den) ** 0.5 if den else 0.0
+
+    @property
+    def lora_bias(self) -> bool:
+        return any(l.bias is not None for l in self.layers.values())
+
+    def exact_bytes(self, element_size: int = 4) -> int:
+        """Bytes of the exact adapter's live tensors as Scute serves them (shared matrices counted once)."""
+        return element_size * (sum(l.exact_elems for l in self.layers.values()) + self.shared_elems)
+
+    def lora_bytes(self, element_size: int = 4) -> int:
+        """Bytes of the LoRA checkpoint's tensors (what a LoRA server holds per adapter, before its own padding)."""
+        per = sum(l.A.numel() + l.B.numel() + (l.out_features if self.lora_bias else 0)
+                  for l in self.layers.values())
+        return element_size * per
+
+
+def convert_adapter(adapter: Adapter, model: nn.Module, rank: int, bias_policy: str = "keep") -> LoraConversion:
+    """Convert a loaded adapter (its slots were computed from `model`'s weights) into a rank-`rank` LoRA."""
+    if rank < 1:
+        raise ValueError(f"rank must be at least 1, got {rank}")
+    if bias_policy not in BIAS_POLICIES:
+        raise ValueError(f"bias policy {bias_policy!r}: use one of {', '.join(BIAS_POLICIES)}")
+    modules = dict(model.named_modules())
+    layers = {}
+    for name, slots in adapter.layers.items():
+        base = modules[name]
+        layers[name] = convert_layer(name, slots, base.weight, base.bias, rank, bias_policy)
+    shared = {}
+    for slots in adapter.layers.values():
+        for slot in slots.shared:
+            x = getattr(slots, slot)
+            shared[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes() // x.element_size()
+    conv = LoraConversion(adapter.path, adapter.peft_type, rank, layers, sum(shared.values()))
+    dropped = [l.name for l in layers.values() if l.bias_error_norm]
+    if dropped:
+        conv.notes.append(f"bias change of {len(dropped)} layers dropped (bias='drop'): counted in the error")
+    elif conv.lora_bias:
+        conv.notes.append("bias change written as lora_bias (PEFT serves it; LoRA servers without lora_bias do not)")
+    return conv
+
+
+def target_modules(names: list[str], model: nn.Module) -> list[str] | str:
+    """PEFT `target_modules` adapting exactly `names`: their leaf names if that selects no other linear
+    layer of `model`, else a full-match regex of the names."""
+    leaves = sorted({n.rpartition(".")[2] for n in names})
+    linear = [n for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), Tensor)
+              and getattr(m, "weight").dim() == 2 and not isinstance(m, nn.Embedding)]
+    selected = {n for n in linear if n.rpartition(".")[2] in leaves}
+    if selected == set(names):
+        return leaves
+    return "|".join(sorted(n.replace(".", r"\.") for n in names))
+
+
+def save_lora(conv: LoraConversion, model: nn.Module, out_dir: str, dtype: torch.dtype = torch.float32,
+              base_model_name_or_path: str | None = None) -> str:
+    """Write `conv` as a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) that PEFT and
+    vLLM load; returns `out_dir`. A `scute_conversion.json` beside them records the per-layer errors."""
+    from peft import LoraConfig
+
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {}
+    for name, layer in conv.layers.items():
+        key = LAYER_PREFIX + name
+        tensors[f"{key}.lora_A.weight"] = layer.A.to(dtype).contiguous()
+        tensors[f"{key}.lora_B.weight"] = layer.B.to(dtype).contiguous()
+        if conv.lora_bias:
+            bias = layer.bias if layer.bias is not None else torch.zeros(layer.out_features, dtype=torch.float64)
+            tensors[f"{key}.lora_B.bias"] = bias.to(dtype).contiguous()
+    config = LoraConfig(
+        r=conv.rank, lora_alpha=conv.rank, lora_dropout=0.0, bias="none", lora_bias=conv.lora_bias,
+        target_modules=target_modules(list(conv.layers), model), task_type="CAUSAL_LM", inference_mode=True,
+        base_model_name_or_path=base_model_name_or_path,
+    )
+    config.save_pretrained(out_dir)
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "scute_conversion.json"), "w") as f:
+        json.dump(conversion_report(conv), f, indent=1)
+    return out_dir
+
+
+def conversion_report(conv: LoraConversion) -> dict:
+    """The conversion's figures as plain data (JSON)."""
+    return {
+        "source": conv.source, "peft_type": conv.peft_type, "rank": conv.rank, "rel_error": conv.rel_error,
+        "exact_bytes_fp32": conv.exact_bytes(4), "lora_bytes_fp32": conv.lora_bytes(4), "notes": conv.notes,
+        "layers": {n: dict(in_features=l.in_features, out_features=l.out_features, rel_error=l.rel_error,
+                           delta_rank=l.delta_rank, method=l.method, bias_norm=l.bias_norm,
+                           bias_dropped=bool(l.bias_error_norm), exact_elems=l.exact_elems)
+                   for n, l in conv.layers.items()},
+    }
+
+
+# ---------------------------------------------------------------------------------------------- command line
+def load_base_model(spec: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A transformers causal LM from a local folder or a ``.gguf`` file (never downloaded)."""
+    from transformers import AutoModelForCausalLM
+
+    if os.path.isfile(spec) and spec.endswith(".gguf"):
+        folder, file = os.path.split(os.path.abspath(spec))
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=dtype).eval()
+    if not os.path.isdir(spec):
+        raise FileNotFoundError(f"base model {spec!r}: no such folder or .gguf file (Scute never downloads weights); "
+                                "pass --model with a local folder or .gguf file")
+    return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).eval()
+
+
+def _parser():
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="scute convert",
+        description="Write any adapter Scute serves (LoRA, DoRA, IA3, VeRA, OFT ...) as a PEFT LoRA checkpoint of "
+                    "rank R (truncated SVD of each layer's effective weight change), and print its error against "
+                    "the exact adapter and the memory of both.")
+    p.add_argument("adapter", help="PEFT adapter folder")
+    p.add_argument("--to", default="lora", choices=["lora"], help="target format (only PEFT LoRA)")
+    p.add_argument("--rank", type=int, required=True, help="LoRA rank R (every layer; narrower layers are padded)")
+    p.add_argument("--out", required=True, help="output folder (adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("--model", help="base model: local HF folder or .gguf file (default: the adapter config's "
+                                   "base_model_name_or_path, if it is a local path)")
+    p.add_argument("--bias", default="keep", choices=BIAS_POLICIES,
+                   help="a layer whose bias changes (IA3 on a biased layer): keep = write lora_bias; "
+                        "drop = leave it out and count it in the error (for servers without lora_bias)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                   help="dtype of the written tensors")
+    p.add_argument("--probe-tokens", type=int, default=256,
+                   help="random tokens for the whole-model logits comparison (0 = skip it)")
+    p.add_argument("--quiet", action="store_true", help="print the summary only, not every layer")
+    return p
+
+
+def convert_main(argv: list[str] | None = None) -> int:
+    """`scute convert ADAPTER --to lora --rank R --out DIR`: returns the exit status."""
+    from scute.adapters.checkpoint import AdapterError, load_adapter, read_checkpoint
+    from scute.compat.evaluate import LogitsError, SlotModel, probe_ids
+
+    args = _parser().parse_args(argv)
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
+    try:
+        spec = args.model or read_checkpoint(args.adapter).config.get("base_model_name_or_path") or ""
+        model = load_base_model(spec)
+        adapter = load_adapter(args.adapter, model)
+        conv = convert_adapter(adapter, model, args.rank, args.bias)
+        save_lora(conv, model, args.out, dtype, base_model_name_or_path=spec)
+    except (AdapterError, FileNotFoundError, ValueError) as e:
+        print(f"scute convert: {e}")
+        return 2
+    esize = torch.empty(0, dtype=dtype).element_size()
+    if not args.quiet:
+        print(f"{'layer':<44} {'in':>6} {'out':>6} {'rank ΔW':>7} {'how':>7} {'rel err':>9} "
+              f"{'exact KiB':>10} {'LoRA KiB':>9}")
+        for name, l in conv.layers.items():
+            lora_kib = esize * (l.A.numel() + l.B.numel()) / 1024
+            print(f"{name:<44} {l.in_features:>6} {l.out_features:>6} {l.delta_rank:>7} {l.method:>7} "
+                  f"{l.rel_error:>9.2e} {esize * l.exact_elems / 1024:>10.1f} {lora_kib:>9.1f}")
+    print(f"{adapter.peft_type} -> LoRA r={args.rank}: {len(conv.layers)} layers, "
+          f"{sum(l.exact for l in conv.layers.values())} exact")
+    print(f"weight error (whole model)  sqrt(Σ‖ΔW−BA‖²)/sqrt(Σ‖ΔW‖²) = {conv.rel_error:.3e}")
+    if args.probe_tokens > 0:
+        lora = load_adapter(args.out, model)
+        runner = SlotModel(model, max_adapters=2)
+        runner.place(0, adapter)
+        runner.place(1, lora)
+        ids = probe_ids(model.config.vocab_size, args.probe_tokens)
+        base, exact, approx = runner.logits(ids, -1), runner.logits(ids, 0), runner.logits(ids, 1)
+        e = LogitsError.of(approx, exact, base)
+        print(f"logits error ({ids.numel()} random tokens): {e.effect_error:.3e} of the adapter's effect, "
+              f"max |Δ| {e.max_abs:.3e}, top-1 agreement {100 * e.top1_agreement:.2f}%, KL {e.kl:.3e} nats")
+    print(f"memory per adapter ({args.dtype}): exact {conv.exact_bytes(esize) / 2**20:.3f} MiB, "
+          f"LoRA r={args.rank} {conv.lora_bytes(esize) / 2**20:.3f} MiB")
+    for note in conv.notes:
+        print(f"note: {note}")
+    print(f"wrote {args.out}")
+    return 0
