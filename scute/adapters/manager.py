@@ -1,0 +1,142 @@
+"""`AdapterManager`: loaded adapters in CPU memory, and the `max_adapters` device slots they are served from.
+
+Two tiers. CPU: adapters named with `load` (kept until `unload`) and adapters loaded by path (an LRU cache of
+`max_cpu_adapters`, keyed by the folder and its files' size and mtime, so an edited folder is read again).
+Device: slot i of every `ScuteLinear` holds one adapter, keyed by its *content identity*; a slot in use by a
+running request is pinned, an unused one keeps its adapter (a later request for it costs nothing) until the
+least recently used is evicted for a new one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import replace
+
+import torch
+from torch import Tensor, nn
+
+from scute.adapters.checkpoint import Adapter, AdapterError, convert_checkpoint, linear_modules, read_checkpoint
+from scute.model.hf import place_adapter
+from scute.model.linear import ScuteLinear
+
+
+class AdapterManager:
+    def __init__(
+        self, model: nn.Module, linears: dict[str, ScuteLinear], max_adapters: int, max_adapter_rank: int,
+        max_cpu_adapters: int, device: torch.device,
+    ) -> None:
+        self.model, self.linears, self.device = model, linears, device
+        self.max_adapters, self.max_adapter_rank, self.max_cpu_adapters = max_adapters, max_adapter_rank, max_cpu_adapters
+        self.named: dict[str, Adapter] = {}
+        self._by_path: OrderedDict[tuple, Adapter] = OrderedDict()
+        self._slots: list[str | None] = [None] * max_adapters  # identity held by each device slot
+        self._refs: dict[str, int] = {}  # identity -> running requests using it
+        self._unused: OrderedDict[str, None] = OrderedDict()  # placed, unused identities, LRU first
+        self._shared: dict[int, tuple[Tensor, Tensor]] = {}  # id(CPU shared matrix) -> (it, its device copy)
+
+    # ------------------------------------------------------------------ CPU tier
+    def load(self, path: str | os.PathLike, name: str | None = None) -> Adapter:
+        """Read, validate and convert a PEFT folder (raises AdapterError / OSError)."""
+        path = os.fspath(path)
+        ckpt = read_checkpoint(path)
+        modules = linear_modules(self.model)
+        if self.device.type != "cpu":  # converters mix checkpoint tensors with W0: put them on W0's device
+            ckpt.tensors = {k: x.to(self.device) for k, x in ckpt.tensors.items()}
+        layers = convert_checkpoint(ckpt, modules)
+        name = name or os.path.basename(os.path.normpath(path))
+        adapter = Adapter(name, ckpt.path, ckpt.peft_type, ckpt.config, ckpt.identity,
+                          {n: s.folded() for n, s in layers.items()})
+        rank = max((s.rank for s in adapter.layers.values()), default=0)
+        if rank > self.max_adapter_rank:
+            raise AdapterError(f"adapter {path} ({adapter.peft_type}) has rank {rank}, above max_adapter_rank="
+                               f"{self.max_adapter_rank}: raise max_adapter_rank")
+        return adapter.to(device="cpu") if self.device.type != "cpu" else adapter
+
+    def load_named(self, name: str, path: str | os.PathLike) -> Adapter:
+        self.named[name] = self.load(path, name)
+        return self.named[name]
+
+    def unload(self, name: str) -> None:
+        self.named.pop(name)
+
+    def get_by_path(self, path: str | os.PathLike, name: str | None = None) -> Adapter:
+        """An adapter by folder, from the CPU cache when its files are unchanged."""
+        path = os.path.abspath(os.fspath(path))
+        key = (path, _signature(path))
+        if key in self._by_path:
+            self._by_path.move_to_end(key)
+            adapter = self._by_path[key]
+            return adapter if name in (None, adapter.name) else replace(adapter, name=name)
+        adapter = self.load(path, name)
+        if self.max_cpu_adapters > 0:
+            self._by_path[key] = adapter
+            while len(self._by_path) > self.max_cpu_adapters:
+                self._by_path.popitem(last=False)
+        return adapter
+
+    # ------------------------------------------------------------------ device slots
+    @property
+    def num_active(self) -> int:
+        return len(self._refs)
+
+    def can_activate(self, adapter: Adapter | None) -> bool:
+        """Whether a request with this adapter can run now (the running requests' adapters take slots)."""
+        return adapter is None or adapter.identity in self._refs or len(self._refs) < self.max_adapters
+
+    def acquire(self, adapter: Adapter | None) -> int:
+        """Pin the adapter in a device slot (placing it there if needed); returns the slot (−1 = base)."""
+        if adapter is None:
+            return -1
+        ident = adapter.identity
+        if ident in self._slots:
+            self._unused.pop(ident, None)
+        else:
+            if None in self._slots:
+                slot = self._slots.index(None)
+            else:
+                evicted, _ = self._unused.popitem(last=False)  # can_activate() guarantees one exists
+                slot = self._slots.index(evicted)
+            place_adapter(self.linears, slot, self._to_device(adapter))
+            self._slots[slot] = ident
+        self._refs[ident] = self._refs.get(ident, 0) + 1
+        return self._slots.index(ident)
+
+    def release(self, adapter: Adapter | None) -> None:
+        if adapter is None:
+            return
+        ident = adapter.identity
+        self._refs[ident] -= 1
+        if self._refs[ident] == 0:
+            del self._refs[ident]
+            self._unused[ident] = None
+
+    def _to_device(self, adapter: Adapter) -> Adapter:
+        """The adapter's tensors on the device; a matrix shared by several adapters (VeRA) is copied once."""
+        if self.device.type == "cpu":
+            return adapter
+        memo: dict[int, Tensor] = {}
+
+        def move(x: Tensor) -> Tensor:
+            base = x._base if x._base is not None else x
+            if id(base) not in memo:
+                hit = self._shared.get(id(base))
+                memo[id(base)] = hit[1] if hit is not None and hit[0] is base else base.to(self.device)
+                if x._base is not None:
+                    self._shared[id(base)] = (base, memo[id(base)])
+            moved = memo[id(base)]
+            return moved if x._base is None else moved.as_strided(x.size(), x.stride(), x.storage_offset())
+
+        layers = {n: replace(s, **{k: move(x) for k, x in s.tensors().items()}) for n, s in adapter.layers.items()}
+        return replace(adapter, layers=layers)
+
+
+def _signature(path: str) -> tuple:
+    sig = []
+    for file in ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"):
+        try:
+            st = os.stat(os.path.join(path, file))
+            sig.append((file, st.st_size, st.st_mtime_ns))
+        except OSError:
+            pass
+    return tuple(sig)

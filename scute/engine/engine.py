@@ -1,0 +1,275 @@
+"""`Engine`: many requests, each with its own PEFT adapter (or none), served in one batch per step.
+
+``step()`` = schedule → run the packed batch → append sampled tokens, stop finished requests. `generate` loops
+it; callers that stream use `add_request` / `step` / `has_unfinished_requests` / `abort_request`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from scute.adapters.checkpoint import Adapter, AdapterError
+from scute.adapters.manager import AdapterManager
+from scute.config import EngineConfig
+from scute.engine.block_manager import BlockManager
+from scute.engine.kv_plan import plan_kv_cache
+from scute.engine.model_runner import ModelRunner
+from scute.engine.request import AdapterRequest, Request
+from scute.engine.scheduler import Scheduler
+from scute.model.loader import load_model
+from scute.outputs import CompletionOutput, RequestOutput
+from scute.sampling_params import SamplingParams
+
+AdapterSpec = None | str | os.PathLike | AdapterRequest | Adapter
+
+
+class Engine:
+    """Serve a base model with many adapters. `model`: a Hugging Face folder, a ``.gguf`` file, or a built
+    transformers model (taken over: its linear layers become `ScuteLinear`); `tokenizer` overrides the one
+    found beside the weights; `options`: `EngineConfig` fields (an unknown one raises TypeError)."""
+
+    def __init__(self, model, tokenizer=None, **options) -> None:
+        self.config = EngineConfig.from_kwargs(options)
+        loaded = load_model(model, tokenizer, self.config)
+        self.model, self.tokenizer, self.eos_token_ids = loaded.model, loaded.tokenizer, loaded.eos_token_ids
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.adapters = AdapterManager(self.model, loaded.linears, self.config.max_adapters,
+                                       self.config.max_adapter_rank, self.config.max_cpu_adapters, loaded.device)
+        num_blocks, self.max_model_len = plan_kv_cache(loaded, self.config)
+        self.runner = ModelRunner(loaded, self.config, num_blocks, self.max_model_len)
+        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.adapters)
+        self.requests: dict[str, Request] = {}
+        self._reported: list[Request] = []  # finished outside a step (errors, aborts): reported by the next step
+        self._arrivals = itertools.count()
+        self._ids = itertools.count()
+        self.stats = dict(steps=0, prompt_tokens=0, generated_tokens=0, batched_tokens=0, preemptions=0)
+
+    # ------------------------------------------------------------------ adapters
+    def load_adapter(self, name: str, path: str | os.PathLike) -> Adapter:
+        """Load a PEFT folder under `name` (replacing an adapter of that name); raises AdapterError if it
+        cannot be served. Requests then name it by `name`."""
+        return self.adapters.load_named(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        self.adapters.unload(name)
+
+    def _resolve_adapter(self, spec: AdapterSpec) -> tuple[Adapter | None, str | None]:
+        if spec is None:
+            return None, None
+        if isinstance(spec, Adapter):
+            return spec, spec.name
+        if isinstance(spec, AdapterRequest):
+            if spec.path is not None:
+                return self.adapters.get_by_path(spec.path, spec.name), spec.name
+            spec = spec.name
+        name = os.fspath(spec)
+        if name in self.adapters.named:
+            return self.adapters.named[name], name
+        if os.path.isdir(name) or os.sep in name or isinstance(spec, os.PathLike):
+            adapter = self.adapters.get_by_path(name)
+            return adapter, adapter.name
+        raise AdapterError(f"adapter {name!r}: no adapter of this name was loaded with Engine.load_adapter, "
+                           "and it is not a PEFT folder")
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | Sequence[int],
+                    sampling_params: SamplingParams | None = None, adapter: AdapterSpec = None) -> None:
+        """Queue a request. A bad adapter or prompt fails this request alone: the next `step()` returns it
+        finished with finish_reason "error" and the reason in `error`."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        sp = sampling_params if sampling_params is not None else SamplingParams()
+        text, error, adapter_obj, adapter_name = (prompt if isinstance(prompt, str) else None), None, None, None
+        try:
+            token_ids = self._tokenize(prompt)
+            adapter_obj, adapter_name = self._resolve_adapter(adapter)
+        except (AdapterError, OSError, ValueError, TypeError) as e:
+            token_ids, error = ([] if isinstance(prompt, str) else list(prompt)), f"{type(e).__name__}: {e}"
+            adapter_name = adapter_name or _spec_name(adapter)
+        req = Request(request_id, text, token_ids, sp, adapter_obj, adapter_name, next(self._arrivals))
+        req.eos_token_ids = self.eos_token_ids
+        self.requests[request_id] = req
+        if error is None and len(token_ids) >= self.max_model_len:
+            error = (f"ValueError: prompt has {len(token_ids)} tokens, max_model_len is {self.max_model_len} "
+                     "(it needs room for at least one generated token): shorten the prompt or raise max_model_len")
+        if error is not None:
+            req.finish("error", error=error)
+            self._reported.append(req)
+        else:
+            self.scheduler.add_request(req)
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer: pass tokenizer= to Engine, or token ids")
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("empty prompt")
+        if bad := [t for t in ids if not 0 <= t < self.vocab_size]:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def abort_request(self, request_id: str | Sequence[str]) -> None:
+        """Stop requests; each is reported once more by the next `step()` with finish_reason "abort"."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            req = self.requests.get(rid)
+            if req is not None and not req.is_finished:
+                req.finish("abort")
+                self.scheduler.finish(req)
+                self._reported.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._reported)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the state of every request that progressed or finished in it."""
+        return self._step(stream=True)
+
+    def _step(self, stream: bool) -> list[RequestOutput]:
+        done, self._reported = self._reported, []
+        sched = self.scheduler.schedule()
+        self.stats["preemptions"] += len(sched.preempted)
+        if not sched.scheduled:
+            return [self._output(r) for r in done + self._fail_unschedulable()]
+        sampling = [req for req, n in sched.scheduled if req.num_computed_tokens + n == req.num_tokens]
+        result = self.runner.execute(sched, sampling)
+        for req, num_new in sched.scheduled:
+            req.num_computed_tokens += num_new
+            self.block_manager.cache_blocks(req)
+        self.stats["steps"] += 1
+        self.stats["batched_tokens"] += sched.num_batched_tokens
+        if result is not None:
+            self._append_tokens(sampling, result)
+        done += [r for r in sampling if r.is_finished]
+        progressed = [r for r in sampling if not r.is_finished] if stream else []
+        return [self._output(r) for r in done + progressed]
+
+    def _append_tokens(self, sampling: list[Request], result) -> None:
+        tokens = result.token_ids.tolist()  # the step's one host sync
+        chosen = result.logprobs.tolist() if result.logprobs is not None else None
+        top = None if result.top_ids is None else (result.top_ids.tolist(), result.top_logprobs.tolist())
+        for row, (req, token) in enumerate(zip(sampling, tokens)):
+            req.append_token(token)
+            self.stats["generated_tokens"] += 1
+            if req.num_output_tokens == 1:
+                self.stats["prompt_tokens"] += req.num_prompt_tokens
+            k = req.sampling_params.logprobs
+            if k is not None:
+                req.cumulative_logprob += chosen[row]
+                entry = {token: chosen[row]}
+                if top is not None:
+                    entry.update(zip(top[0][row][:k], top[1][row][:k]))
+                    entry[token] = chosen[row]
+                req.logprobs.append(entry)
+            self._check_stop(req, token)
+            if req.is_finished:
+                self.scheduler.finish(req)
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        sp = req.sampling_params
+        if req.num_output_tokens > sp.min_tokens:  # EOS/stop tokens were masked before min_tokens
+            if not sp.ignore_eos and token in self.eos_token_ids:
+                return req.finish("stop")
+            if token in sp.stop_token_ids:
+                return req.finish("stop", stop_reason=token)
+            if sp.stop_strings and self._check_stop_strings(req):
+                return
+        if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or req.num_tokens >= self.max_model_len:
+            req.finish("length")
+
+    def _check_stop_strings(self, req: Request) -> bool:
+        text = self._decode(req)
+        hits = [(text.find(s), s) for s in req.sampling_params.stop_strings if s in text]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        req.text = text[: index + len(stop)] if req.sampling_params.include_stop_str_in_output else text[:index]
+        req.finish("stop", stop_reason=stop)
+        return True
+
+    def _fail_unschedulable(self) -> list[Request]:
+        """Liveness guard: nothing runs and the head request still cannot start (should not happen when
+        max_model_len fits the KV cache) — fail it rather than loop forever."""
+        if self.scheduler.running or not self.scheduler.waiting:
+            return []
+        req = self.scheduler.waiting[0]
+        req.finish("error", error=f"RuntimeError: request needs {req.num_tokens} tokens of KV cache, which "
+                                  f"{self.block_manager.num_blocks} free blocks cannot hold")
+        self.scheduler.finish(req)
+        return [req]
+
+    # ------------------------------------------------------------------ outputs
+    def _decode(self, req: Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(req.output_token_ids,
+                                     skip_special_tokens=req.sampling_params.skip_special_tokens)
+
+    def _output(self, req: Request) -> RequestOutput:
+        sp = req.sampling_params
+        text = req.text if isinstance(req.stop_reason, str) else self._decode(req)
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=list(req.output_token_ids),
+            cumulative_logprob=req.cumulative_logprob if sp.logprobs is not None else None,
+            logprobs=list(req.logprobs) if sp.logprobs is not None else None,
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+        )
+        if req.is_finished:
+            self.requests.pop(req.request_id, None)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.is_finished,
+                             req.error, req.adapter_name, req.num_cached_tokens)
+
+    # ------------------------------------------------------------------ offline batch
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 adapters: AdapterSpec | Sequence[AdapterSpec] = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt (strings or token-id lists); `adapters` has one entry per prompt (None,
+        a PEFT folder, a name given to `load_adapter`, or an `AdapterRequest`), any mix of methods. Returns
+        the outputs in prompt order; a failed request has finish_reason "error" and `error` set."""
+        prompts = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
+        params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params", SamplingParams)
+        specs = _per_prompt(adapters, len(prompts), "adapters", (str, os.PathLike, AdapterRequest, Adapter))
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        for rid, prompt, sp, spec in zip(ids, prompts, params, specs):
+            self.add_request(rid, prompt, sp, spec)
+        wanted, results = set(ids), {}
+        start, generated = time.perf_counter(), self.stats["generated_tokens"]
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while self.has_unfinished_requests() and len(results) < len(ids):
+                for out in self._step(stream=False):
+                    if out.request_id in wanted:
+                        results[out.request_id] = out
+                        bar.update(1)
+                rate = (self.stats["generated_tokens"] - generated) / max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
+        return [results[rid] for rid in ids]
+
+
+def _is_token_ids(x) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(t, int) for t in x)
+
+
+def _per_prompt(value, n: int, what: str, single) -> list:
+    if value is None or isinstance(value, single):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"{what} has {len(values)} entries for {n} prompts: give one per prompt, or one for all")
+    return values
+
+
+def _spec_name(spec: AdapterSpec) -> str | None:
+    if spec is None:
+        return None
+    if isinstance(spec, (AdapterRequest, Adapter)):
+        return spec.name
+    return os.fspath(spec)
+

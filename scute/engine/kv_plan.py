@@ -1,0 +1,76 @@
+"""How many KV blocks the engine gets, and the max_model_len they allow.
+
+CPU: `kv_cache_memory_bytes` (default 1 GiB). GPU: the same option if given, else
+``gpu_memory_utilization × total`` minus what other processes hold minus the peak of a profiling forward of
+`max_num_batched_tokens` tokens (weights + activations). Never more blocks than `max_num_seqs` requests of
+`max_model_len` tokens can use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scute.config import EngineConfig
+from scute.engine.context import ForwardContext, forward_context
+from scute.model.attention import AttentionMetadata
+from scute.model.loader import LoadedModel
+
+CPU_DEFAULT_BYTES = 1 << 30
+
+
+def plan_kv_cache(loaded: LoadedModel, config: EngineConfig) -> tuple[int, int]:
+    """Returns (num_blocks, max_model_len); raises ValueError if max_model_len cannot fit."""
+    bs = config.block_size
+    elem = torch.empty((), dtype=loaded.dtype).element_size()
+    block_bytes = 2 * loaded.num_layers * bs * loaded.num_kv_heads * loaded.head_dim * elem
+    if config.max_model_len is not None and config.max_model_len > loaded.max_position_embeddings:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings "
+                         f"({loaded.max_position_embeddings})")
+    target_len = config.max_model_len or loaded.max_position_embeddings
+    if config.kv_cache_memory_bytes is not None:
+        budget = config.kv_cache_memory_bytes
+    elif loaded.device.type == "cuda":
+        budget = _gpu_budget(loaded, config)
+    else:
+        budget = CPU_DEFAULT_BYTES
+    num_blocks = min(budget // block_bytes, config.max_num_seqs * -(-target_len // bs))
+    if num_blocks < 1:
+        raise ValueError(f"the KV budget ({budget} bytes) holds no block of {block_bytes} bytes: "
+                         "raise kv_cache_memory_bytes or gpu_memory_utilization, or lower block_size")
+    capacity = num_blocks * bs
+    if config.max_model_len is not None and config.max_model_len > capacity:
+        raise ValueError(f"max_model_len={config.max_model_len} does not fit the KV cache ({capacity} tokens in "
+                         f"{num_blocks} blocks): raise the KV budget or lower max_model_len")
+    return num_blocks, min(target_len, capacity)
+
+
+@torch.inference_mode()
+def _gpu_budget(loaded: LoadedModel, config: EngineConfig) -> int:
+    device, model = loaded.device, loaded.model
+    num_tokens = min(config.max_num_batched_tokens, loaded.max_position_embeddings)
+    num_sample = min(config.max_num_seqs, num_tokens)
+    bs = config.block_size
+    shape = (-(-num_tokens // bs), bs, loaded.num_kv_heads, loaded.head_dim)
+    caches = [(torch.zeros(shape, dtype=loaded.dtype, device=device),) * 2 for _ in range(loaded.num_layers)]
+    arange = torch.arange(num_tokens, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=arange, query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        block_tables=torch.arange(shape[0], dtype=torch.int32, device=device)[None],
+        max_query_len=num_tokens, max_seq_len=num_tokens, query_start_loc_host=[0, num_tokens],
+        seq_lens_host=[num_tokens], kv_caches=caches, backend="torch",
+    )
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with forward_context(ForwardContext(slots, slots[:num_sample], meta)):
+        logits = model(input_ids=torch.zeros_like(arange)[None], position_ids=arange[None],
+                       logits_to_keep=arange[-num_sample:], use_cache=False).logits
+        logits.float().softmax(-1).sort(dim=-1)  # the sampler's largest temporaries
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del caches, meta, logits
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    others = total - free - torch.cuda.memory_reserved(device)  # memory this process's allocator does not own
+    return int(total * config.gpu_memory_utilization) - others - peak

@@ -1,0 +1,106 @@
+"""`Request`: one prompt's state inside the engine; `AdapterRequest`: how a caller names an adapter."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from scute.adapters.checkpoint import Adapter
+from scute.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class AdapterRequest:
+    """An adapter for a request (vLLM's `LoRARequest`, for any PEFT method).
+
+    name: the adapter's name; with `path` the PEFT folder is loaded (and cached) under that name, without it
+    the name must have been loaded with `Engine.load_adapter(name, path)`.
+    """
+
+    name: str
+    path: str | None = None
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """A request's tokens, KV blocks and progress.
+
+    all_token_ids = prompt + output. Each step the scheduler gives it some new tokens to compute; once
+    num_computed_tokens reaches len(all_token_ids) a token is sampled and appended. Preemption resets
+    num_computed_tokens to 0 and frees the blocks: the request is recomputed later, its output kept.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        adapter: Adapter | None,
+        adapter_name: str | None,
+        arrival: int,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.adapter = adapter
+        self.adapter_name = adapter_name
+        self.arrival = arrival  # admission order: the scheduler's FIFO and preemption priority
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # hash chain of the full blocks of all_token_ids
+        self.num_hashed_blocks = 0  # leading blocks of block_table registered in the prefix cache
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.adapter_slot = -1  # slot in the ScuteLinear layers while running (-1 = base model)
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.num_preemptions = 0
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, float]] = []
+        self.generator: torch.Generator | None = None
+        self.text = ""  # detokenized output, kept current only when stop strings need it
+        self.eos_token_ids: list[int] = []  # the model's EOS ids (they end it unless ignore_eos)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def adapter_identity(self) -> str | None:
+        return None if self.adapter is None else self.adapter.identity
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def finish(self, reason: str, stop_reason: int | str | None = None, error: str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason, self.stop_reason, self.error = reason, stop_reason, error
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"status={self.status.value})")

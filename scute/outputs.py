@@ -1,0 +1,47 @@
+"""What the engine returns, with vLLM's field names: `RequestOutput` holding one `CompletionOutput`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request.
+
+    finish_reason: None while running; "stop" (EOS, a stop token or a stop string), "length" (max_tokens or
+        max_model_len), "abort", or "error" (see `RequestOutput.error`).
+    stop_reason: the stop string or stop token id that ended it (None for EOS or other reasons).
+    logprobs: per generated token, {token_id: log-probability} for the chosen token (and the top-k asked
+        for); None unless `SamplingParams.logprobs` was set. cumulative_logprob likewise.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request: its prompt, its completion so far, and `error` if it failed.
+
+    A failed request (bad adapter, prompt too long, ...) has finished=True, an empty completion with
+    finish_reason "error", and the reason in `error`; the other requests of the batch are unaffected.
+    num_cached_tokens: prompt tokens whose KV came from the prefix cache.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    error: str | None = None
+    adapter_name: str | None = None
+    num_cached_tokens: int = 0

@@ -1,0 +1,65 @@
+"""`SamplingParams`: how one request picks its tokens and when it stops (vLLM's names and defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping options of one request.
+
+    temperature: 0 = greedy (argmax); otherwise logits are divided by it before sampling.
+    top_k: keep the k most likely tokens (0 or -1 = all). top_p: keep the smallest set of tokens whose
+        probability reaches p (1.0 = all).
+    seed: a per-request seed: the same request with the same seed samples the same tokens, whatever else
+        is in the batch. None = the engine's generator.
+    max_tokens: most tokens to generate (None = up to max_model_len). min_tokens: EOS and stop_token_ids
+        are masked until this many tokens have been generated.
+    stop: strings that end the request (not included in the text unless include_stop_str_in_output).
+    stop_token_ids: token ids that end the request (included in token_ids, like EOS).
+    ignore_eos: keep generating after EOS.
+    logprobs: None = no logprobs; k >= 0 = the log-probability of each chosen token plus the k most likely
+        (log-softmax of the raw logits).
+    skip_special_tokens: leave special tokens out of the output text.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs}")
+        self._stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not s for s in self._stop):
+            raise ValueError("stop strings must be non-empty")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return self._stop

@@ -1,0 +1,193 @@
+"""The engine against transformers + PEFT `generate`: greedy tokens must be identical, float32, CPU.
+
+Each reference runs PEFT with one adapter alone (PEFT ignores `adapter_names` for non-LoRA methods). Every
+adapter tensor is randomized before saving (PEFT's zero/identity inits would hide bugs).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from peft import IA3Config, LoraConfig, OFTConfig, PeftModel, VeraConfig
+
+from scute import AdapterRequest, Engine, SamplingParams
+from tests.helpers import ALL_LINEAR, make_adapter, tiny_model
+
+CONFIGS = {
+    "lora": lambda: LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR),
+    "dora": lambda: LoraConfig(r=6, lora_alpha=8, use_dora=True, target_modules=["q_proj", "v_proj", "up_proj"]),
+    "ia3": lambda: IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    "vera": lambda: VeraConfig(r=8, target_modules=["q_proj", "v_proj", "up_proj"]),
+    "oft": lambda: OFTConfig(r=0, oft_block_size=8, target_modules=ALL_LINEAR),
+}
+METHODS = list(CONFIGS)
+NEW_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+
+
+def _prompts(lengths, seed=0, vocab=128):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+PROMPTS = _prompts([3, 11, 21, 37])
+
+
+class Oracle:
+    """Adapters saved on disk and their transformers + PEFT greedy references (computed once, cached)."""
+
+    def __init__(self, root, family: str = "llama") -> None:
+        self.family, self.paths, self._refs = family, {}, {}
+        for i, (name, config) in enumerate(CONFIGS.items()):
+            self.paths[name] = str(root / f"{family}-{name}")
+            make_adapter(self.paths[name], config(), family, seed=10 + i)
+
+    def reference(self, adapter: str | None, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+        key = (adapter, tuple(prompt), new_tokens)
+        if key not in self._refs:
+            model = tiny_model(self.family)
+            if adapter is not None:
+                model = PeftModel.from_pretrained(model, self.paths[adapter]).eval()
+            with torch.no_grad():
+                out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                     do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+            self._refs[key] = out[0, len(prompt):].tolist()
+        return self._refs[key]
+
+    def engine(self, **options) -> Engine:
+        options = {"device": "cpu", "dtype": "float32", "max_model_len": 128, **options}
+        return Engine(tiny_model(self.family), **options)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread is several times faster than two on a loaded 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    return Oracle(tmp_path_factory.mktemp("adapters"))
+
+
+def check(oracle: Oracle, outputs, prompts, adapters, new_tokens: int = NEW_TOKENS) -> None:
+    for out, prompt, adapter in zip(outputs, prompts, adapters, strict=True):
+        assert out.error is None, out.error
+        assert out.finished and out.outputs[0].finish_reason == "length"
+        want = oracle.reference(adapter, prompt, new_tokens)
+        assert out.outputs[0].token_ids == want, f"adapter {adapter}, prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_each_method_matches_peft(oracle, method):
+    engine = oracle.engine()
+    outputs = engine.generate(PROMPTS, GREEDY, [oracle.paths[method]] * len(PROMPTS), use_tqdm=False)
+    check(oracle, outputs, PROMPTS, [method] * len(PROMPTS))
+
+
+def _mixed_batch():
+    names = [None, *METHODS]
+    prompts, adapters = [], []
+    for i, prompt in enumerate(PROMPTS):
+        for j in range(len(names)):
+            prompts.append(prompt)
+            adapters.append(names[(i + j) % len(names)])
+    return prompts, adapters
+
+
+def test_all_methods_and_base_in_one_batch(oracle):
+    prompts, adapters = _mixed_batch()
+    engine = oracle.engine()
+    specs = [None if a is None else oracle.paths[a] for a in adapters]
+    outputs = engine.generate(prompts, GREEDY, specs, use_tqdm=False)
+    check(oracle, outputs, prompts, adapters)
+    assert engine.stats["steps"] < 3 * NEW_TOKENS  # really batched
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_prefix_caching_on_and_off(oracle, prefix_caching):
+    shared = _prompts([24], seed=5)[0]
+    prompts = [shared + tail for tail in _prompts([2, 5, 9], seed=6)]
+    adapters = ["lora", "lora", None]
+    engine = oracle.engine(enable_prefix_caching=prefix_caching, block_size=4)
+    specs = [None if a is None else oracle.paths[a] for a in adapters]
+    first = engine.generate(prompts, GREEDY, specs, use_tqdm=False)
+    second = engine.generate(prompts, GREEDY, specs, use_tqdm=False)
+    check(oracle, first, prompts, adapters)
+    check(oracle, second, prompts, adapters)
+    cached = [o.num_cached_tokens for o in second]
+    assert all(c >= 24 for c in cached) if prefix_caching else cached == [0, 0, 0]
+
+
+def test_prefix_cache_is_keyed_by_adapter_content(oracle, tmp_path):
+    """The same prompt under the same adapter *name*, after the folder changed: never the stale KV."""
+    prompt = _prompts([30], seed=7)[0]
+    engine = oracle.engine(block_size=4)
+    path = tmp_path / "swap"
+    for method in ("lora", "dora", "lora"):
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.copytree(oracle.paths[method], path)
+        engine.load_adapter("swap", str(path))
+        [out] = engine.generate([prompt], GREEDY, ["swap"], use_tqdm=False)
+        check(oracle, [out], [prompt], [method])
+    assert out.num_cached_tokens >= 28  # the third run found the first run's blocks again
+
+
+def test_preemption_under_a_tiny_kv_budget(oracle):
+    prompts, adapters = _mixed_batch()
+    bytes_per_block = 2 * 2 * 4 * 2 * 16 * 4  # K+V, 2 layers, 4 tokens, 2 kv heads, head_dim 16, fp32
+    engine = oracle.engine(block_size=4, kv_cache_memory_bytes=20 * bytes_per_block, max_model_len=64)
+    specs = [None if a is None else oracle.paths[a] for a in adapters]
+    outputs = engine.generate(prompts, GREEDY, specs, use_tqdm=False)
+    check(oracle, outputs, prompts, adapters)
+    assert engine.stats["preemptions"] > 0
+
+
+def test_chunked_prefill_forced(oracle):
+    prompts, adapters = _mixed_batch()
+    engine = oracle.engine(max_num_batched_tokens=7, max_num_seqs=4)
+    specs = [None if a is None else oracle.paths[a] for a in adapters]
+    outputs = engine.generate(prompts, GREEDY, specs, use_tqdm=False)
+    check(oracle, outputs, prompts, adapters)
+
+
+def test_few_adapter_slots(oracle):
+    """max_adapters=2 with five adapters in the batch: slots are evicted and reused, results unchanged."""
+    prompts, adapters = _mixed_batch()
+    engine = oracle.engine(max_adapters=2)
+    names = {}
+    for method in METHODS:
+        names[method] = f"ad-{method}"
+        engine.load_adapter(names[method], oracle.paths[method])
+    specs = [None if a is None else AdapterRequest(names[a]) for a in adapters]
+    outputs = engine.generate(prompts, GREEDY, specs, use_tqdm=False)
+    check(oracle, outputs, prompts, adapters)
+
+
+def test_output_independent_of_the_batch(oracle):
+    """Greedy and seeded sampling give a request the same tokens alone and amid other requests."""
+    target = PROMPTS[2]
+    engine = oracle.engine()
+    sampled = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    for sp in (GREEDY, sampled):
+        [alone] = engine.generate([target], sp, [oracle.paths["dora"]], use_tqdm=False)
+        others, adapters = _mixed_batch()
+        crowd = engine.generate(others + [target], [GREEDY] * len(others) + [sp],
+                                [None if a is None else oracle.paths[a] for a in adapters] + [oracle.paths["dora"]],
+                                use_tqdm=False)
+        assert crowd[-1].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert alone.outputs[0].token_ids != oracle.reference("dora", target, 10)  # it really sampled
+
+
+def test_qwen2_mixed_batch(tmp_path):
+    oracle = Oracle(tmp_path, "qwen2")
+    prompts, adapters = _mixed_batch()
+    engine = oracle.engine(max_num_batched_tokens=16, max_num_seqs=8, block_size=8)
+    outputs = engine.generate(prompts, GREEDY, [None if a is None else oracle.paths[a] for a in adapters],
+                              use_tqdm=False)
+    check(oracle, outputs, prompts, adapters)
