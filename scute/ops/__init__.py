@@ -7,6 +7,7 @@ token order from a `LoraMeta`. `triton_enabled` says which one a tensor gets.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -23,15 +24,8 @@ scute_linear = scute_linear_ref
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _have_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-_HAVE_TRITON = _have_triton()
+# Looked up, not imported: importing triton fixes its interpreter mode, which the CPU kernel tests set later.
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def triton_enabled(x: Tensor) -> bool:

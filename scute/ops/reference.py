@@ -7,12 +7,14 @@ adapters* of a batch, never over tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from scute.adapters.slots import Slots
+if TYPE_CHECKING:  # annotations only: scute.adapters imports this module
+    from scute.adapters.slots import Slots
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

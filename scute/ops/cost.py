@@ -1,0 +1,107 @@
+"""The byte model: what one adapted layer call must move through device memory, and the time that takes.
+
+A layer call (``P`` projections of one input, see `scute.ops.triton_ops`) moves, at the least:
+
+* base: each weight ``W_p`` (and bias) once, the input read and the base output written once per GEMM;
+* adapters: each *active* group's live tensors once — A (once even when several projections or several adapters
+  share it), Bᵀ per projection, each active slot's vectors (``o, o2, c, v, m, t``, float32) and T blocks;
+* extra activation passes: the pre-pass (read x, write x' per projection), the shrink (read the adapter tokens'
+  x, write the split-K partials of h), the expand (read h, read and write the adapter tokens' rows of z).
+
+Predicted time = bytes / bandwidth + launches × launch latency, with both constants *measured* on the machine
+(a device-to-device copy; a graph of empty kernels), never fitted to the results they predict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scute.adapters.slots import Slots
+from scute.ops.meta import max_tiles
+from scute.ops.pool import _needs_expand, _storage_key
+from scute.ops.triton_ops import choose_split_k
+
+VEC_BYTES = 4  # the pool keeps slot vectors in float32
+
+
+@dataclass
+class CallBytes:
+    """Bytes of one layer call by kind, and its kernel launches."""
+
+    weights: int = 0  # base weights and biases
+    adapters: int = 0  # live adapter tensors of the active adapters (shared ones once)
+    activations: int = 0  # inputs, outputs and the extra passes
+    launches: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.adapters + self.activations
+
+    def seconds(self, bandwidth: float, launch_latency: float = 0.0) -> float:
+        """Predicted time at `bandwidth` bytes/s, plus `launch_latency` s per kernel (0: bytes only)."""
+        return self.total / bandwidth + self.launches * launch_latency
+
+    def __add__(self, other: CallBytes) -> CallBytes:
+        return CallBytes(self.weights + other.weights, self.adapters + other.adapters,
+                         self.activations + other.activations, self.launches + other.launches)
+
+
+def layer_call_bytes(slots: Sequence[Sequence[Slots | None]], in_features: int, out_features: Sequence[int],
+                     token_slots: Sequence[int], elem: int = 2, bias: bool = False) -> CallBytes:
+    """Bytes of one call of `scute_linears_triton` (``slots[p][s]``; tokens' slots, −1 = base; `elem` bytes
+    per activation/weight element), counting what the kernels must read and write at the least."""
+    n_tok, n_proj = len(token_slots), len(out_features)
+    cost = CallBytes(launches=n_proj)
+    cost.weights = sum(o * in_features * elem + (o * elem if bias else 0) for o in out_features)
+    cost.activations = sum(n_tok * (in_features + o) * elem for o in out_features)
+    active = sorted({s for s in token_slots if s >= 0})
+    live = {s: [row[s] for row in slots] for s in active if any(row[s] is not None for row in slots)}
+    if any(sl is not None and (sl.t is not None or sl.t_blocks is not None) for col in live.values() for sl in col):
+        cost.launches += 1
+        cost.activations += n_tok * in_features * elem * (1 + n_proj)
+    seen: set = set()
+    for s, column in live.items():
+        cost.adapters += _slot_bytes(column, seen, elem)
+    width = _h_width(live)
+    if width:
+        split = choose_split_k(in_features, max_tiles(n_tok, len(slots[0])))
+        lowrank_tokens = sum(1 for s in token_slots if s in live and any(sl is not None and sl.A is not None
+                                                                         for sl in live[s]))
+        cost.launches += 1
+        cost.activations += lowrank_tokens * (in_features * elem + 2 * split * width * 4)
+    expand = {s for s, col in live.items() if any(_needs_expand(sl) for sl in col)}
+    if expand:
+        cost.launches += 1
+        cost.activations += sum(1 for s in token_slots if s in expand) * sum(2 * o * elem for o in out_features)
+    return cost
+
+
+def _slot_bytes(column: list[Slots | None], seen: set, elem: int) -> int:
+    """Bytes of one active slot's live tensors over the projections; tensors in `seen` were counted already."""
+    total = 0
+    for sl in column:
+        if sl is None:
+            continue
+        for name, x in sl.tensors().items():
+            key = _storage_key(x, "vec" if x.dim() == 1 else "mat")
+            if key in seen:
+                continue
+            seen.add(key)
+            total += x.numel() * (VEC_BYTES if x.dim() == 1 else elem)
+    return total
+
+
+def _h_width(live: dict[int, list[Slots | None]]) -> int:
+    """The widest rank span a group needs in h (A shared by projections counted once)."""
+    width = 0
+    for column in live.values():
+        keys = {_storage_key(sl.A, "mat"): sl.rank for sl in column if sl is not None and sl.A is not None}
+        width = max(width, sum(keys.values()))
+    return width
+
+
+def lora_floor_bytes(rank: int, in_features: int, out_features: int, num_adapters: int, elem: int = 2) -> int:
+    """The LoRA delta's byte floor: each adapter's A and B read once (the activations are the base call's)."""
+    return num_adapters * rank * (in_features + out_features) * elem
+

@@ -1,0 +1,273 @@
+"""The Triton six-slot op against the PyTorch reference, on tiny shapes (punica's grid).
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors: ``TRITON_INTERPRET=1`` is set here, before
+`scute.ops.kernels` is first imported (`triton.jit` reads it at decoration; the kernels module is imported
+lazily on the first launch). With CUDA the same tests run compiled on the GPU. Also runnable as a script.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        # triton.language decorates its own helpers when first imported, in the mode the variable says then
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 could be set: run with it set")
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+
+from scute.engine.context import ForwardContext, forward_context  # noqa: E402
+from scute.model.linear import ScuteLinear  # noqa: E402
+from scute.ops import SlotPool, build_lora_meta, scute_linear_ref, scute_linears_triton  # noqa: E402
+from scute.ops.meta import BLOCK_M, LoraMeta, max_tiles  # noqa: E402
+from scute.ops.reference import input_transform_ref  # noqa: E402
+from scute.ops.testing import POPULARITY, random_slots, token_slots, vera_pair  # noqa: E402
+from scute.ops.triton_ops import input_transform  # noqa: E402
+
+IN, OUT = 32, 48
+# Small tiles keep the interpreter fast and make the tiny layers span several tiles.
+HALF_N, BLOCK_K = 16, 16
+# tf32 dots on the GPU; exact fp32 products in the interpreter.
+FP32_TOL = 5e-3 if DEVICE == "cuda" else 2e-5
+
+
+def mixed_slots(dtype, gen, in_f=IN, out_f=OUT) -> list:
+    """Every method and rank 1..256 in one layer's slots; slot 3 left empty (tokens there get the base)."""
+    pair = vera_pair(8, 2 * in_f, 2 * out_f, dtype=dtype, device=DEVICE, generator=gen)
+    kw = dict(dtype=dtype, device=DEVICE, generator=gen)
+    return [
+        random_slots("lora", in_f, out_f, rank=16, bias=True, **kw),
+        random_slots("lora", in_f, out_f, rank=1, **kw),
+        random_slots("dora", in_f, out_f, rank=17, bias=True, **kw),
+        None,
+        random_slots("ia3", in_f, out_f, **kw),
+        random_slots("ia3", in_f, out_f, feedforward=True, **kw),
+        random_slots("vera", in_f, out_f, vera_pair=pair, **kw),
+        random_slots("vera", in_f, out_f, vera_pair=pair, **kw),
+        random_slots("oft", in_f, out_f, block=8, **kw),
+        random_slots("oft", in_f, out_f, block=4, block_share=True, **kw),
+        random_slots("road", in_f, out_f, group=8, **kw),
+        random_slots("road", in_f, out_f, group=out_f, **kw),  # a rotation group wider than a tile
+        random_slots("lora", in_f, out_f, rank=256, **kw),
+    ]
+
+
+def run_triton(x, weights, biases, slots_per_proj, ts, dtype, **kw):
+    pool = SlotPool(x.shape[1], [w.shape[0] for w in weights], len(slots_per_proj[0]), DEVICE, dtype)
+    pool.update(slots_per_proj)
+    meta = build_lora_meta(ts, pool.slot_group)
+    return scute_linears_triton(x, weights, biases, pool, meta, half_n=kw.get("half_n", HALF_N),
+                                block_k=kw.get("block_k", BLOCK_K))
+
+
+def check(y, x, w, b, slots, ts, tol):
+    """Adapter rows match the reference; base rows (slot −1, or an empty slot) are bit-identical to F.linear."""
+    ref = scute_linear_ref(x, w, b, slots, ts)
+    base = F.linear(x, w, b)
+    plain = (ts < 0) | torch.tensor([slots[s] is None if s >= 0 else True for s in ts.tolist()], device=ts.device)
+    assert torch.equal(y[plain], base[plain])
+    err = (y.float() - ref.float()).abs().amax(1)
+    scale = ref.float().abs().amax(1).clamp_min(1.0)
+    assert bool((err <= tol * scale).all()), f"max rel err {(err / scale).max().item():.3g} > {tol}"
+    effect = (ref.float() - base.float()).abs().amax(1)
+    assert bool((effect[~plain] > 1e-3).all()), "an adapter had no effect: the test would not see errors"
+
+
+def _case(dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(OUT, IN, generator=gen) / IN ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(OUT, generator=gen).to(DEVICE, dtype)
+    return gen, w, b
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 7, 33])
+@pytest.mark.parametrize("popularity", POPULARITY)
+def test_every_method_mixed(popularity, num_tokens):
+    gen, w, b = _case(torch.float32, seed=num_tokens)
+    slots = mixed_slots(torch.float32, gen)
+    ts = token_slots(popularity, num_tokens, len(slots), generator=gen).to(DEVICE)
+    x = torch.randn(num_tokens, IN, generator=gen).to(DEVICE)
+    (y,) = run_triton(x, [w], [b], [slots], ts, torch.float32)
+    check(y, x, w, b, slots, ts, FP32_TOL)
+
+
+@pytest.mark.parametrize("num_tokens", [7, 33])
+def test_fp16(num_tokens):
+    gen, w, b = _case(torch.float16, seed=100 + num_tokens)
+    slots = mixed_slots(torch.float16, gen)
+    ts = token_slots("uniform", num_tokens, len(slots), generator=gen).to(DEVICE)
+    x = torch.randn(num_tokens, IN, generator=gen).to(DEVICE, torch.float16)
+    (y,) = run_triton(x, [w], [b], [slots], ts, torch.float16)
+    check(y, x, w, b, slots, ts, 2e-3)
+
+
+def test_bf16_upcast():
+    """bf16 tensors, every value cast to fp32 right after tl.load (bf16 arithmetic is wrong in the interpreter)."""
+    gen, w, b = _case(torch.bfloat16, seed=7)
+    slots = mixed_slots(torch.bfloat16, gen)
+    ts = token_slots("uniform", 33, len(slots), generator=gen).to(DEVICE)
+    x = torch.randn(33, IN, generator=gen).to(DEVICE, torch.bfloat16)
+    (y,) = run_triton(x, [w], [b], [slots], ts, torch.bfloat16)
+    check(y, x, w, b, slots, ts, 1.6e-2)
+
+
+def test_ranks_1_to_256_in_one_batch():
+    gen, w, b = _case(torch.float32, seed=3)
+    ranks = [1, 2, 15, 16, 17, 31, 64, 100, 256]
+    slots = [random_slots("lora", IN, OUT, rank=r, dtype=torch.float32, device=DEVICE, generator=gen) for r in ranks]
+    ts = token_slots("uniform", 33, len(slots), generator=gen).to(DEVICE)
+    x = torch.randn(33, IN, generator=gen).to(DEVICE)
+    pool = SlotPool(IN, (OUT,), len(slots), DEVICE, torch.float32)
+    pool.update([slots])
+    # per-group rank in the table: the r=1 adapter's programs loop once, not 256/16 times
+    assert pool.table[0, :, 4].tolist() == ranks and pool.h_width == 256
+    (y,) = run_triton(x, [w], [b], [slots], ts, torch.float32)
+    check(y, x, w, b, slots, ts, FP32_TOL)
+
+
+def test_odd_shapes_and_block_sizes():
+    """in=48 with OFT blocks of 12 and 6 (not powers of two), out=40 with RoAd groups of 10 and 40, odd tiles."""
+    in_f, out_f = 48, 40
+    gen = torch.Generator().manual_seed(11)
+    w = (torch.randn(out_f, in_f, generator=gen) / in_f ** 0.5).to(DEVICE)
+    b = torch.randn(out_f, generator=gen).to(DEVICE)
+    kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
+    slots = [random_slots("oft", in_f, out_f, block=12, **kw), random_slots("oft", in_f, out_f, block=6, **kw),
+             random_slots("road", in_f, out_f, group=10, **kw), random_slots("road", in_f, out_f, group=40, **kw),
+             random_slots("lora", in_f, out_f, rank=5, **kw)]
+    ts = token_slots("uniform", 7, len(slots), generator=gen).to(DEVICE)
+    x = torch.randn(7, in_f, generator=gen).to(DEVICE)
+    (y,) = run_triton(x, [w], [b], [slots], ts, torch.float32)
+    check(y, x, w, b, slots, ts, FP32_TOL)
+
+
+def test_epilogue_only_pool():
+    """IA3 (output side) and RoAd only: no low-rank path, no shrink launch, the epilogue still runs."""
+    gen, w, b = _case(torch.float32, seed=5)
+    kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
+    slots = [random_slots("ia3", IN, OUT, **kw), random_slots("road", IN, OUT, group=4, **kw), None]
+    ts = token_slots("uniform", 7, 3, generator=gen).to(DEVICE)
+    x = torch.randn(7, IN, generator=gen).to(DEVICE)
+    (y,) = run_triton(x, [w], [b], [slots], ts, torch.float32)
+    check(y, x, w, b, slots, ts, FP32_TOL)
+
+
+def test_three_projections_one_launch():
+    """q/k/v-style grouping: one pre-pass, one shrink, one expand for three outputs; VeRA's shared A (same in
+    for all three) is multiplied once and read once."""
+    gen = torch.Generator().manual_seed(21)
+    outs = (48, 16, 32)
+    ws = [(torch.randn(o, IN, generator=gen) / IN ** 0.5).to(DEVICE) for o in outs]
+    bs = [torch.randn(o, generator=gen).to(DEVICE) if o != 16 else None for o in outs]
+    per_proj = [mixed_slots(torch.float32, gen, IN, o) for o in outs]
+    pair = vera_pair(8, IN, max(outs), device=DEVICE, generator=gen)
+    for p, o in enumerate(outs):  # VeRA slots 6, 7 share one pair across projections too
+        kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
+        per_proj[p][6] = random_slots("vera", IN, o, vera_pair=pair, **kw)
+        per_proj[p][7] = random_slots("vera", IN, o, vera_pair=pair, **kw)
+    per_proj[1][0] = None  # slot 0 does not adapt k
+    ts = token_slots("zipf", 33, 13, generator=gen).to(DEVICE)
+    x = torch.randn(33, IN, generator=gen).to(DEVICE)
+    pool = SlotPool(IN, outs, 13, DEVICE, torch.float32)
+    pool.update(per_proj)
+    assert pool.table[:, 6, 1].tolist() == [8, 0, 0]  # A rank computed for the first projection only
+    ys = run_triton(x, ws, bs, per_proj, ts, torch.float32)
+    for y, w, b, slots in zip(ys, ws, bs, per_proj):
+        check(y, x, w, b, slots, ts, FP32_TOL)
+
+
+def test_shared_matrix_read_once():
+    """Slots whose A and B are views of one pair form one group: one tile run, one copy in the pool."""
+    gen = torch.Generator().manual_seed(4)
+    pair = vera_pair(8, IN, OUT, device=DEVICE, generator=gen)
+    slots = [random_slots("vera", IN, OUT, vera_pair=pair, device=DEVICE, generator=gen) for _ in range(6)]
+    slots[2] = random_slots("lora", IN, OUT, rank=4, device=DEVICE, generator=gen)
+    pool = SlotPool(IN, (OUT,), 6, DEVICE, torch.float32)
+    pool.update([slots])
+    assert pool.group_key == (0, 0, 2, 0, 0, 0)
+    ts = torch.tensor([0, 1, 3, 4, 5, 2, 0, 1], device=DEVICE)
+    meta = build_lora_meta(ts, pool.slot_group)
+    assert meta.tile_group.tolist()[:2] == [0, 2] and meta.num_tokens_per_slot[0] == 7
+    assert len(pool._cache) == 2 + 2 * 5 + 2  # one A and one Bᵀ copy of the pair; m, v per VeRA slot; LoRA A, Bᵀ
+
+
+@pytest.mark.parametrize("popularity", POPULARITY)
+def test_meta(popularity):
+    gen = torch.Generator().manual_seed(9)
+    for num_tokens in (1, 3, 7, 33, 100):
+        ts = token_slots(popularity, num_tokens, 12, generator=gen)
+        group = torch.tensor([0, 1, 2, 2, 4, 5, 2, 7, 8, 9, 10, 11], dtype=torch.int32)
+        meta = build_lora_meta(ts, group)
+        key = torch.where(ts >= 0, group.long()[ts.clamp(min=0)], 12)
+        assert torch.equal(meta.sorted_idx.long(), torch.sort(key, stable=True).indices)
+        covered = []
+        for g, s, e in zip(meta.tile_group.tolist(), meta.tile_start.tolist(), meta.tile_end.tolist()):
+            if g >= 0:
+                rows = meta.sorted_idx[s:min(s + BLOCK_M, e)].long()
+                assert bool((key[rows] == g).all())
+                covered += rows.tolist()
+        assert sorted(covered) == sorted((ts >= 0).nonzero().squeeze(1).tolist())
+        assert meta.tile_group.shape[0] == max_tiles(num_tokens, 12)
+        out = LoraMeta.empty(num_tokens, 12, "cpu")
+        build_lora_meta(ts, group, out=out)
+        assert all(torch.equal(getattr(out, f), getattr(meta, f)) for f in ("sorted_idx", "tile_group", "tile_end"))
+
+
+def test_input_transform_matches_reference():
+    gen, _, _ = _case(torch.float32, seed=12)
+    slots = mixed_slots(torch.float32, gen)
+    ts = token_slots("uniform", 7, len(slots), generator=gen).to(DEVICE)
+    x = torch.randn(7, IN, generator=gen).to(DEVICE)
+    pool = SlotPool(IN, (OUT,), len(slots), DEVICE, torch.float32)
+    pool.update([slots])
+    out = input_transform(x, pool.table, ts.to(torch.int32), 1, pool.block_b, pool.min_block)
+    torch.testing.assert_close(out[0], input_transform_ref(x, slots, ts), rtol=1e-5, atol=1e-5)
+
+
+def test_scute_linear_module(monkeypatch):
+    """ScuteLinear on the Triton path (forced on CPU) equals its reference path; set_slot updates in place."""
+    monkeypatch.setenv("SCUTE_TRITON_CPU", "1")
+    gen = torch.Generator().manual_seed(2)
+    layer = ScuteLinear(torch.nn.Linear(IN, OUT).to(DEVICE), max_adapters=13)
+    slots = mixed_slots(torch.float32, gen)
+    for i, s in enumerate(slots):
+        layer.set_slot(i, s)
+    ts = token_slots("skewed", 7, 13, generator=gen).to(DEVICE)
+    x = torch.randn(1, 7, IN, generator=gen).to(DEVICE)
+    with forward_context(ForwardContext(token_adapter_slots=ts)):
+        y = layer(x)
+        table = layer.pool.table.data_ptr()
+        layer.set_slot(0, random_slots("lora", IN, OUT, rank=3, device=DEVICE, generator=gen))
+        y2 = layer(x)
+    assert layer.pool.table.data_ptr() == table
+    with torch.no_grad():
+        check(y[0], x[0], layer.weight, layer.bias, slots, ts, FP32_TOL)
+        check(y2[0], x[0], layer.weight, layer.bias, layer.slots, ts, FP32_TOL)
+
+
+def test_custom_ops_trace_under_torch_compile():
+    gen, w, b = _case(torch.float32, seed=8)
+    slots = mixed_slots(torch.float32, gen)
+    pool = SlotPool(IN, (OUT,), len(slots), DEVICE, torch.float32)
+    pool.update([slots])
+    ts = token_slots("uniform", 7, len(slots), generator=gen).to(DEVICE)
+    x = torch.randn(7, IN, generator=gen).to(DEVICE)
+    meta = build_lora_meta(ts, pool.slot_group)
+
+    def layer(x):
+        return scute_linears_triton(x, [w], [b], pool, meta, half_n=HALF_N, block_k=BLOCK_K)[0] * 1.0
+
+    torch._dynamo.reset()
+    y = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    check(y, x, w, b, slots, ts, FP32_TOL)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))
