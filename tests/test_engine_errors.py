@@ -1,0 +1,94 @@
+"""Bad requests fail alone, with a clear error in their output; the rest of the batch completes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from scute import Engine, SamplingParams
+from tests.helpers import make_adapter, tiny_model
+from tests.test_engine import GREEDY, PROMPTS, Oracle, check
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    return Oracle(tmp_path_factory.mktemp("adapters"))
+
+
+def bad_adapters(oracle: Oracle, root) -> dict[str, str]:
+    corrupt = str(root / "corrupt")
+    shutil.copytree(oracle.paths["lora"], corrupt)
+    weights = os.path.join(corrupt, "adapter_model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    other = str(root / "other-model")
+    make_adapter(other, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), hidden=32)
+    big = str(root / "big-rank")
+    make_adapter(big, LoraConfig(r=16, target_modules=["q_proj"]))
+    return {"missing": str(root / "does-not-exist"), "corrupt": corrupt, "other model": other, "rank": big}
+
+
+def test_bad_requests_fail_alone(oracle, tmp_path):
+    bad = bad_adapters(oracle, tmp_path)
+    engine = oracle.engine(max_model_len=40, max_adapter_rank=8)
+    good_prompts = PROMPTS[:3]
+    good_adapters = [None, "lora", "oft"]
+    prompts = [PROMPTS[0]] * len(bad) + good_prompts + [list(range(3, 45)), [5, 999], "text without tokenizer"]
+    specs = list(bad.values()) + [None if a is None else oracle.paths[a] for a in good_adapters]
+    specs += [None, None, None]
+    specs.append(None)
+    prompts.append(PROMPTS[1])
+    specs[-1] = "never-loaded-name"
+    outputs = engine.generate(prompts, GREEDY, specs, use_tqdm=False)
+
+    n_bad = len(bad)
+    check(oracle, outputs[n_bad:n_bad + 3], good_prompts, good_adapters)
+    failed = outputs[:n_bad] + outputs[n_bad + 3:]
+    for out in failed:
+        assert out.finished and out.error, out
+        assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
+    errors = [o.error for o in failed]
+    assert "no such folder" in errors[0]
+    assert "corrupt" in errors[1]
+    assert "another model" in errors[2] or "in_features" in errors[2]
+    assert "max_adapter_rank" in errors[3]
+    assert "max_model_len" in errors[4]
+    assert "outside the vocabulary" in errors[5]
+    assert "tokenizer" in errors[6]
+    assert "never-loaded-name" in errors[7]
+
+
+def test_load_adapter_raises_and_unknown_option():
+    with pytest.raises(TypeError, match="unknown engine option 'max_lora'"):
+        Engine(tiny_model(), device="cpu", max_lora=4)
+    engine = Engine(tiny_model(), device="cpu", max_model_len=64)
+    with pytest.raises(ValueError, match="no such folder"):
+        engine.load_adapter("x", "/nonexistent/adapter")
+
+
+def test_config_errors_name_the_fix():
+    with pytest.raises(ValueError, match="does not fit the KV cache"):
+        Engine(tiny_model(), device="cpu", max_model_len=256, kv_cache_memory_bytes=4 * 8192)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        Engine(tiny_model(), device="cpu", max_model_len=100000)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        Engine(tiny_model(), device="cpu", max_num_batched_tokens=8, max_num_seqs=16)
+
+
+def test_sampling_params_validation():
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(min_tokens=5, max_tokens=2),
+                dict(stop=[""])):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
