@@ -50,6 +50,10 @@ def randomize_adapter(peft_model, seed: int = 1) -> None:
                 p.copy_(0.15 * noise)
             elif "vera_lambda" in name:
                 p.copy_(0.5 * noise)
+            elif ".ranknum." in name:
+                continue  # AdaLoRA's rank number: a constant (init_r) that PEFT marks trainable but never saves
+            elif "boft_s" in name or "road_alpha" in name:
+                p.mul_(1 + 0.3 * noise)  # output scales, init ones
             elif name.endswith("bias"):
                 p.add_(0.1 * noise)
             else:

@@ -159,6 +159,7 @@ class LayerCheckpoint:
     layer_shapes: dict[str, tuple[int, int]]  # (out, in) of every layer this adapter adapts
     shared: dict = field(default_factory=dict)  # per-adapter cache for values shared by its layers
     used: set[str] = field(default_factory=set)
+    dense: bool = False  # the user allows an exact dense per-adapter ΔW where no low-rank form exists
 
     @property
     def in_features(self) -> int:
@@ -221,9 +222,11 @@ def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if _is_linear(m)}
 
 
-def convert_checkpoint(ckpt: AdapterCheckpoint, modules: Mapping[str, nn.Module]) -> dict[str, Slots]:
+def convert_checkpoint(
+    ckpt: AdapterCheckpoint, modules: Mapping[str, nn.Module], dense: bool = False
+) -> dict[str, Slots]:
     """Convert a checkpoint into unfolded `Slots` per module name, validating it against the base `modules`
-    (name -> a linear layer with `weight` [out, in] and `bias`)."""
+    (name -> a linear layer with `weight` [out, in] and `bias`). `dense`: see `load_adapter`."""
     try:
         method = get_method(ckpt.peft_type)
     except KeyError as e:
@@ -248,7 +251,7 @@ def convert_checkpoint(ckpt: AdapterCheckpoint, modules: Mapping[str, nn.Module]
         bias = b0 if trained_bias is None else trained_bias.to(dtype)
         if bias is not None and tuple(bias.shape) != (w.shape[0],):
             raise ckpt.error(f"trained bias has shape {tuple(bias.shape)}, layer needs ({w.shape[0]},)", name)
-        layer = LayerCheckpoint(name, ckpt.config, w, bias, tensors, ckpt, globals_, shapes, shared)
+        layer = LayerCheckpoint(name, ckpt.config, w, bias, tensors, ckpt, globals_, shapes, shared, dense=dense)
         if set(tensors) & set(method.keys):
             try:
                 slots = method.convert(layer)
@@ -343,11 +346,16 @@ class Adapter:
 
 
 def load_adapter(
-    path: str | os.PathLike, model: nn.Module, name: str | None = None, allow_pickle: bool = False
+    path: str | os.PathLike, model: nn.Module, name: str | None = None, allow_pickle: bool = False,
+    dense: bool = False,
 ) -> Adapter:
-    """Read the PEFT folder `path`, validate it against `model` and convert it into folded slots."""
+    """Read the PEFT folder `path`, validate it against `model` and convert it into folded slots.
+
+    `dense=True` lets methods without an exact low-rank form (HiRA, ...) be served exactly as a full-rank
+    per-adapter ΔW (in·out elements per layer: see `scute explain`); without it they are refused, saying why.
+    """
     ckpt = read_checkpoint(path, allow_pickle=allow_pickle)
-    layers = convert_checkpoint(ckpt, linear_modules(model))
+    layers = convert_checkpoint(ckpt, linear_modules(model), dense=dense)
     folded = {n: s.folded() for n, s in layers.items()}
     name = name or os.path.basename(os.path.normpath(os.fspath(path)))
     return Adapter(name, ckpt.path, ckpt.peft_type, ckpt.config, ckpt.identity, folded)

@@ -10,10 +10,11 @@ import math
 
 from scute.adapters.checkpoint import LayerCheckpoint, pattern_value
 from scute.adapters.dora import dora_slots
+from scute.adapters.lora_variants import TRAINING_ONLY_KEYS, lora_factors
 from scute.adapters.registry import register_method
 from scute.adapters.slots import Slots
 
-KEYS = ("lora_A.weight", "lora_B.weight", "lora_B.bias", "lora_magnitude_vector")
+KEYS = ("lora_A.weight", "lora_B.weight", "lora_B.bias", "lora_magnitude_vector") + TRAINING_ONLY_KEYS
 
 
 def lora_scale(layer: LayerCheckpoint) -> tuple[int, float]:
@@ -27,8 +28,7 @@ def lora_scale(layer: LayerCheckpoint) -> tuple[int, float]:
 @register_method("LORA", keys=KEYS)
 def convert_lora(layer: LayerCheckpoint) -> Slots:
     r, s = lora_scale(layer)
-    A = layer.tensor("lora_A.weight", (r, layer.in_features))
-    B = layer.tensor("lora_B.weight", (layer.out_features, r))
+    A, B = lora_factors(layer, r)  # variants sharing peft_type LORA: see lora_variants.py
     if layer.config.get("use_dora"):
         return dora_slots(layer, A, B, s)
     c = s * layer.tensor("lora_B.bias", (layer.out_features,)) if layer.has("lora_B.bias") else None

@@ -1,0 +1,291 @@
+"""The methods beyond the core five, each against PEFT itself: per layer (unfolded and folded) and whole model,
+float64 (≤ 1e-10) and float32 (≤ 1e-5); refusals; and one mixed batch with the core methods.
+
+Two references are not PEFT's default path, on purpose:
+* BOFT with several butterfly factors: PEFT forces one factor without its CUDA extension, so `butterfly_ext`
+  stands in for the extension's block-diagonal builder (``torch.block_diag`` per factor) and PEFT's own code
+  runs the general butterfly.
+* FourierFT in float64: PEFT computes ΔW in float32 whatever the model dtype (≈1e-7 off), so the float64
+  reference is PEFT with the float32 casts of its `get_delta_weight` removed (`fourierft_fp64`: its indices,
+  scaling, ifft2 and forward, in complex128). In float32 it is PEFT's default path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from peft import (
+    AdaLoraConfig, BOFTConfig, DeloraConfig, FourierFTConfig, HiraConfig, HRAConfig, IA3Config, LilyConfig,
+    LoHaConfig, LoKrConfig, LoraConfig, OFTConfig, PeftModel, RoadConfig, VBLoRAConfig, VeraConfig,
+)
+from peft.tuners.lora.config import BdLoraConfig, MontecloraConfig, VeloraConfig
+
+from scute.adapters import AdapterError, convert_checkpoint, load_adapter, read_checkpoint
+from scute.adapters.checkpoint import linear_modules
+from scute.adapters.lora_variants import alora_active
+from scute.engine.context import ForwardContext, forward_context
+from scute.model.hf import place_adapter, swap_linears
+from scute.ops.reference import scute_linear_ref
+from tests.helpers import ALL_LINEAR, capture_layers, effect_err, make_adapter, rel_err, tiny_model
+
+T4 = ["q_proj", "v_proj", "up_proj", "down_proj"]  # in 64/64/64/96, out 64/32/96/64
+TOL = {torch.float64: dict(rel=1e-10, effect=1e-10), torch.float32: dict(rel=1e-5, effect=1e-3)}
+IDS = torch.randint(0, 128, (3, 7), generator=torch.Generator().manual_seed(0))
+
+
+@contextlib.contextmanager
+def butterfly_ext():
+    """Let PEFT's BOFT run N > 1 butterfly factors on CPU: its CUDA block-diagonal builder, in plain torch."""
+    import peft.tuners.boft.layer as boft_layer
+
+    class FastBlockDiag:
+        @staticmethod
+        def apply(R):  # [N, D, b, b] -> [N, D·b, D·b]
+            return torch.stack([torch.block_diag(*r) for r in R])
+
+    saved = boft_layer.get_fbd_cuda, boft_layer.FastBlockDiag
+    boft_layer.get_fbd_cuda, boft_layer.FastBlockDiag = (lambda: FastBlockDiag), FastBlockDiag
+    try:
+        yield
+    finally:
+        boft_layer.get_fbd_cuda, boft_layer.FastBlockDiag = saved
+
+
+@contextlib.contextmanager
+def fourierft_fp64(dtype):
+    """PEFT's FourierFT ΔW with its float32 casts removed (its own indices, scaling and forward; ifft2 in
+    complex128): the float64 reference. PEFT's own path is float32 whatever the model dtype."""
+    if dtype != torch.float64:
+        yield
+        return
+    from peft.tuners.fourierft.layer import FourierFTLayer
+
+    def get_delta_weight(self, adapter):
+        spectrum, indices = self.fourierft_spectrum[adapter], self.indices[adapter]
+        dense = torch.zeros(self.out_features, self.in_features, dtype=spectrum.dtype)
+        dense[indices[0, :], indices[1, :]] = spectrum
+        return torch.fft.ifft2(dense).real * self.fourierft_scaling[adapter]
+
+    saved = FourierFTLayer.get_delta_weight
+    FourierFTLayer.get_delta_weight = get_delta_weight
+    try:
+        yield
+    finally:
+        FourierFTLayer.get_delta_weight = saved
+
+
+def assert_matches_peft(path, config, family="llama", dtype=torch.float64, build_ctx=contextlib.nullcontext,
+                        run_ctx=None, dense=False, reference=None) -> float:
+    """Save a randomized PEFT adapter at `path`, then check Scute against PEFT per layer (unfolded and folded,
+    from the checkpoint alone) and on the whole model; returns the largest relative error seen.
+
+    `build_ctx()` wraps PEFT's model building and forward, `run_ctx(dtype)` PEFT's forward only; `reference`
+    (path -> PEFT model) replaces the in-memory PEFT model (e.g. one reloaded from the checkpoint)."""
+    path = str(path)
+    with build_ctx():
+        peft_model = make_adapter(path, config, family, dtype)
+        if reference is not None:
+            peft_model = reference(path)
+        with (run_ctx or (lambda d: contextlib.nullcontext()))(dtype):
+            peft_logits, layers = capture_layers(peft_model, IDS)
+    base = tiny_model(family, dtype)
+    with torch.no_grad():
+        base_logits = base(IDS).logits
+    tol, worst = TOL[dtype], 0.0
+    assert rel_err(base_logits, peft_logits) > 1e-3, "the adapter has no visible effect: the test could not fail"
+
+    slots = convert_checkpoint(read_checkpoint(path), linear_modules(base), dense=dense)
+    modules = dict(base.named_modules())
+    assert set(layers) <= set(slots), "a layer PEFT adapts was not converted"
+    for name, (x, y_peft) in layers.items():
+        lin = modules[name]
+        x2 = x.reshape(-1, lin.in_features)
+        zeros = torch.zeros(x2.shape[0], dtype=torch.long)
+        y_base = torch.nn.functional.linear(x2, lin.weight, lin.bias)
+        for s in (slots[name], slots[name].folded()):
+            y = scute_linear_ref(x2, lin.weight, lin.bias, [s], zeros)
+            expected = y_peft.reshape(y.shape)
+            worst = max(worst, rel_err(y, expected))
+            assert rel_err(y, expected) <= tol["rel"], name
+            if not torch.equal(expected, y_base):
+                assert effect_err(y, expected, y_base) <= tol["effect"], name
+
+    model = tiny_model(family, dtype)
+    linears = swap_linears(model, max_adapters=2)
+    place_adapter(linears, 1, load_adapter(path, model, dense=dense))
+    logits = run(model, [1, 1, 1])
+    worst = max(worst, rel_err(logits, peft_logits))
+    assert rel_err(logits, peft_logits) <= tol["rel"]
+    assert effect_err(logits, peft_logits, base_logits) <= tol["effect"]
+    assert torch.equal(run(model, [-1, -1, -1]), base_logits)
+    return worst
+
+
+def run(model, row_slots, ids=IDS, token_slots=None):
+    if token_slots is None:
+        token_slots = torch.tensor(row_slots).repeat_interleave(ids.shape[1])
+    with torch.no_grad(), forward_context(ForwardContext(token_adapter_slots=token_slots)):
+        return model(ids).logits
+
+
+# name -> (config factory, options); every case runs in float64 and float32 on llama, "qwen2" adds the biased base
+CASES = {
+    "boft": (lambda: BOFTConfig(boft_block_size=8, target_modules=ALL_LINEAR), {"qwen2": True}),
+    "boft_block_num": (lambda: BOFTConfig(boft_block_size=0, boft_block_num=4, target_modules=T4), {}),
+    "boft_butterfly3": (lambda: BOFTConfig(boft_block_size=4, boft_n_butterfly_factor=3, target_modules=T4),
+                        {"build_ctx": butterfly_ext, "qwen2": True}),
+    "hra": (lambda: HRAConfig(r=4, target_modules=ALL_LINEAR), {}),
+    "hra_gs": (lambda: HRAConfig(r=4, apply_GS=True, target_modules=T4), {}),
+    "loha": (lambda: LoHaConfig(r=3, alpha=5, target_modules=ALL_LINEAR, rank_pattern={"v_proj": 2},
+                                alpha_pattern={"up_proj": 7}), {}),
+    "lokr": (lambda: LoKrConfig(r=2, alpha=3, target_modules=ALL_LINEAR), {}),
+    "lokr_decompose_both": (lambda: LoKrConfig(r=1, alpha=3, decompose_both=True, target_modules=T4), {}),
+    "lokr_full_factor4": (lambda: LoKrConfig(r=8, alpha=3, decompose_factor=4, target_modules=T4), {}),
+    "adalora": (lambda: AdaLoraConfig(init_r=6, target_r=4, lora_alpha=5, total_step=10, target_modules=T4), {}),
+    "road_1": (lambda: RoadConfig(variant="road_1", group_size=16, target_modules=ALL_LINEAR), {"qwen2": True}),
+    "road_2": (lambda: RoadConfig(variant="road_2", group_size=8, target_modules=T4), {}),
+    "road_4": (lambda: RoadConfig(variant="road_4", group_size=32, target_modules=T4), {"qwen2": True}),
+    "vblora": (lambda: VBLoRAConfig(r=4, num_vectors=16, vector_length=8, topk=3, target_modules=ALL_LINEAR), {}),
+    "vblora_topk_only": (lambda: VBLoRAConfig(r=4, num_vectors=16, vector_length=8, topk=2,
+                                              save_only_topk_weights=True, target_modules=T4), {}),
+    # n=20: rank 40 ≥ 32 on v_proj (served dense), < 64 elsewhere (rank-2n factors)
+    "fourierft": (lambda: FourierFTConfig(n_frequency=20, scaling=40.0, target_modules=T4,
+                                          n_frequency_pattern={"up_proj": 7}), {"run_ctx": fourierft_fp64}),
+    "delora": (lambda: DeloraConfig(r=4, delora_lambda=3, target_modules=T4), {}),
+    "hira_dense": (lambda: HiraConfig(r=3, target_modules=T4), {"dense": True}),
+    "lora_velora": (lambda: LoraConfig(r=4, target_modules=T4, velora_config=VeloraConfig(num_groups=4)), {}),
+    "lora_monteclora": (lambda: LoraConfig(r=4, target_modules=T4, monteclora_config=MontecloraConfig()), {}),
+    "lora_bdlora": (lambda: LoraConfig(r=4, target_modules=T4, use_bdlora=BdLoraConfig(
+        target_modules_bd_a=["q_proj", "v_proj", "up_proj"], target_modules_bd_b=["down_proj"], nblocks=2)), {}),
+    "lora_mica": (lambda: LoraConfig(r=4, target_modules=T4, init_lora_weights="mica"), {"f32_only": True}),
+}
+GRID = [(c, f, d) for c, (_, o) in CASES.items() for f in ("llama", "qwen2")[: 1 + bool(o.get("qwen2"))]
+        for d in (torch.float64, torch.float32) if not (o.get("f32_only") and d == torch.float64)]
+ERRORS: dict[tuple[str, str], float] = {}  # (case, dtype) -> worst error, written to $SCUTE_METHOD_ERRORS if set
+
+
+@pytest.mark.parametrize("case,family,dtype", GRID, ids=[f"{c}-{f}-{str(d)[-7:]}" for c, f, d in GRID])
+def test_matches_peft(case, family, dtype, tmp_path):
+    factory, opts = CASES[case]
+    err = assert_matches_peft(tmp_path, factory(), family, dtype, build_ctx=opts.get("build_ctx",
+                              contextlib.nullcontext), run_ctx=opts.get("run_ctx"), dense=opts.get("dense", False))
+    key = (case, str(dtype).removeprefix("torch."))
+    ERRORS[key] = max(ERRORS.get(key, 0.0), err)
+    if out := os.environ.get("SCUTE_METHOD_ERRORS"):
+        with open(out, "w") as f:
+            json.dump({f"{c}/{d}": e for (c, d), e in sorted(ERRORS.items())}, f, indent=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_adalora_pruned_ranks(dtype, tmp_path):
+    """A checkpoint pruned by AdaLoRA's rank pattern (different r' per layer, ranknum still init_r) against
+    PEFT reloading that checkpoint."""
+    config = AdaLoraConfig(init_r=6, target_r=4, lora_alpha=5, total_step=10, target_modules=T4)
+    keep = [[True, False, True, True, False, True], [False] * 5 + [True], [True] * 6, [True, True] + [False] * 4]
+
+    def prune_and_reload(path):
+        peft_model = make_adapter(path, config, "llama", dtype)
+        names = [n for n, _ in peft_model.base_model.model.named_modules() if n.endswith(tuple(T4))]
+        peft_model.peft_config["default"].rank_pattern = {
+            f"{n}.lora_E": keep[i % len(keep)] for i, n in enumerate(names)}
+        peft_model.save_pretrained(path)
+        return PeftModel.from_pretrained(tiny_model("llama", dtype), path).eval()
+
+    assert_matches_peft(tmp_path, config, dtype=dtype, reference=prune_and_reload)
+    shapes = {k: v.shape for k, v in read_checkpoint(tmp_path).tensors.items() if k.endswith("lora_E")}
+    assert sorted({s[0] for s in shapes.values()}) == [1, 2, 4, 6]
+
+
+def test_hira_refused_without_dense(tmp_path):
+    make_adapter(str(tmp_path), HiraConfig(r=3, target_modules=["q_proj"]))
+    with pytest.raises(AdapterError, match=r"Hadamard product.*dense=True"):
+        load_adapter(tmp_path, tiny_model())
+
+
+def test_lily_refused(tmp_path):
+    make_adapter(str(tmp_path), LilyConfig(target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(AdapterError, match="averaged over all tokens of the batch"):
+        load_adapter(tmp_path, tiny_model(), dense=True)
+
+
+def test_alora_refused_and_gate_matches_peft(tmp_path):
+    """aLoRA is refused at load (applying it to every token would be wrong); with the gate `alora_active` on the
+    token slots, its LoRA tensors reproduce PEFT's aLoRA exactly: what an engine must do to serve it."""
+    invocation = [5, 6]
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=T4, alora_invocation_tokens=invocation,
+                        task_type="CAUSAL_LM")
+    peft_model = make_adapter(str(tmp_path / "alora"), config, "llama", torch.float64)
+    ids = IDS.clone()
+    ids[0, 2:4] = torch.tensor(invocation)
+    ids[1, 4:6] = torch.tensor(invocation)  # row 2 has no invocation: base model throughout
+    with torch.no_grad():
+        expected = peft_model(ids).logits
+    model = tiny_model("llama", torch.float64)
+    with pytest.raises(AdapterError, match="alora_invocation_tokens is set: aLoRA applies its LoRA only"):
+        load_adapter(tmp_path / "alora", model)
+
+    plain = tmp_path / "plain"
+    shutil.copytree(tmp_path / "alora", plain)
+    with open(plain / "adapter_config.json") as f:
+        cfg = json.load(f)
+    cfg["alora_invocation_tokens"] = None
+    with open(plain / "adapter_config.json", "w") as f:
+        json.dump(cfg, f)
+    linears = swap_linears(model, max_adapters=1)
+    place_adapter(linears, 0, load_adapter(plain, model))
+    gate = torch.tensor([alora_active(row.tolist(), invocation) for row in ids])
+    assert gate.sum(1).tolist() == [5, 3, 0]
+    logits = run(model, None, ids, token_slots=torch.where(gate, 0, -1).flatten())
+    assert rel_err(logits, expected) <= 1e-10
+    assert rel_err(run(model, [0, 0, 0], ids), expected) > 1e-3  # ungated: wrong, as the refusal says
+
+
+MIXED = {  # the five core methods and one of each added method, on the biased base (qwen2)
+    "lora": (lambda: LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR), {}),
+    "dora": (lambda: LoraConfig(r=6, lora_alpha=8, use_dora=True, target_modules=["q_proj", "v_proj"]), {}),
+    "ia3": (lambda: IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
+            {}),
+    "vera": (lambda: VeraConfig(r=8, target_modules=["q_proj", "v_proj", "up_proj"]), {}),
+    "oft": (lambda: OFTConfig(r=0, oft_block_size=8, target_modules=ALL_LINEAR), {}),
+    **{k: CASES[k] for k in ("boft_butterfly3", "hra", "loha", "lokr", "adalora", "road_1", "vblora", "fourierft",
+                             "delora", "hira_dense", "lora_bdlora")},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_mixed_batch_with_core_methods(dtype, tmp_path):
+    """One forward over rows of 16 adapters of 12 methods, in shuffled slots, plus base rows: every row equals
+    PEFT with that adapter alone (PEFT cannot run this batch: it ignores adapter_names for most methods)."""
+    refs, adapters = {}, {}
+    ids = torch.randint(0, 128, (len(MIXED) + 2, 5), generator=torch.Generator().manual_seed(3))
+    model = tiny_model("qwen2", dtype)
+    with torch.no_grad():
+        base_logits = model(ids).logits
+    for i, (name, (factory, opts)) in enumerate(MIXED.items()):
+        path = str(tmp_path / name)
+        with opts.get("build_ctx", contextlib.nullcontext)():
+            peft_model = make_adapter(path, factory(), "qwen2", dtype, seed=10 + i)
+            with (opts.get("run_ctx") or (lambda d: contextlib.nullcontext()))(dtype), torch.no_grad():
+                refs[name] = peft_model(ids).logits
+        adapters[name] = load_adapter(path, model, name=name, dense=opts.get("dense", False))
+
+    linears = swap_linears(model, max_adapters=len(MIXED))
+    order = list(MIXED)[1::2] + list(MIXED)[::2]  # slots in another order than the rows
+    for slot, name in enumerate(order):
+        place_adapter(linears, slot, adapters[name])
+    rows = list(MIXED)[::-1]
+    rows.insert(3, None)
+    rows.insert(9, None)
+    logits = run(model, [-1 if r is None else order.index(r) for r in rows], ids)
+    tol = TOL[dtype]
+    for i, name in enumerate(rows):
+        if name is None:
+            assert torch.equal(logits[i], base_logits[i])
+            continue
+        assert rel_err(logits[i], refs[name][i]) <= tol["rel"], name
+        assert effect_err(logits[i], refs[name][i], base_logits[i]) <= tol["effect"], name
