@@ -123,14 +123,14 @@ def explain(adapter: str | os.PathLike, model: nn.Module | str | None = None, *,
     `dtype` of the served weights; `dense` as in `load_adapter`."""
     ckpt = read_checkpoint(adapter)
     notes: list[str] = []
+    no_bias = False
     if isinstance(model, nn.Module):
         modules, model_name = linear_modules(model), type(model).__name__
     else:
         shapes = _shapes_from_model(model) if model is not None else _shapes_from_tensors(ckpt)
         modules = {n: _StandIn(o, i, b) for n, (o, i, b) in shapes.items()}
         model_name = os.path.basename(os.path.normpath(os.fspath(model))) if model else "shapes from the adapter"
-        if model is None:
-            notes.append("no --model: base biases assumed absent (DoRA/BOFT's c slot needs them)")
+        no_bias = model is None
     elem, n_adapters = DTYPE_BYTES[dtype], adapters or batch
     layers = convert_checkpoint(ckpt, modules, dense=dense)
     rows, seen = [], {}
@@ -139,6 +139,8 @@ def explain(adapter: str | os.PathLike, model: nn.Module | str | None = None, *,
         for n, x in slots.folded().tensors().items():
             if n in slots.shared:
                 seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes() // x.element_size() * elem
+    if no_bias and any("o" in r.live for r in rows):
+        notes.append("no --model: base biases assumed absent, so a bias correction c (DoRA, BOFT) is not counted")
     if any(r.rank >= min(r.in_features, r.out_features) for r in rows):
         notes.append("rank ≥ min(in, out) on some layers: a full-rank delta, dearer than merging into a dense weight")
     return ExplainTable(os.fspath(adapter), ckpt.peft_type, model_name, batch, n_adapters, dtype, bandwidth, rows,
@@ -311,3 +313,7 @@ def explain_main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(table)
     return 0
+
+
+if __name__ == "__main__":  # python -m scute.adapters.explain ADAPTER [--model BASE]
+    raise SystemExit(explain_main())
