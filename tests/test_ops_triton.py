@@ -8,16 +8,18 @@ lazily on the first launch). With CUDA the same tests run compiled on the GPU. A
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        # triton.language decorates its own helpers when first imported, in the mode the variable says then
-        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 could be set: run with it set")
+# triton.language decorates its own helpers in the mode TRITON_INTERPRET says when triton is first imported, and
+# other test modules import it at collection (transformers -> torch._dynamo -> triton): then this module's tests
+# run in a fresh process with the variable set (test_in_a_fresh_interpreter_process), and skip here.
+FRESH_PROCESS = DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1" and "triton" in sys.modules
+if DEVICE == "cpu" and not FRESH_PROCESS:
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
@@ -29,6 +31,7 @@ from scute.ops import SlotPool, build_lora_meta, scute_linear_ref, scute_linears
 from scute.ops.meta import BLOCK_M, LoraMeta, max_tiles  # noqa: E402
 from scute.ops.reference import input_transform_ref  # noqa: E402
 from scute.ops.testing import POPULARITY, random_slots, token_slots, vera_pair  # noqa: E402
+from scute.ops import triton_ops  # noqa: E402
 from scute.ops.triton_ops import input_transform  # noqa: E402
 
 IN, OUT = 32, 48
@@ -36,6 +39,22 @@ IN, OUT = 32, 48
 HALF_N, BLOCK_K = 16, 16
 # tf32 dots on the GPU; exact fp32 products in the interpreter.
 FP32_TOL = 5e-3 if DEVICE == "cuda" else 2e-5
+
+
+@pytest.fixture(autouse=True)
+def _in_interpreter_process(request):
+    if FRESH_PROCESS and request.node.originalname != "test_in_a_fresh_interpreter_process":
+        pytest.skip("runs in test_in_a_fresh_interpreter_process: triton was imported before TRITON_INTERPRET=1")
+
+
+def test_in_a_fresh_interpreter_process():
+    if not FRESH_PROCESS:
+        pytest.skip("this process runs the tests itself")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 
 def mixed_slots(dtype, gen, in_f=IN, out_f=OUT) -> list:
@@ -159,9 +178,12 @@ def test_epilogue_only_pool():
     check(y, x, w, b, slots, ts, FP32_TOL)
 
 
-def test_three_projections_one_launch():
+@pytest.mark.parametrize("expand_programs", [1024, 1])
+def test_three_projections_one_launch(expand_programs, monkeypatch):
     """q/k/v-style grouping: one pre-pass, one shrink, one expand for three outputs; VeRA's shared A (same in
-    for all three) is multiplied once and read once."""
+    for all three) is multiplied once and read once. With a target of 1 expand program, each program streams
+    every chunk of its projection."""
+    monkeypatch.setattr(triton_ops, "TARGET_EXPAND_PROGRAMS", expand_programs)
     gen = torch.Generator().manual_seed(21)
     outs = (48, 16, 32)
     ws = [(torch.randn(o, IN, generator=gen) / IN ** 0.5).to(DEVICE) for o in outs]

@@ -74,13 +74,13 @@ def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, slots_ptr, num_tokens, in_fea
         tk = tl.load(blk, mask=tmask, other=0.0).to(tl.float32)
         y = tl.sum(tk * xk[:, None, :], axis=2)
         tl.store(out_row + cols, y.to(xt_ptr.dtype.element_ty), mask=xmask)
-    else:
-        cols = c * BC + tl.arange(0, BC)
-        cmask = cols < in_features
-        xv = tl.load(x_row + cols, mask=cmask, other=0.0)
+    else:  # names differ from the other branch's: a runtime `if` merges same-named variables, shapes must agree
+        ccols = c * BC + tl.arange(0, BC)
+        cmask = ccols < in_features
+        xv = tl.load(x_row + ccols, mask=cmask, other=0.0)
         if (flags & HAS_T) != 0:
-            xv = (xv.to(tl.float32) * tl.load(t_vec + cols, mask=cmask, other=0.0)).to(x_ptr.dtype.element_ty)
-        tl.store(out_row + cols, xv, mask=cmask)
+            xv = (xv.to(tl.float32) * tl.load(t_vec + ccols, mask=cmask, other=0.0)).to(x_ptr.dtype.element_ty)
+        tl.store(out_row + ccols, xv, mask=cmask)
 
 
 # ---------------------------------------------------------------------------------------------- shrink
@@ -123,90 +123,108 @@ def shrink_kernel(x_ptr, h_ptr, tab_ptr, sorted_ptr, tile_group_ptr, tile_start_
 
 # ---------------------------------------------------------------------------------------------- expand
 @triton.jit
-def _slot_vector(tab_ptr, srow, flags, bit, field, cols, mask, other):
+def _vec(base, live, cols, mask, other):
     """Per-token gather of a slot vector at `cols` ([BM, N]); `other` where the token's slot lacks it."""
-    base = tl.load(tab_ptr + srow + field).to(tl.pointer_type(tl.float32))
-    live = (flags & bit) != 0
     return tl.load(base[:, None] + cols[None, :], mask=mask & live[:, None], other=other)
 
 
 @triton.jit
-def _delta(h_ptr, tab_ptr, srow, flags, bt_ptr, pos, row_ok, rank, hoff, n_out, col_a, col_b, num_tokens,
-           h_width, SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr):
-    """(B (m ⊙ h))ᵀ at columns col_a and col_b, h summed over the shrink's K splits; two [BM, HB] fp32 tiles."""
-    acc_a = tl.zeros((BM, HB), dtype=tl.float32)
-    acc_b = tl.zeros((BM, HB), dtype=tl.float32)
-    offs_r = tl.arange(0, BR)
-    for r0 in range(0, rank, BR):
-        r = r0 + offs_r
-        hmask = row_ok[:, None] & (r < rank)[None, :]
-        h = tl.zeros((BM, BR), dtype=tl.float32)
-        for s in range(SPLIT_K):
-            h_rows = h_ptr + (s * num_tokens + pos).to(tl.int64) * h_width + hoff
-            h += tl.load(h_rows[:, None] + r[None, :], mask=hmask, other=0.0)
-        h = h * _slot_vector(tab_ptr, srow, flags, HAS_M, F_M, r, hmask, 1.0)
-        bmask = (r < rank)[:, None]
-        bt_a = tl.load(bt_ptr + r[:, None] * n_out + col_a[None, :], mask=bmask & (col_a < n_out)[None, :], other=0.0)
-        bt_b = tl.load(bt_ptr + r[:, None] * n_out + col_b[None, :], mask=bmask & (col_b < n_out)[None, :], other=0.0)
-        acc_a += tl.dot(h, bt_a.to(tl.float32))
-        acc_b += tl.dot(h, bt_b.to(tl.float32))
-    return acc_a, acc_b
+def _row_vector(tab_ptr, srow, flags, bit, field):
+    """Each row's base pointer of a slot vector and whether its slot has it (loaded once per program)."""
+    return tl.load(tab_ptr + srow + field).to(tl.pointer_type(tl.float32)), (flags & bit) != 0
 
 
 @triton.jit
-def _epilogue(z, tab_ptr, srow, flags, cols, partner, sign, delta, mask):
-    """o ⊙ z + o2 ⊙ rot(z) + c + v ⊙ delta, in the reference's order (rot(z) = sign · partner)."""
-    y = _slot_vector(tab_ptr, srow, flags, HAS_O, F_O, cols, mask, 1.0) * z
-    # where, not a multiply by o2 = 0: an inf in the partner column must not turn a plain token's output into NaN
-    rot = _slot_vector(tab_ptr, srow, flags, HAS_O2, F_O2, cols, mask, 0.0) * (sign * partner)
-    y += tl.where(((flags & HAS_O2) != 0)[:, None], rot, 0.0)
-    y += _slot_vector(tab_ptr, srow, flags, HAS_C, F_C, cols, mask, 0.0)
-    return y + _slot_vector(tab_ptr, srow, flags, HAS_V, F_V, cols, mask, 1.0) * delta
+def _h_tile(h_ptr, m_base, m_live, pos, row_ok, r0, rank, hoff, num_tokens, h_width,
+            SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr):
+    """m ⊙ h for rank rows [r0, r0 + BR): the shrink's SPLIT_K partials in ONE 3-D load, then summed (a loop of
+    loads would be a chain of dependent L2 round trips: it made the first version 5x slower at decode)."""
+    r = r0 + tl.arange(0, BR)
+    s = tl.arange(0, SPLIT_K)
+    rows = (s[:, None] * num_tokens + pos[None, :]).to(tl.int64) * h_width + hoff
+    mask = row_ok[:, None] & (r < rank)[None, :]
+    h = tl.sum(tl.load(h_ptr + rows[:, :, None] + r[None, None, :], mask=mask[None, :, :], other=0.0), axis=0)
+    return h * _vec(m_base, m_live, r, mask, 1.0)
 
 
 @triton.jit
-def expand_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, slots_ptr, sorted_ptr, tile_group_ptr, tile_start_ptr,
-                  tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2,
+def _bt_tile(bt_ptr, r0, rank, n_out, cols, BR: tl.constexpr):
+    r = r0 + tl.arange(0, BR)
+    mask = (r < rank)[:, None] & (cols < n_out)[None, :]
+    return tl.load(bt_ptr + r[:, None] * n_out + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _epilogue(z, cols, partner, sign, delta, mask, o, o_live, o2, o2_live, c, c_live, v, v_live):
+    """o ⊙ z + o2 ⊙ rot(z) + c + v ⊙ delta, in the reference's order (rot(z) = sign · partner); each vector given
+    by its rows' base pointers and liveness. o2's term is a where, not a multiply by 0: an inf in the partner
+    column must not turn a plain token's output into NaN."""
+    y = _vec(o, o_live, cols, mask, 1.0) * z
+    y += tl.where(o2_live[:, None], _vec(o2, o2_live, cols, mask, 0.0) * (sign * partner), 0.0)
+    y += _vec(c, c_live, cols, mask, 0.0)
+    return y + _vec(v, v_live, cols, mask, 1.0) * delta
+
+
+@triton.jit
+def expand_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr, tile_start_ptr,
+                  tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2, chunks_per_prog,
                   P: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr):
-    """Program (tile, n-tile): z[rows, cols] ← epilogue(z) + v ⊙ (B (m ⊙ h)) in place, for projection p of the
-    n-tile. The 2·HB columns of a program are HB pairs (j, j + g/2) of RoAd groups of g (g = 2·HB when the group
-    has no rotation: plain contiguous tiles), so rot_g(z) only needs columns this program owns: in place is safe."""
+    """Program (tile, n-range): z[rows, cols] ← epilogue(z) + v ⊙ (B (m ⊙ h)) in place for `chunks_per_prog`
+    chunks of 2·HB columns of one projection: the setup (table, rows, h) is paid once per program and the Bᵀ
+    tiles stream. A chunk's columns are HB pairs (j, j + g/2) of RoAd groups of g (g = 2·HB without rotation:
+    plain contiguous tiles), so rot_g(z) only reads columns the program owns: in place is safe."""
     tile, pid_n = tl.program_id(0), tl.program_id(1)
     g = tl.load(tile_group_ptr + tile)
-    if g < 0:
+    if g < 0:  # an unused tile: the grid is sized for the worst case, fixed for CUDA-graph capture
         return
-    # Runtime values in every branch (pid_n * 0, not 0): both sides of a runtime `if` must have one type.
-    z_ptr, n_out, n_local, p = z0_ptr, out0 + pid_n * 0, pid_n, pid_n * 0
-    nt0 = tl.cdiv(out0, 2 * HB)
+    # One launch serves P projections: programs of projection 0, then 1, then 2. Runtime values in every branch
+    # (pid_n * 0, not 0): both sides of a runtime `if` must have one type.
+    z_ptr, n_out, prog, p = z0_ptr, out0 + pid_n * 0, pid_n, pid_n * 0
+    progs0 = tl.cdiv(tl.cdiv(out0, 2 * HB), chunks_per_prog)
+    progs1 = tl.cdiv(tl.cdiv(out1, 2 * HB), chunks_per_prog)
     if P > 1:
-        if pid_n >= nt0:  # one launch serves P projections: n-tiles of projection 0, then 1, then 2
-            z_ptr, n_out, n_local, p = z1_ptr, out1 + pid_n * 0, pid_n - nt0, pid_n * 0 + 1
+        if pid_n >= progs0:
+            z_ptr, n_out, prog, p = z1_ptr, out1 + pid_n * 0, pid_n - progs0, pid_n * 0 + 1
     if P > 2:
-        if pid_n >= nt0 + tl.cdiv(out1, 2 * HB):
-            z_ptr, n_out, n_local, p = z2_ptr, out2 + pid_n * 0, pid_n - nt0 - tl.cdiv(out1, 2 * HB), pid_n * 0 + 2
+        if pid_n >= progs0 + progs1:
+            z_ptr, n_out, prog, p = z2_ptr, out2 + pid_n * 0, pid_n - progs0 - progs1, pid_n * 0 + 2
     grow = (p * num_slots + g) * NF
     if tl.load(tab_ptr + grow + F_ACTIVE) == 0:  # no member of the group touches this projection's output
         return
     pos = tl.load(tile_start_ptr + tile) + tl.arange(0, BM)
     row_ok = pos < tl.load(tile_end_ptr + tile)
     tok = tl.load(sorted_ptr + pos, mask=row_ok, other=0)
-    srow = (p * num_slots + tl.load(slots_ptr + tok, mask=row_ok, other=0)) * NF
+    srow = (p * num_slots + tl.load(sorted_slots_ptr + pos, mask=row_ok, other=0)) * NF
     flags = tl.load(tab_ptr + srow + F_FLAGS, mask=row_ok, other=0)
+    rank = tl.load(tab_ptr + grow + F_RANK).to(tl.int32)
+    hoff = tl.load(tab_ptr + grow + F_BHOFF).to(tl.int32)
     rot = tl.load(tab_ptr + grow + F_ROT).to(tl.int32)
+    bt_ptr = tl.load(tab_ptr + grow + F_BT).to(tl.pointer_type(z0_ptr.dtype.element_ty))
+    m, m_live = _row_vector(tab_ptr, srow, flags, HAS_M, F_M)
+    o, o_live = _row_vector(tab_ptr, srow, flags, HAS_O, F_O)
+    o2, o2_live = _row_vector(tab_ptr, srow, flags, HAS_O2, F_O2)
+    c, c_live = _row_vector(tab_ptr, srow, flags, HAS_C, F_C)
+    v, v_live = _row_vector(tab_ptr, srow, flags, HAS_V, F_V)
+    # The first rank tile's h is loaded once (ranks <= 16 need no other); larger ranks reload theirs per chunk.
+    h0 = _h_tile(h_ptr, m, m_live, pos, row_ok, 0, rank, hoff, num_tokens, h_width, SPLIT_K, BM, BR)
     half = tl.where(rot > 0, rot // 2, HB)
-    q = n_local * HB + tl.arange(0, HB)
-    col_a = (q // half) * (2 * half) + q % half
-    col_b = col_a + half
-    d_a, d_b = _delta(h_ptr, tab_ptr, srow, flags,
-                      tl.load(tab_ptr + grow + F_BT).to(tl.pointer_type(z0_ptr.dtype.element_ty)), pos, row_ok,
-                      tl.load(tab_ptr + grow + F_RANK).to(tl.int32), tl.load(tab_ptr + grow + F_BHOFF).to(tl.int32),
-                      n_out, col_a, col_b, num_tokens, h_width, SPLIT_K, BM, BR, HB)
     z_rows = z_ptr + tok.to(tl.int64) * n_out
-    mask_a = row_ok[:, None] & (col_a < n_out)[None, :]
-    mask_b = row_ok[:, None] & (col_b < n_out)[None, :]
-    z_a = tl.load(z_rows[:, None] + col_a[None, :], mask=mask_a, other=0.0).to(tl.float32)
-    z_b = tl.load(z_rows[:, None] + col_b[None, :], mask=mask_b, other=0.0).to(tl.float32)
-    y_a = _epilogue(z_a, tab_ptr, srow, flags, col_a, z_b, -1.0, d_a, mask_a)
-    y_b = _epilogue(z_b, tab_ptr, srow, flags, col_b, z_a, 1.0, d_b, mask_b)
-    tl.store(z_rows[:, None] + col_a[None, :], y_a.to(z0_ptr.dtype.element_ty), mask=mask_a)
-    tl.store(z_rows[:, None] + col_b[None, :], y_b.to(z0_ptr.dtype.element_ty), mask=mask_b)
+    c_lo = prog * chunks_per_prog
+    for chunk in range(c_lo, tl.minimum(c_lo + chunks_per_prog, tl.cdiv(n_out, 2 * HB))):
+        q = chunk * HB + tl.arange(0, HB)
+        col_a = (q // half) * (2 * half) + q % half
+        col_b = col_a + half
+        d_a = tl.dot(h0, _bt_tile(bt_ptr, 0, rank, n_out, col_a, BR))
+        d_b = tl.dot(h0, _bt_tile(bt_ptr, 0, rank, n_out, col_b, BR))
+        for r0 in range(BR, rank, BR):
+            h = _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, num_tokens, h_width, SPLIT_K, BM, BR)
+            d_a += tl.dot(h, _bt_tile(bt_ptr, r0, rank, n_out, col_a, BR))
+            d_b += tl.dot(h, _bt_tile(bt_ptr, r0, rank, n_out, col_b, BR))
+        mask_a = row_ok[:, None] & (col_a < n_out)[None, :]
+        mask_b = row_ok[:, None] & (col_b < n_out)[None, :]
+        z_a = tl.load(z_rows[:, None] + col_a[None, :], mask=mask_a, other=0.0).to(tl.float32)
+        z_b = tl.load(z_rows[:, None] + col_b[None, :], mask=mask_b, other=0.0).to(tl.float32)
+        y_a = _epilogue(z_a, col_a, z_b, -1.0, d_a, mask_a, o, o_live, o2, o2_live, c, c_live, v, v_live)
+        y_b = _epilogue(z_b, col_b, z_a, 1.0, d_b, mask_b, o, o_live, o2, o2_live, c, c_live, v, v_live)
+        tl.store(z_rows[:, None] + col_a[None, :], y_a.to(z0_ptr.dtype.element_ty), mask=mask_a)
+        tl.store(z_rows[:, None] + col_b[None, :], y_b.to(z0_ptr.dtype.element_ty), mask=mask_b)

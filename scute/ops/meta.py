@@ -28,6 +28,7 @@ class LoraMeta:
 
     token_slots [T]: each token's adapter slot (−1 = base model).
     sorted_idx [T]: token indices stably sorted by group; base tokens last.
+    sorted_slots [T]: ``token_slots[sorted_idx]`` (saves the kernels one dependent load).
     num_tokens_per_slot [M], slot_start [M]: tokens of each group and where they start in `sorted_idx`
         (indexed by the group's representative slot; 0 for other slots).
     tile_group [NT], tile_start [NT], tile_end [NT]: tile j covers sorted positions
@@ -36,6 +37,7 @@ class LoraMeta:
 
     token_slots: Tensor
     sorted_idx: Tensor
+    sorted_slots: Tensor
     num_tokens_per_slot: Tensor
     slot_start: Tensor
     tile_group: Tensor
@@ -50,7 +52,7 @@ class LoraMeta:
     def empty(num_tokens: int, num_slots: int, device: torch.device | str) -> LoraMeta:
         """Preallocated buffers, to be filled in place by ``build_lora_meta(..., out=meta)``."""
         nt = max_tiles(num_tokens, num_slots)
-        sizes = (num_tokens, num_tokens, num_slots, num_slots, nt, nt, nt)
+        sizes = (num_tokens, num_tokens, num_tokens, num_slots, num_slots, nt, nt, nt)
         return LoraMeta(*(torch.empty(n, dtype=torch.int32, device=device) for n in sizes))
 
 
@@ -79,7 +81,7 @@ def build_lora_meta(token_slots: Tensor, slot_group: Tensor, out: LoraMeta | Non
     g = torch.searchsorted(tiles_end, j, right=True)  # the group whose tile range holds tile j (M: none)
     gc = g.clamp(max=num_slots - 1)
     tile_start = starts[gc] + (j - (tiles_end[gc] - ntiles[gc])) * BLOCK_M
-    meta = LoraMeta(ts, sorted_idx, counts[:num_slots], starts[:num_slots],
+    meta = LoraMeta(ts, sorted_idx, ts[sorted_idx], counts[:num_slots], starts[:num_slots],
                     torch.where(g < num_slots, gc, -1), tile_start, starts[gc] + counts[gc])
     if out is None:
         return LoraMeta(*(getattr(meta, f.name).to(torch.int32) for f in fields(LoraMeta)))

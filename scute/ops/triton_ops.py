@@ -24,11 +24,13 @@ from torch import Tensor
 from scute.ops.meta import BLOCK_M, LoraMeta
 from scute.ops.pool import SlotPool
 
-BLOCK_R = 16  # rank tile: the smallest N/K of a tensor-core tl.dot; ranks 1..15 are padded to it
+BLOCK_R = 16  # expand rank tile: the smallest K of a tensor-core tl.dot; ranks 1..15 are padded to it
+SHRINK_BLOCK_R = 64  # shrink rank tile: masked rows cost no memory traffic, and r=256 (VeRA) takes 4 passes, not 16
 BLOCK_K = 64  # shrink K tile
-HALF_N = 64  # expand tile = 2·HALF_N output columns (HALF_N column pairs)
-TARGET_PROGRAMS = 1024  # shrink split-K aims at this many programs (~8 per SM on an H200), for memory parallelism
-MAX_SPLIT_K = 32
+HALF_N = 64  # expand chunk = 2·HALF_N output columns (HALF_N column pairs)
+TARGET_PROGRAMS = 1024  # split-K of the shrink aims at this many programs (~8 per SM on an H200)...
+MAX_SPLIT_K = 16  # ...but the expand sums the partials in one 3-D load of SPLIT_K x 16 x 16: keep it in registers
+TARGET_EXPAND_PROGRAMS = 1024  # the expand gives each program enough chunks to bring its grid down to this
 
 
 def _kernels():
@@ -40,9 +42,15 @@ def _kernels():
 def choose_split_k(in_features: int, num_tiles: int, block_k: int = BLOCK_K) -> int:
     """Split-K factor of the shrink: at decode one adapter's A is read by a handful of programs unless K is
     split (design.md §6: the split-K shrink halved the step time). A power of two, fixed by the shapes only."""
-    want = max(1, TARGET_PROGRAMS // max(num_tiles, 1))
-    split = 1 << (want.bit_length() - 1)
-    return max(1, min(split, MAX_SPLIT_K, triton_cdiv(in_features, block_k)))
+    want = min(max(1, TARGET_PROGRAMS // max(num_tiles, 1)), MAX_SPLIT_K, triton_cdiv(in_features, block_k))
+    return 1 << (want.bit_length() - 1)  # a power of two: the expand sums the splits with one tl.arange
+
+
+def choose_chunks_per_prog(num_tiles: int, out_features: Sequence[int], half_n: int = HALF_N) -> int:
+    """Column chunks per expand program: each program pays a setup (table, rows, h) of several dependent
+    loads, so it streams several chunks once the grid would exceed TARGET_EXPAND_PROGRAMS."""
+    chunks = sum(triton_cdiv(o, 2 * half_n) for o in out_features)
+    return max(1, triton_cdiv(num_tiles * chunks, TARGET_EXPAND_PROGRAMS))
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -101,7 +109,7 @@ def shrink(x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group: Tensor, til
     k_per_split = triton_cdiv(triton_cdiv(in_features, split_k), block_k) * block_k
     _kernels().shrink_kernel[(tile_group.shape[0], split_k)](
         x, h, table, sorted_idx, tile_group, tile_start, tile_end, num_tokens, in_features, table.shape[1],
-        h_width, k_per_split, P=num_proj, BM=BLOCK_M, BR=BLOCK_R, BK=block_k)
+        h_width, k_per_split, P=num_proj, BM=BLOCK_M, BR=SHRINK_BLOCK_R, BK=block_k)
     return h
 
 
@@ -111,8 +119,8 @@ def _(x, table, sorted_idx, tile_group, tile_start, tile_end, num_proj, h_width,
 
 
 @torch.library.custom_op("scute::expand_", mutates_args=("zs",))
-def expand_(zs: list[Tensor], h: Tensor, table: Tensor, token_slots: Tensor, sorted_idx: Tensor,
-            tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, half_n: int) -> None:
+def expand_(zs: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, sorted_idx: Tensor,
+            tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, half_n: int, chunks_per_prog: int) -> None:
     """Epilogue and low-rank delta, in place on each projection's base output.
 
     Semantics (token t with slot a ≥ 0, projection p, group g of a; z = zs[p][t] before the call):
@@ -121,21 +129,23 @@ def expand_(zs: list[Tensor], h: Tensor, table: Tensor, token_slots: Tensor, sor
     (slot −1) are not touched. Reference: `scute.ops.reference.epilogue_ref`.
 
     Shapes: zs = P ≤ 3 tensors [T, out_p] (contiguous, one dtype), h from `shrink` ([S, T, W] float32; with no
-    low-rank slot in the pool any [1, T, 1] tensor), the rest as in `shrink`; half_n = column pairs per program.
+    low-rank slot in the pool any [1, T, 1] tensor), sorted_slots [T] int32 (`LoraMeta`: the slot of each sorted
+    position), the rest as in `shrink`; a program covers `chunks_per_prog`
+    chunks of 2·half_n columns of one projection.
     """
     num_tokens = zs[0].shape[0]
     if num_tokens == 0:
         return
     outs = [z.shape[1] for z in zs] + [0] * (3 - len(zs))
     z3 = list(zs) + [zs[0]] * (3 - len(zs))
-    n_tiles = sum(triton_cdiv(n, 2 * half_n) for n in outs)
-    _kernels().expand_kernel[(tile_group.shape[0], n_tiles)](
-        *z3, h, table, token_slots, sorted_idx, tile_group, tile_start, tile_end, num_tokens, table.shape[1],
-        h.shape[2], *outs, P=len(zs), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=BLOCK_R, HB=half_n)
+    progs = sum(triton_cdiv(triton_cdiv(n, 2 * half_n), chunks_per_prog) for n in outs)
+    _kernels().expand_kernel[(tile_group.shape[0], progs)](
+        *z3, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, num_tokens, table.shape[1],
+        h.shape[2], *outs, chunks_per_prog, P=len(zs), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=BLOCK_R, HB=half_n)
 
 
 @expand_.register_fake
-def _(zs, h, table, token_slots, sorted_idx, tile_group, tile_start, tile_end, half_n):
+def _(zs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, half_n, chunks_per_prog):
     return None
 
 
@@ -160,8 +170,9 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
                    pool.num_proj, pool.h_width, split_k, block_k)
     else:  # epilogue-only pool (IA3, RoAd): the expand reads no h
         h = x.new_empty((1, 1, 1), dtype=torch.float32)
-    expand_(zs, h, pool.table, meta.token_slots, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end,
-            half_n)
+    chunks = choose_chunks_per_prog(meta.tile_group.shape[0], pool.out_features, half_n)
+    expand_(zs, h, pool.table, meta.sorted_slots, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end,
+            half_n, chunks)
     return zs
 
 
