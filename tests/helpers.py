@@ -52,8 +52,8 @@ def randomize_adapter(peft_model, seed: int = 1) -> None:
                 p.copy_(0.5 * noise)
             elif ".ranknum." in name:
                 continue  # AdaLoRA's rank number: a constant (init_r) that PEFT marks trainable but never saves
-            elif "boft_s" in name or "road_alpha" in name:
-                p.mul_(1 + 0.3 * noise)  # output scales, init ones
+            elif "boft_s" in name or "road_alpha" in name or "delora_lambda" in name:
+                p.mul_(1 + 0.3 * noise)  # scales around their init (ones; DeLoRA: the configured lambda)
             elif name.endswith("bias"):
                 p.add_(0.1 * noise)
             else:
