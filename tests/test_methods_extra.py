@@ -20,8 +20,9 @@ import shutil
 import pytest
 import torch
 from peft import (
-    AdaLoraConfig, BOFTConfig, DeloraConfig, FourierFTConfig, HiraConfig, HRAConfig, IA3Config, LilyConfig,
-    LoHaConfig, LoKrConfig, LoraConfig, OFTConfig, PeftModel, RoadConfig, VBLoRAConfig, VeraConfig,
+    AdaLoraConfig, BOFTConfig, DeloraConfig, FourierFTConfig, GloraConfig, HiraConfig, HRAConfig, IA3Config,
+    LilyConfig, LoHaConfig, LoKrConfig, LoraConfig, MissConfig, OFTConfig, PeftModel, PveraConfig, RoadConfig,
+    VBLoRAConfig, VeraConfig,
 )
 from peft.tuners.lora.config import BdLoraConfig, MontecloraConfig, VeloraConfig
 
@@ -34,6 +35,7 @@ from scute.ops.reference import scute_linear_ref
 from tests.helpers import ALL_LINEAR, capture_layers, effect_err, make_adapter, rel_err, tiny_model
 
 T4 = ["q_proj", "v_proj", "up_proj", "down_proj"]  # in 64/64/64/96, out 64/32/96/64
+QKV = ["q_proj", "k_proj", "v_proj"]  # biased on qwen2
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -143,12 +145,14 @@ def run(model, row_slots, ids=IDS, token_slots=None):
         return model(ids).logits
 
 
-# name -> (config factory, options); every case runs in float64 and float32 on llama, "qwen2" adds the biased base
+# name -> (config factory, options); every case runs in float64 and float32, on llama unless "families" says
+# (qwen2 has biased q/k/v: the cases whose method touches the bias run there too)
+BOTH = ("llama", "qwen2")
 CASES = {
-    "boft": (lambda: BOFTConfig(boft_block_size=8, target_modules=ALL_LINEAR), {"qwen2": True}),
+    "boft": (lambda: BOFTConfig(boft_block_size=8, target_modules=ALL_LINEAR), {"families": BOTH}),
     "boft_block_num": (lambda: BOFTConfig(boft_block_size=0, boft_block_num=4, target_modules=T4), {}),
     "boft_butterfly3": (lambda: BOFTConfig(boft_block_size=4, boft_n_butterfly_factor=3, target_modules=T4),
-                        {"build_ctx": butterfly_ext, "qwen2": True}),
+                        {"build_ctx": butterfly_ext, "families": BOTH}),
     "hra": (lambda: HRAConfig(r=4, target_modules=ALL_LINEAR), {}),
     "hra_gs": (lambda: HRAConfig(r=4, apply_GS=True, target_modules=T4), {}),
     "loha": (lambda: LoHaConfig(r=3, alpha=5, target_modules=ALL_LINEAR, rank_pattern={"v_proj": 2},
@@ -157,9 +161,9 @@ CASES = {
     "lokr_decompose_both": (lambda: LoKrConfig(r=1, alpha=3, decompose_both=True, target_modules=T4), {}),
     "lokr_full_factor4": (lambda: LoKrConfig(r=8, alpha=3, decompose_factor=4, target_modules=T4), {}),
     "adalora": (lambda: AdaLoraConfig(init_r=6, target_r=4, lora_alpha=5, total_step=10, target_modules=T4), {}),
-    "road_1": (lambda: RoadConfig(variant="road_1", group_size=16, target_modules=ALL_LINEAR), {"qwen2": True}),
+    "road_1": (lambda: RoadConfig(variant="road_1", group_size=16, target_modules=ALL_LINEAR), {"families": BOTH}),
     "road_2": (lambda: RoadConfig(variant="road_2", group_size=8, target_modules=T4), {}),
-    "road_4": (lambda: RoadConfig(variant="road_4", group_size=32, target_modules=T4), {"qwen2": True}),
+    "road_4": (lambda: RoadConfig(variant="road_4", group_size=32, target_modules=T4), {"families": BOTH}),
     "vblora": (lambda: VBLoRAConfig(r=4, num_vectors=16, vector_length=8, topk=3, target_modules=ALL_LINEAR), {}),
     "vblora_topk_only": (lambda: VBLoRAConfig(r=4, num_vectors=16, vector_length=8, topk=2,
                                               save_only_topk_weights=True, target_modules=T4), {}),
@@ -168,13 +172,26 @@ CASES = {
                                           n_frequency_pattern={"up_proj": 7}), {"run_ctx": fourierft_fp64}),
     "delora": (lambda: DeloraConfig(r=4, delora_lambda=3, target_modules=T4), {}),
     "hira_dense": (lambda: HiraConfig(r=3, target_modules=T4), {"dense": True}),
+    "glora_vector": (lambda: GloraConfig(r=4, config_A_B="vector", config_C="lora", config_D_E="vector",
+                                         target_modules=ALL_LINEAR), {"families": BOTH}),
+    "glora_constant": (lambda: GloraConfig(r=4, config_A_B="constant", config_C="vector", config_D_E="constant",
+                                           target_modules=QKV), {"families": ("qwen2",)}),
+    "glora_none": (lambda: GloraConfig(r=4, config_A_B="none", config_C="lora", config_D_E="none",
+                                       target_modules=QKV), {"families": ("qwen2",)}),
+    "glora_lora_dense": (lambda: GloraConfig(r=4, target_modules=T4 + ["k_proj"]), {"dense": True, "families": BOTH}),
+    "miss_balance_pad": (lambda: MissConfig(r=5, target_modules=T4), {}),
+    "miss_mini": (lambda: MissConfig(r=8, init_weights="mini", mini_r=8, target_modules=T4), {}),
+    "miss_bat_dense": (lambda: MissConfig(r=8, init_weights="bat", target_modules=T4), {"dense": True}),
+    "pvera": (lambda: PveraConfig(r=8, target_modules=T4), {}),
+    "pvera_regenerated": (lambda: PveraConfig(r=8, save_projection=False, projection_prng_key=5,
+                                              target_modules=T4), {}),
     "lora_velora": (lambda: LoraConfig(r=4, target_modules=T4, velora_config=VeloraConfig(num_groups=4)), {}),
     "lora_monteclora": (lambda: LoraConfig(r=4, target_modules=T4, monteclora_config=MontecloraConfig()), {}),
     "lora_bdlora": (lambda: LoraConfig(r=4, target_modules=T4, use_bdlora=BdLoraConfig(
         target_modules_bd_a=["q_proj", "v_proj", "up_proj"], target_modules_bd_b=["down_proj"], nblocks=2)), {}),
     "lora_mica": (lambda: LoraConfig(r=4, target_modules=T4, init_lora_weights="mica"), {"f32_only": True}),
 }
-GRID = [(c, f, d) for c, (_, o) in CASES.items() for f in ("llama", "qwen2")[: 1 + bool(o.get("qwen2"))]
+GRID = [(c, f, d) for c, (_, o) in CASES.items() for f in o.get("families", ("llama",))
         for d in (torch.float64, torch.float32) if not (o.get("f32_only") and d == torch.float64)]
 ERRORS: dict[tuple[str, str], float] = {}  # (case, dtype) -> worst error, written to $SCUTE_METHOD_ERRORS if set
 
@@ -214,6 +231,17 @@ def test_adalora_pruned_ranks(dtype, tmp_path):
 def test_hira_refused_without_dense(tmp_path):
     make_adapter(str(tmp_path), HiraConfig(r=3, target_modules=["q_proj"]))
     with pytest.raises(AdapterError, match=r"Hadamard product.*dense=True"):
+        load_adapter(tmp_path, tiny_model())
+
+
+@pytest.mark.parametrize("config,message", [
+    (GloraConfig(r=4, target_modules=["q_proj"]), r"W0 ⊙ Xd Xu.*dense=True"),
+    (MissConfig(r=8, init_weights="bat", target_modules=["q_proj"]), r"every output block.*dense=True"),
+    (PveraConfig(r=8, sample_at_inference=True, target_modules=["q_proj"]), "random noise at every forward"),
+], ids=["glora_lora", "miss_bat", "pvera_sampling"])
+def test_refused_without_dense(config, message, tmp_path):
+    make_adapter(str(tmp_path), config)
+    with pytest.raises(AdapterError, match=message):
         load_adapter(tmp_path, tiny_model())
 
 
@@ -263,7 +291,7 @@ MIXED = {  # the five core methods and one of each added method, on the biased b
     "vera": (lambda: VeraConfig(r=8, target_modules=["q_proj", "v_proj", "up_proj"]), {}),
     "oft": (lambda: OFTConfig(r=0, oft_block_size=8, target_modules=ALL_LINEAR), {}),
     **{k: CASES[k] for k in ("boft_butterfly3", "hra", "loha", "lokr", "adalora", "road_1", "vblora", "fourierft",
-                             "delora", "hira_dense", "lora_bdlora")},
+                             "delora", "hira_dense", "lora_bdlora", "glora_vector", "miss_balance_pad", "pvera")},
 }
 
 
@@ -296,7 +324,7 @@ def mixed_forward(model, adapters, ids):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_mixed_batch_with_core_methods(dtype, tmp_path):
-    """One forward over rows of 16 adapters of 12 methods, in shuffled slots, plus base rows: every row equals
+    """One forward over rows of 19 adapters of 15 methods, in shuffled slots, plus base rows: every row equals
     PEFT with that adapter alone (PEFT cannot run this batch: it ignores adapter_names for most methods)."""
     ids = torch.randint(0, 128, (len(MIXED) + 2, 5), generator=torch.Generator().manual_seed(3))
     refs, adapters = mixed_adapters(tmp_path, dtype, ids)

@@ -68,5 +68,6 @@ def supported_methods() -> list[str]:
 def _load_builtin_methods() -> None:
     # Imported lazily: the method files import this module to register themselves.
     from scute.adapters import (  # noqa: F401
-        adalora, boft, delora, dense, fourierft, hra, ia3, loha, lokr, lora, oft, road, vblora, vera,
+        adalora, boft, delora, dense, fourierft, glora, hra, ia3, loha, lokr, lora, miss, oft, pvera, road, vblora,
+        vera,
     )
