@@ -18,8 +18,9 @@ import tempfile
 
 import torch
 from peft import (
-    AdaLoraConfig, BOFTConfig, DeloraConfig, FourierFTConfig, HiraConfig, HRAConfig, IA3Config, LoHaConfig,
-    LoKrConfig, LoraConfig, OFTConfig, RoadConfig, VBLoRAConfig, VeraConfig, get_peft_model,
+    AdaLoraConfig, BOFTConfig, DeloraConfig, FourierFTConfig, GloraConfig, HiraConfig, HRAConfig, IA3Config,
+    LoHaConfig, LoKrConfig, LoraConfig, MissConfig, OFTConfig, PveraConfig, RoadConfig, VBLoRAConfig, VeraConfig,
+    get_peft_model,
 )
 from torch import nn
 
@@ -42,7 +43,11 @@ METHODS = {  # label -> (PEFT config, dense opt-in)
     "VB-LoRA r=4": (VBLoRAConfig(r=4, num_vectors=256, vector_length=256, target_modules=T), False),
     "FourierFT n=1000": (FourierFTConfig(n_frequency=1000, target_modules=T), False),
     "DeLoRA r=16": (DeloraConfig(r=16, target_modules=T), False),
+    "GLoRA vector": (GloraConfig(config_A_B="vector", config_C="none", config_D_E="none", target_modules=T), False),
+    "MiSS r=64": (MissConfig(r=64, target_modules=T), False),
+    "PVeRA r=256": (PveraConfig(r=256, target_modules=T), False),
     "HiRA (dense)": (HiraConfig(r=32, target_modules=T), True),
+    "GLoRA lora (dense)": (GloraConfig(r=4, init_weights=False, target_modules=T), True),  # B=0 at init: no ΔW
 }
 
 
@@ -61,7 +66,7 @@ def measure(batch: int) -> dict[str, dict]:
         for label, (config, dense) in METHODS.items():
             torch.manual_seed(0)
             peft_model = get_peft_model(OneLayer(), config)
-            path = os.path.join(tmp, label.split()[0])
+            path = os.path.join(tmp, label.replace(" ", "_"))
             peft_model.save_pretrained(path)
             table = explain(path, OneLayer(), batch=batch, dense=dense)
             r = table.rows[0]
@@ -86,7 +91,7 @@ def plot(rows: dict[str, dict], batch: int, out: str) -> None:
     labels = list(rows)[::-1]
     panels = [("bytes_vs_lora", "bytes per adapter"), ("flops_vs_lora", "live FLOPs per token"),
               ("seconds_vs_lora", f"predicted adapter time, B={batch} distinct")]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 5.2), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 6.2), sharey=True)
     for ax, (key, title) in zip(axes, panels):
         values = [rows[k][key] for k in labels]
         ax.barh(labels, values, color=["#c44" if v > 1.5 else "#4a4" if v < 0.67 else "#888" for v in values])
