@@ -273,17 +273,18 @@ def bars(rows: list[dict]) -> dict:
     return out
 
 
-SWEEP = [dict(half_n=64, block_k=64, target_programs=1024, target_expand=1024),
-         dict(half_n=64, block_k=64, target_programs=512, target_expand=1024),
-         dict(half_n=64, block_k=64, target_programs=2048, target_expand=2048),
-         dict(half_n=128, block_k=64, target_programs=1024, target_expand=512),
-         dict(half_n=32, block_k=128, target_programs=1024, target_expand=2048),
-         dict(half_n=64, block_k=128, target_programs=1024, target_expand=4096)]
+SWEEP = [dict(half_n=64, block_k=64, target_programs=2048, target_expand=8192, warps=4),
+         dict(half_n=32, block_k=128, target_programs=2048, target_expand=8192, warps=4),
+         dict(half_n=32, block_k=64, target_programs=2048, target_expand=2048, warps=4),
+         dict(half_n=32, block_k=64, target_programs=1024, target_expand=8192, warps=2),
+         dict(half_n=16, block_k=64, target_programs=4096, target_expand=16384, warps=4),
+         dict(half_n=32, block_k=64, target_programs=2048, target_expand=8192, warps=8)]
 
 
 def apply(cfg: dict) -> None:
-    """Set the launchers' program-count targets (module constants read at call time)."""
+    """Set the launchers' tuning constants (module constants read at call time)."""
     triton_ops.TARGET_PROGRAMS, triton_ops.TARGET_EXPAND_PROGRAMS = cfg["target_programs"], cfg["target_expand"]
+    triton_ops.SHRINK_WARPS = triton_ops.EXPAND_WARPS = cfg["warps"]
 
 
 def sweep(layer: Layer, bw: float, lat: float, default: dict) -> tuple[list[dict], dict]:
@@ -310,6 +311,7 @@ def main() -> None:
     ap.add_argument("--block-k", type=int, default=triton_ops.BLOCK_K)
     ap.add_argument("--target-programs", type=int, default=triton_ops.TARGET_PROGRAMS)
     ap.add_argument("--target-expand", type=int, default=triton_ops.TARGET_EXPAND_PROGRAMS)
+    ap.add_argument("--warps", type=int, default=triton_ops.EXPAND_WARPS)
     ap.add_argument("--sweep", action="store_true",
                     help="first compare tile configs on a few rows and run the table with the best")
     ap.add_argument("--out", default="bench_ops.json")
@@ -321,7 +323,7 @@ def main() -> None:
     layer = Layer()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, bandwidth=bw, launch_latency=lat)
     cfg = dict(half_n=args.half_n, block_k=args.block_k, target_programs=args.target_programs,
-               target_expand=args.target_expand)
+               target_expand=args.target_expand, warps=args.warps)
     if args.sweep:
         result["sweep"], cfg = sweep(layer, bw, lat, cfg)
     apply(cfg)

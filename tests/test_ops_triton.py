@@ -185,7 +185,7 @@ def test_three_projections_one_launch(expand_programs, monkeypatch):
     every chunk of its projection."""
     monkeypatch.setattr(triton_ops, "TARGET_EXPAND_PROGRAMS", expand_programs)
     gen = torch.Generator().manual_seed(21)
-    outs = (48, 16, 32)
+    outs = (48, 16, 16)  # k and v of one width: VeRA's B views coincide (one copy in the pool)
     ws = [(torch.randn(o, IN, generator=gen) / IN ** 0.5).to(DEVICE) for o in outs]
     bs = [torch.randn(o, generator=gen).to(DEVICE) if o != 16 else None for o in outs]
     per_proj = [mixed_slots(torch.float32, gen, IN, o) for o in outs]
@@ -216,7 +216,8 @@ def test_shared_matrix_read_once():
     assert pool.group_key == (0, 0, 2, 0, 0, 0)
     ts = torch.tensor([0, 1, 3, 4, 5, 2, 0, 1], device=DEVICE)
     meta = build_lora_meta(ts, pool.slot_group)
-    assert meta.tile_group.tolist()[:2] == [0, 2] and meta.num_tokens_per_slot[0] == 7
+    groups = [g for g in meta.tile_group.tolist() if g >= 0]
+    assert groups == sorted(groups) and set(groups) == {0, 2} and meta.num_tokens_per_slot[0] == 7
     assert len(pool._cache) == 2 + 2 * 5 + 2  # one A and one Bᵀ copy of the pair; m, v per VeRA slot; LoRA A, Bᵀ
 
 

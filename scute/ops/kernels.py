@@ -3,8 +3,13 @@
 Imported lazily (by `scute.ops.triton_ops` on first use) because `triton.jit` decides at decoration time whether
 to run compiled or in the interpreter (``TRITON_INTERPRET=1``). Every value loaded is cast to float32 right after
 `tl.load`: the interpreter computes bf16 arithmetic on bit patterns, and the adapter path accumulates in fp32
-anyway. A float32 `tl.dot` runs as tf32 on NVIDIA; bf16/fp16 operands are exact in tf32, `h` is rounded to it
-(2^-11 relative, well under the bf16 output rounding). Table layout and flags: `scute.ops.pool`.
+anyway. Table layout and flags: `scute.ops.pool`.
+
+Why no `tl.dot`: at decode a tile holds about one token per adapter, and a tensor-core dot needs 16 rows; the
+first versions padded to 16 and held [16, 64] pointer and value tiles: ~200-250 registers per thread, two CTAs
+per SM, adapter weights streamed at 0.3-0.45 TB/s (H200, measured). Tiles of BLOCK_M = 4 tokens with
+broadcast-multiply-sum products in fp32 (exact products, fp32 sums) keep registers low and many programs in
+flight; the products are tiny next to the bytes at the ranks adapters have.
 """
 
 from __future__ import annotations
@@ -96,7 +101,7 @@ def shrink_kernel(x_ptr, h_ptr, tab_ptr, sorted_ptr, tile_group_ptr, tile_start_
         return
     pos = tl.load(tile_start_ptr + tile) + tl.arange(0, BM)
     row_ok = pos < tl.load(tile_end_ptr + tile)
-    tok = tl.load(sorted_ptr + pos, mask=row_ok, other=0).to(tl.int64)
+    x_rows = x_ptr + tl.load(sorted_ptr + pos, mask=row_ok, other=0).to(tl.int64) * in_features
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, in_features)
     offs_r, offs_k = tl.arange(0, BR), tl.arange(0, BK)
@@ -113,11 +118,11 @@ def shrink_kernel(x_ptr, h_ptr, tab_ptr, sorted_ptr, tile_group_ptr, tile_start_
             for k0 in range(k_lo, k_hi, BK):
                 k = k0 + offs_k
                 kmask = k < k_hi
-                xk = tl.load(x_ptr + tok[:, None] * in_features + k[None, :],
-                             mask=row_ok[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                xk = tl.load(x_rows[:, None] + k[None, :], mask=row_ok[:, None] & kmask[None, :],
+                             other=0.0).to(tl.float32)
                 ak = tl.load(a_ptr + r[:, None] * in_features + k[None, :],
                              mask=(r < rank)[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-                acc += tl.dot(xk, tl.trans(ak))
+                acc += tl.sum(xk[:, None, :] * ak[None, :, :], axis=2)
             tl.store(h_rows[:, None] + hoff + r[None, :], acc, mask=row_ok[:, None] & (r < rank)[None, :])
 
 
@@ -148,10 +153,12 @@ def _h_tile(h_ptr, m_base, m_live, pos, row_ok, r0, rank, hoff, num_tokens, h_wi
 
 
 @triton.jit
-def _bt_tile(bt_ptr, r0, rank, n_out, cols, BR: tl.constexpr):
+def _delta(h, bt_ptr, r0, rank, n_out, cols, BR: tl.constexpr):
+    """h [BM, BR] @ Bᵀ[r0:r0+BR, cols] as a broadcast-multiply-sum: [BM, HB] fp32."""
     r = r0 + tl.arange(0, BR)
     mask = (r < rank)[:, None] & (cols < n_out)[None, :]
-    return tl.load(bt_ptr + r[:, None] * n_out + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    bt = tl.load(bt_ptr + r[:, None] * n_out + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.sum(h[:, :, None] * bt[None, :, :], axis=1)
 
 
 @triton.jit
@@ -214,12 +221,12 @@ def expand_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sort
         q = chunk * HB + tl.arange(0, HB)
         col_a = (q // half) * (2 * half) + q % half
         col_b = col_a + half
-        d_a = tl.dot(h0, _bt_tile(bt_ptr, 0, rank, n_out, col_a, BR))
-        d_b = tl.dot(h0, _bt_tile(bt_ptr, 0, rank, n_out, col_b, BR))
+        d_a = _delta(h0, bt_ptr, 0, rank, n_out, col_a, BR)
+        d_b = _delta(h0, bt_ptr, 0, rank, n_out, col_b, BR)
         for r0 in range(BR, rank, BR):
             h = _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, num_tokens, h_width, SPLIT_K, BM, BR)
-            d_a += tl.dot(h, _bt_tile(bt_ptr, r0, rank, n_out, col_a, BR))
-            d_b += tl.dot(h, _bt_tile(bt_ptr, r0, rank, n_out, col_b, BR))
+            d_a += _delta(h, bt_ptr, r0, rank, n_out, col_a, BR)
+            d_b += _delta(h, bt_ptr, r0, rank, n_out, col_b, BR)
         mask_a = row_ok[:, None] & (col_a < n_out)[None, :]
         mask_b = row_ok[:, None] & (col_b < n_out)[None, :]
         z_a = tl.load(z_rows[:, None] + col_a[None, :], mask=mask_a, other=0.0).to(tl.float32)

@@ -79,7 +79,7 @@ class SlotPool:
         """The pool's copy of `x` (kind 'vec': float32; 'mat': matrix dtype; 'matT': transposed), made once per
         storage. The cache holds `x` itself, so the storage (and the key) cannot be reused while cached."""
         key = _storage_key(x, kind)
-        hit = self._cache.get(key)
+        hit = keep.get(key) or self._cache.get(key)  # keep first: a storage met twice in one update is copied once
         if hit is None:
             y = x.t() if kind == "matT" else x
             y = y.to(device=self.device, dtype=torch.float32 if kind == "vec" else self.dtype).contiguous()

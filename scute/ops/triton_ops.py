@@ -24,13 +24,15 @@ from torch import Tensor
 from scute.ops.meta import BLOCK_M, LoraMeta
 from scute.ops.pool import SlotPool
 
-BLOCK_R = 16  # expand rank tile: the smallest K of a tensor-core tl.dot; ranks 1..15 are padded to it
-SHRINK_BLOCK_R = 64  # shrink rank tile: masked rows cost no memory traffic, and r=256 (VeRA) takes 4 passes, not 16
+BLOCK_R = 16  # rank tile: ranks 1..15 pay one masked tile (masked lanes move no bytes)
 BLOCK_K = 64  # shrink K tile
-HALF_N = 64  # expand chunk = 2·HALF_N output columns (HALF_N column pairs)
-TARGET_PROGRAMS = 1024  # split-K of the shrink aims at this many programs (~8 per SM on an H200)...
-MAX_SPLIT_K = 16  # ...but the expand sums the partials in one 3-D load of SPLIT_K x 16 x 16: keep it in registers
-TARGET_EXPAND_PROGRAMS = 1024  # the expand gives each program enough chunks to bring its grid down to this
+HALF_N = 32  # expand chunk = 2·HALF_N output columns (HALF_N column pairs)
+TARGET_PROGRAMS = 2048  # split-K of the shrink aims at this many programs (~16 per SM on an H200)...
+MAX_SPLIT_K = 16  # ...the expand sums the partials in one 3-D load of SPLIT_K x BLOCK_M x BLOCK_R
+TARGET_EXPAND_PROGRAMS = 8192  # the expand gives each program enough chunks to bring its grid down to this
+# Triton launch options (module constants: the bench tunes them). One stage: software pipelining made the
+# expand 1.5x slower (its loops are short; the smem staging costs more than it hides; H200, measured).
+SHRINK_WARPS, EXPAND_WARPS, NUM_STAGES = 4, 4, 1
 
 
 def _kernels():
@@ -109,7 +111,8 @@ def shrink(x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group: Tensor, til
     k_per_split = triton_cdiv(triton_cdiv(in_features, split_k), block_k) * block_k
     _kernels().shrink_kernel[(tile_group.shape[0], split_k)](
         x, h, table, sorted_idx, tile_group, tile_start, tile_end, num_tokens, in_features, table.shape[1],
-        h_width, k_per_split, P=num_proj, BM=BLOCK_M, BR=SHRINK_BLOCK_R, BK=block_k)
+        h_width, k_per_split, P=num_proj, BM=BLOCK_M, BR=BLOCK_R, BK=block_k, num_warps=SHRINK_WARPS,
+        num_stages=NUM_STAGES)
     return h
 
 
@@ -141,7 +144,8 @@ def expand_(zs: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, so
     progs = sum(triton_cdiv(triton_cdiv(n, 2 * half_n), chunks_per_prog) for n in outs)
     _kernels().expand_kernel[(tile_group.shape[0], progs)](
         *z3, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, num_tokens, table.shape[1],
-        h.shape[2], *outs, chunks_per_prog, P=len(zs), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=BLOCK_R, HB=half_n)
+        h.shape[2], *outs, chunks_per_prog, P=len(zs), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=BLOCK_R, HB=half_n,
+        num_warps=EXPAND_WARPS, num_stages=NUM_STAGES)
 
 
 @expand_.register_fake

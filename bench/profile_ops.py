@@ -1,0 +1,80 @@
+"""Per-kernel GPU time of one grouped layer call (torch profiler), and the compiled kernels' registers/spills,
+under a few launch configurations: where the six-slot op's time goes. Run: ``PYTHONPATH=. python bench/profile_ops.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, "bench")
+import bench_ops as B  # noqa: E402
+
+from scute.ops import build_lora_meta, scute_linears_triton, triton_ops  # noqa: E402
+
+CONFIGS = {
+    "default": {},
+    "split1": dict(MAX_SPLIT_K=1),
+    "warps2": dict(EXPAND_WARPS=2, SHRINK_WARPS=2),
+    "stages3": dict(NUM_STAGES=3),
+    "chunk1": dict(TARGET_EXPAND_PROGRAMS=1 << 30),
+}
+
+
+def kernel_times(fn, iters: int = 10) -> dict:
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out = defaultdict(float)
+    for e in prof.key_averages():
+        if e.device_time_total > 0:
+            out[e.key[:40]] += e.device_time_total / iters
+    return dict(out)
+
+
+def compiled_stats() -> list[str]:
+    lines = []
+    k = triton_ops._kernels()
+    for name in ("input_transform_kernel", "shrink_kernel", "expand_kernel"):
+        fn = getattr(k, name)
+        for dev, caches in getattr(fn, "device_caches", {}).items():
+            for key, ck in caches[0].items():
+                lines.append(f"{name}: regs {getattr(ck, 'n_regs', '?')} spills {getattr(ck, 'n_spills', '?')} "
+                             f"shared {getattr(ck.metadata, 'shared', '?')} warps {ck.metadata.num_warps} "
+                             f"stages {ck.metadata.num_stages} consts {str(key)[-120:]}")
+    return lines
+
+
+def main() -> None:
+    layer = B.Layer()
+    base = {k: getattr(triton_ops, k) for k in ("MAX_SPLIT_K", "EXPAND_WARPS", "SHRINK_WARPS", "NUM_STAGES",
+                                                "TARGET_EXPAND_PROGRAMS")}
+    for variant, batch, n in [("lora", 64, 64), ("lora", 1, 1), ("vera", 1, 1), ("vera", 64, 64)]:
+        pools = B.build_pools(layer, variant, n, B.GROUPED)
+        xs = layer.inputs(batch)
+        ts = torch.arange(batch, device="cuda") % n
+        for cname, cfg in CONFIGS.items():
+            for k, v in {**base, **cfg}.items():
+                setattr(triton_ops, k, v)
+            metas = {pool.group_key: build_lora_meta(ts, pool.slot_group) for pool in pools.values()}
+
+            def fn():
+                for names, pool in pools.items():
+                    scute_linears_triton(xs[B.INPUT[names[0]]], [layer.w[p] for p in names], [None] * len(names),
+                                         pool, metas[pool.group_key])
+            times = kernel_times(fn)
+            total = sum(times.values())
+            parts = ", ".join(f"{k.split('_kernel')[0]} {v:.1f}" for k, v in sorted(times.items(), key=lambda x: -x[1]))
+            print(f"{variant} B={batch} n={n} [{cname}] total {total:.1f} us: {parts}", flush=True)
+    for line in compiled_stats():
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
