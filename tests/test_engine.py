@@ -191,3 +191,43 @@ def test_qwen2_mixed_batch(tmp_path):
     outputs = engine.generate(prompts, GREEDY, [None if a is None else oracle.paths[a] for a in adapters],
                               use_tqdm=False)
     check(oracle, outputs, prompts, adapters)
+
+
+def _other_family(family: str):
+    """Tiny Mistral (sliding window 8: exercised by 21+ token prompts) and Qwen3 (q/k norms, tied embeddings)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    if family == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=8, tie_word_embeddings=False))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16, tie_word_embeddings=True))
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3"])
+def test_other_families_match_peft(family, tmp_path):
+    from peft import get_peft_model
+
+    from tests.helpers import randomize_adapter
+
+    peft_model = get_peft_model(_other_family(family), CONFIGS["lora"]())
+    randomize_adapter(peft_model, seed=3)
+    peft_model.eval().save_pretrained(tmp_path / "lora")
+    prompts = PROMPTS[1:]
+    refs = {}
+    for name, model in (("base", _other_family(family)),
+                        ("lora", PeftModel.from_pretrained(_other_family(family), tmp_path / "lora").eval())):
+        for prompt in prompts:
+            with torch.no_grad():
+                out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                     do_sample=False)
+            refs[name, tuple(prompt)] = out[0, len(prompt):].tolist()
+    engine = Engine(_other_family(family), device="cpu", max_model_len=128, block_size=4)
+    specs = [None, str(tmp_path / "lora")] * len(prompts)
+    doubled = [p for p in prompts for _ in range(2)]
+    outputs = engine.generate(doubled, GREEDY, specs, use_tqdm=False)
+    for out, prompt, spec in zip(outputs, doubled, specs):
+        assert out.outputs[0].token_ids == refs["base" if spec is None else "lora", tuple(prompt)], (family, spec)
