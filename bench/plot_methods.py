@@ -18,8 +18,23 @@ import tempfile
 
 import torch
 from peft import (
-    AdaLoraConfig, BOFTConfig, DeloraConfig, FourierFTConfig, GloraConfig, HiraConfig, HRAConfig, IA3Config,
-    LoHaConfig, LoKrConfig, LoraConfig, MissConfig, OFTConfig, PveraConfig, RoadConfig, VBLoRAConfig, VeraConfig,
+    AdaLoraConfig,
+    BOFTConfig,
+    DeloraConfig,
+    FourierFTConfig,
+    GloraConfig,
+    HiraConfig,
+    HRAConfig,
+    IA3Config,
+    LoHaConfig,
+    LoKrConfig,
+    LoraConfig,
+    MissConfig,
+    OFTConfig,
+    PveraConfig,
+    RoadConfig,
+    VBLoRAConfig,
+    VeraConfig,
     get_peft_model,
 )
 from torch import nn

@@ -8,8 +8,23 @@ import math
 import pytest
 import torch
 from peft import (
-    AdaLoraConfig, BOFTConfig, DeloraConfig, FourierFTConfig, GloraConfig, HiraConfig, HRAConfig, IA3Config,
-    LoHaConfig, LoKrConfig, LoraConfig, MissConfig, OFTConfig, PveraConfig, RoadConfig, VBLoRAConfig, VeraConfig,
+    AdaLoraConfig,
+    BOFTConfig,
+    DeloraConfig,
+    FourierFTConfig,
+    GloraConfig,
+    HiraConfig,
+    HRAConfig,
+    IA3Config,
+    LoHaConfig,
+    LoKrConfig,
+    LoraConfig,
+    MissConfig,
+    OFTConfig,
+    PveraConfig,
+    RoadConfig,
+    VBLoRAConfig,
+    VeraConfig,
 )
 
 from scute.adapters import read_checkpoint
@@ -85,7 +100,7 @@ def layer_tensors(path, modules) -> dict[str, dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("method", list(METHODS))
 def test_bytes_flops_and_slots(method, adapters):
-    config, expected_bytes, live = METHODS[method]
+    _, expected_bytes, live = METHODS[method]
     model = tiny_model("qwen2")
     table = explain(adapters / method, model, batch=8, dense=(method == "hira"))
     assert isinstance(table, ExplainTable) and table.peft_type == method.upper().replace("DORA", "LORA")

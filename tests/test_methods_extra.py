@@ -20,9 +20,25 @@ import shutil
 import pytest
 import torch
 from peft import (
-    AdaLoraConfig, BOFTConfig, DeloraConfig, FourierFTConfig, GloraConfig, HiraConfig, HRAConfig, IA3Config,
-    LilyConfig, LoHaConfig, LoKrConfig, LoraConfig, MissConfig, OFTConfig, PeftModel, PveraConfig, RoadConfig,
-    VBLoRAConfig, VeraConfig,
+    AdaLoraConfig,
+    BOFTConfig,
+    DeloraConfig,
+    FourierFTConfig,
+    GloraConfig,
+    HiraConfig,
+    HRAConfig,
+    IA3Config,
+    LilyConfig,
+    LoHaConfig,
+    LoKrConfig,
+    LoraConfig,
+    MissConfig,
+    OFTConfig,
+    PeftModel,
+    PveraConfig,
+    RoadConfig,
+    VBLoRAConfig,
+    VeraConfig,
 )
 from peft.tuners.lora.config import BdLoraConfig, MontecloraConfig, VeloraConfig
 
@@ -46,7 +62,7 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-TOL = {torch.float64: dict(rel=1e-10, effect=1e-10), torch.float32: dict(rel=1e-5, effect=1e-3)}
+TOL = {torch.float64: {"rel": 1e-10, "effect": 1e-10}, torch.float32: {"rel": 1e-5, "effect": 1e-3}}
 IDS = torch.randint(0, 128, (3, 7), generator=torch.Generator().manual_seed(0))
 
 

@@ -20,10 +20,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from scute.adapters.checkpoint import (
-    LAYER_PREFIX, AdapterCheckpoint, AdapterError, convert_checkpoint, linear_modules, read_checkpoint,
+    LAYER_PREFIX,
+    AdapterCheckpoint,
+    AdapterError,
+    convert_checkpoint,
+    linear_modules,
+    read_checkpoint,
 )
 from scute.adapters.registry import get_method
 from scute.adapters.slots import Slots

@@ -67,7 +67,5 @@ def supported_methods() -> list[str]:
 
 def _load_builtin_methods() -> None:
     # Imported lazily: the method files import this module to register themselves.
-    from scute.adapters import (  # noqa: F401
-        adalora, boft, delora, dense, fourierft, glora, hra, ia3, loha, lokr, lora, miss, oft, pvera, road, vblora,
-        vera,
-    )
+    from scute.adapters import adalora, boft, delora, dense, fourierft, glora, hra, ia3, loha  # noqa: F401
+    from scute.adapters import lokr, lora, miss, oft, pvera, road, vblora, vera  # noqa: F401
