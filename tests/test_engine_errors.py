@@ -88,7 +88,7 @@ def test_config_errors_name_the_fix():
 
 
 def test_sampling_params_validation():
-    for bad in (dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(min_tokens=5, max_tokens=2),
-                dict(stop=[""])):
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"max_tokens": 0}, {"min_tokens": 5, "max_tokens": 2},
+                {"stop": [""]}):
         with pytest.raises(ValueError):
             SamplingParams(**bad)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from scute import Engine, SamplingParams
-from tests.test_engine import GREEDY, METHODS, NEW_TOKENS, PROMPTS, Oracle, _mixed_batch, check
+from tests.test_engine import GREEDY, METHODS, NEW_TOKENS, Oracle, _mixed_batch, check
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -58,14 +58,14 @@ def test_cuda_bf16_run_completes(oracle):
 
 def throughput(num_requests: int = 64, max_tokens: int = 128, tmp: str = "/tmp/scute-gpu-bench") -> dict:
     """Random SmolLM2-135M-shaped Llama in bf16, five adapters of five methods + base, one batch."""
+    from peft import get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tests.test_engine import CONFIGS
     from tests.helpers import randomize_adapter
-    from peft import get_peft_model
+    from tests.test_engine import CONFIGS
 
-    cfg = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True)
+    cfg = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+               "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 2048, "tie_word_embeddings": True}
     paths = {}
     for i, method in enumerate(METHODS):
         torch.manual_seed(0)
@@ -86,8 +86,8 @@ def throughput(num_requests: int = 64, max_tokens: int = 128, tmp: str = "/tmp/s
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return dict(requests=num_requests, tokens=tokens, seconds=round(elapsed, 2), tok_per_s=round(tokens / elapsed, 1),
-                steps=engine.stats["steps"] - steps, device=torch.cuda.get_device_name())
+    return {"requests": num_requests, "tokens": tokens, "seconds": round(elapsed, 2), "tok_per_s": round(tokens / elapsed, 1),
+                "steps": engine.stats["steps"] - steps, "device": torch.cuda.get_device_name()}
 
 
 if __name__ == "__main__":

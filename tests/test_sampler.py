@@ -37,7 +37,7 @@ def test_samples_follow_the_filtered_distribution():
 
 def test_seeded_rows_ignore_their_neighbours():
     logits = torch.randn(5, 100, generator=torch.Generator().manual_seed(1))
-    gens = lambda: [None, torch.Generator().manual_seed(42), None, None, None]  # noqa: E731
+    gens = lambda: [None, torch.Generator().manual_seed(42), None, None, None]
     a = sampler(0)(logits, batch(5, generators=gens())).token_ids
     b = sampler(1)(logits.roll(1, 0).roll(-1, 0), batch(5, generators=gens())).token_ids
     assert a[1] == b[1]

@@ -48,7 +48,7 @@ class Engine:
         self._reported: list[Request] = []  # finished outside a step (errors, aborts): reported by the next step
         self._arrivals = itertools.count()
         self._ids = itertools.count()
-        self.stats = dict(steps=0, prompt_tokens=0, generated_tokens=0, batched_tokens=0, preemptions=0)
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "batched_tokens": 0, "preemptions": 0}
 
     # ------------------------------------------------------------------ adapters
     def load_adapter(self, name: str, path: str | os.PathLike) -> Adapter:

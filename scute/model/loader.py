@@ -58,7 +58,7 @@ def load_model(model, tokenizer, config: EngineConfig) -> LoadedModel:
 def _from_path(path: str, dtype: torch.dtype | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = dict(dtype=dtype or "auto", attn_implementation=ATTENTION_NAME)
+    kwargs = {"dtype": dtype or "auto", "attn_implementation": ATTENTION_NAME}
     if os.path.isfile(path) and path.endswith(".gguf"):
         folder, file = os.path.split(os.path.abspath(path))
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
