@@ -19,10 +19,11 @@ from scute.config import EngineConfig
 from scute.engine.block_manager import BlockManager
 from scute.engine.kv_plan import plan_kv_cache
 from scute.engine.model_runner import ModelRunner
+from scute.engine.output_processor import OutputProcessor
 from scute.engine.request import AdapterRequest, Request
 from scute.engine.scheduler import Scheduler
 from scute.model.loader import load_model
-from scute.outputs import CompletionOutput, RequestOutput
+from scute.outputs import RequestOutput
 from scute.sampling_params import SamplingParams
 
 AdapterSpec = None | str | os.PathLike | AdapterRequest | Adapter
@@ -36,7 +37,7 @@ class Engine:
     def __init__(self, model, tokenizer=None, **options) -> None:
         self.config = EngineConfig.from_kwargs(options)
         loaded = load_model(model, tokenizer, self.config)
-        self.model, self.tokenizer, self.eos_token_ids = loaded.model, loaded.tokenizer, loaded.eos_token_ids
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.adapters = AdapterManager(self.model, loaded.linears, self.config.max_adapters,
                                        self.config.max_adapter_rank, self.config.max_cpu_adapters, loaded.device)
@@ -49,6 +50,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "batched_tokens": 0, "preemptions": 0}
+        self.output_processor = OutputProcessor(self.tokenizer, loaded.eos_token_ids, self.max_model_len, self.stats)
 
     # ------------------------------------------------------------------ adapters
     def load_adapter(self, name: str, path: str | os.PathLike) -> Adapter:
@@ -154,47 +156,10 @@ class Engine:
         return [self._output(r) for r in done + progressed]
 
     def _append_tokens(self, sampling: list[Request], result) -> None:
-        tokens = result.token_ids.tolist()  # the step's one host sync
-        chosen = result.logprobs.tolist() if result.logprobs is not None else None
-        top = None if result.top_ids is None else (result.top_ids.tolist(), result.top_logprobs.tolist())
-        for row, (req, token) in enumerate(zip(sampling, tokens)):
-            req.append_token(token)
-            self.stats["generated_tokens"] += 1
-            if req.num_output_tokens == 1:
-                self.stats["prompt_tokens"] += req.num_prompt_tokens
-            k = req.sampling_params.logprobs
-            if k is not None:
-                req.cumulative_logprob += chosen[row]
-                entry = {token: chosen[row]}
-                if top is not None:
-                    entry.update(zip(top[0][row][:k], top[1][row][:k]))
-                    entry[token] = chosen[row]
-                req.logprobs.append(entry)
-            self._check_stop(req, token)
+        self.output_processor.append_tokens(sampling, result)
+        for req in sampling:
             if req.is_finished:
                 self.scheduler.finish(req)
-
-    def _check_stop(self, req: Request, token: int) -> None:
-        sp = req.sampling_params
-        if req.num_output_tokens > sp.min_tokens:  # EOS/stop tokens were masked before min_tokens
-            if not sp.ignore_eos and token in self.eos_token_ids:
-                return req.finish("stop")
-            if token in sp.stop_token_ids:
-                return req.finish("stop", stop_reason=token)
-            if sp.stop_strings and self._check_stop_strings(req):
-                return
-        if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or req.num_tokens >= self.max_model_len:
-            req.finish("length")
-
-    def _check_stop_strings(self, req: Request) -> bool:
-        text = self._decode(req)
-        hits = [(text.find(s), s) for s in req.sampling_params.stop_strings if s in text]
-        if not hits:
-            return False
-        index, stop = min(hits)
-        req.text = text[: index + len(stop)] if req.sampling_params.include_stop_str_in_output else text[:index]
-        req.finish("stop", stop_reason=stop)
-        return True
 
     def _fail_unschedulable(self) -> list[Request]:
         """Liveness guard: nothing runs and the head request still cannot start (should not happen when
@@ -207,26 +172,18 @@ class Engine:
         self.scheduler.finish(req)
         return [req]
 
-    # ------------------------------------------------------------------ outputs
-    def _decode(self, req: Request) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(req.output_token_ids,
-                                     skip_special_tokens=req.sampling_params.skip_special_tokens)
-
     def _output(self, req: Request) -> RequestOutput:
-        sp = req.sampling_params
-        text = req.text if isinstance(req.stop_reason, str) else self._decode(req)
-        completion = CompletionOutput(
-            index=0, text=text, token_ids=list(req.output_token_ids),
-            cumulative_logprob=req.cumulative_logprob if sp.logprobs is not None else None,
-            logprobs=list(req.logprobs) if sp.logprobs is not None else None,
-            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-        )
         if req.is_finished:
-            self.requests.pop(req.request_id, None)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.is_finished,
-                             req.error, req.adapter_name, req.num_cached_tokens)
+            self.requests.pop(req.request_id, None)  # reported for the last time
+        return self.output_processor.make_output(req)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.output_processor.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: list[int]) -> None:
+        self.output_processor.eos_token_ids = list(ids)
 
     # ------------------------------------------------------------------ offline batch
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -1,0 +1,71 @@
+"""`OutputProcessor`: append a step's sampled tokens to their requests, decide which requests stop, and build
+the `RequestOutput`s (detokenized text, logprobs)."""
+
+from __future__ import annotations
+
+from scute.engine.request import Request
+from scute.engine.sampler import SamplerOutput
+from scute.outputs import CompletionOutput, RequestOutput
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: list[int], max_model_len: int, stats: dict) -> None:
+        self.tokenizer, self.eos_token_ids, self.max_model_len, self.stats = tokenizer, eos_token_ids, max_model_len, stats
+
+    def append_tokens(self, sampling: list[Request], result: SamplerOutput) -> None:
+        """Append each request's sampled token (and logprobs), then check its stop conditions."""
+        tokens = result.token_ids.tolist()  # the step's one host sync
+        chosen = result.logprobs.tolist() if result.logprobs is not None else None
+        top = None if result.top_ids is None else (result.top_ids.tolist(), result.top_logprobs.tolist())
+        for row, (req, token) in enumerate(zip(sampling, tokens)):
+            req.append_token(token)
+            self.stats["generated_tokens"] += 1
+            if req.num_output_tokens == 1:
+                self.stats["prompt_tokens"] += req.num_prompt_tokens
+            k = req.sampling_params.logprobs
+            if k is not None:
+                req.cumulative_logprob += chosen[row]
+                entry = {} if top is None else dict(zip(top[0][row][:k], top[1][row][:k]))
+                entry[token] = chosen[row]
+                req.logprobs.append(entry)
+            self.check_stop(req, token)
+
+    def check_stop(self, req: Request, token: int) -> None:
+        sp = req.sampling_params
+        if req.num_output_tokens > sp.min_tokens:  # EOS and stop tokens were masked before min_tokens
+            if not sp.ignore_eos and token in self.eos_token_ids:
+                return req.finish("stop")
+            if token in sp.stop_token_ids:
+                return req.finish("stop", stop_reason=token)
+            if sp.stop_strings and self._check_stop_strings(req):
+                return None
+        if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or req.num_tokens >= self.max_model_len:
+            req.finish("length")
+        return None
+
+    def _check_stop_strings(self, req: Request) -> bool:
+        text = self.decode(req)
+        hits = [(text.find(s), s) for s in req.sampling_params.stop_strings if s in text]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        req.text = text[: index + len(stop)] if req.sampling_params.include_stop_str_in_output else text[:index]
+        req.finish("stop", stop_reason=stop)
+        return True
+
+    def decode(self, req: Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens)
+
+    def make_output(self, req: Request) -> RequestOutput:
+        sp = req.sampling_params
+        text = req.text if isinstance(req.stop_reason, str) else self.decode(req)  # a stop string cut the text
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=list(req.output_token_ids),
+            cumulative_logprob=req.cumulative_logprob if sp.logprobs is not None else None,
+            logprobs=list(req.logprobs) if sp.logprobs is not None else None,
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+        )
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.is_finished,
+                             req.error, req.adapter_name, req.num_cached_tokens)
