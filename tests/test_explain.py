@@ -174,3 +174,21 @@ def test_cli(adapters, capsys):
     assert "dense=True" in capsys.readouterr().out
     assert explain_main([str(adapters / "hira"), "--dense", "--model", "/nonexistent"]) == 2
     assert math.isfinite(explain(adapters / "hira", tiny_model("qwen2"), dense=True).seconds)
+
+
+def test_model_from_a_gguf_file(adapters, tmp_path):
+    """A .gguf base is read for its metadata only (here a file with no layer weights at all)."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    path = str(tmp_path / "tiny.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_context_length(256), w.add_embedding_length(64), w.add_block_count(2), w.add_feed_forward_length(96)
+    w.add_head_count(4), w.add_head_count_kv(2), w.add_rope_freq_base(10000.0), w.add_vocab_size(128)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tensor("token_embd.weight", np.zeros((128, 64), dtype=np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    a, b = explain(adapters / "ia3", path), explain(adapters / "ia3", tiny_model("llama"))
+    assert [(r.name, r.adapter_bytes, r.flops) for r in a.rows] == [(r.name, r.adapter_bytes, r.flops)
+                                                                      for r in b.rows]
+    assert a.model == "tiny.gguf"
