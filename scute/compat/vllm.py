@@ -93,6 +93,8 @@ class SamplingParams:
         if output_kind is RequestOutputKind.DELTA:
             raise _unsupported("SamplingParams", "output_kind", output_kind, "LLM.generate returns whole outputs")
         self.__dict__.update(values)
+        if temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {temperature}.")
         greedy = temperature < _SAMPLING_EPS
         self._scute = scute.SamplingParams(  # validates like vLLM (ValueError on a bad value)
             temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
@@ -360,5 +362,52 @@ def _per_prompt(value, n: int, single: type, what: str) -> list:
     return values
 
 
+# ---------------------------------------------------------------------------------------------- unchanged scripts
+_MODULES = ("vllm", "vllm.lora", "vllm.lora.request", "vllm.outputs", "vllm.sampling_params", "vllm.logprobs")
+
+
+def install_as_vllm() -> None:
+    """Make ``import vllm`` (and ``vllm.lora.request``, ``vllm.outputs``, ``vllm.sampling_params``,
+    ``vllm.logprobs``) resolve to this module, so that a vLLM script runs on Scute unchanged. Refuses if the
+    real vLLM is already imported."""
+    import sys
+
+    this = sys.modules[__name__]
+    for name in _MODULES:
+        if sys.modules.get(name, this) is not this:
+            raise RuntimeError(f"the real {name} is already imported: install Scute's shim before importing vLLM")
+    for name in _MODULES:
+        sys.modules[name] = this
+
+
+def uninstall_as_vllm() -> None:
+    import sys
+
+    this = sys.modules[__name__]
+    for name in _MODULES:
+        if sys.modules.get(name) is this:
+            del sys.modules[name]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m scute.compat.vllm SCRIPT [ARGS...]``: run a vLLM offline script on Scute, unchanged."""
+    import runpy
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m scute.compat.vllm SCRIPT [ARGS...]  (runs a vLLM script on Scute, unchanged)")
+        return 0 if argv else 2
+    install_as_vllm()
+    sys.argv = list(argv)
+    runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
 __all__ = ["LLM", "CompletionOutput", "LoRARequest", "Logprob", "RequestOutput", "RequestOutputKind",
-           "SamplingParams", "UnsupportedOptionError"]
+           "SamplingParams", "UnsupportedOptionError", "install_as_vllm", "uninstall_as_vllm"]
+
+if __name__ == "__main__":  # run as a script: install the importable module, not this __main__ copy
+    from scute.compat.vllm import main as _main
+
+    raise SystemExit(_main())

@@ -1,0 +1,183 @@
+"""`scute.compat.vllm`: vLLM's signatures, unsupported options refused, and a vLLM script run unchanged."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+
+import pytest
+
+import scute
+import scute.compat.vllm as shim
+from scute.compat.signatures import api_records
+
+SNAPSHOT = os.path.join(os.path.dirname(__file__), "data", "vllm_signatures.json")
+SHIM_CLASSES = dict(LLM=shim.LLM, SamplingParams=shim.SamplingParams, LoRARequest=shim.LoRARequest,
+                    RequestOutput=shim.RequestOutput, CompletionOutput=shim.CompletionOutput)
+
+
+def vllm_records() -> tuple[str, dict]:
+    """(source, records): from an importable vLLM (not our own shim installed as vllm), else the snapshot."""
+    if "vllm" not in sys.modules or sys.modules["vllm"] is not shim:
+        try:
+            import vllm
+            from vllm import LLM, SamplingParams
+            from vllm.lora.request import LoRARequest
+            from vllm.outputs import CompletionOutput, RequestOutput
+        except ImportError:
+            pass
+        else:
+            classes = dict(LLM=LLM, SamplingParams=SamplingParams, LoRARequest=LoRARequest,
+                           RequestOutput=RequestOutput, CompletionOutput=CompletionOutput)
+            return f"vllm {vllm.__version__}", api_records(classes)
+    with open(SNAPSHOT) as f:
+        snap = json.load(f)
+    return f"snapshot of vllm {snap['vllm_version']}", snap["signatures"]
+
+
+@pytest.mark.parametrize("api", list(api_records(SHIM_CLASSES)))
+def test_signatures_match_vllm(api):
+    source, records = vllm_records()
+    ours = api_records(SHIM_CLASSES)[api]
+    theirs = records[api]
+    assert [p["name"] for p in ours] == [p["name"] for p in theirs], f"{api} parameter names differ from {source}"
+    assert ours == theirs, f"{api} parameter kinds or defaults differ from {source}"
+
+
+def test_snapshot_is_of_the_supported_vllm():
+    with open(SNAPSHOT) as f:
+        snap = json.load(f)
+    assert snap["vllm_version"].startswith("0.3")
+    for name in ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "max_model_len", "max_num_seqs"):
+        assert name in snap["engine_args"], name  # LLM(**kwargs) options the shim maps are vLLM's
+
+
+# ---------------------------------------------------------------------------------------------- a real model
+WORDS = "the a quick brown fox jumps over lazy dog and cat runs sleeps red green blue one two three".split()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A tiny Llama folder with a word-level tokenizer, a LoRA and a VeRA adapter (every tensor random)."""
+    from peft import LoraConfig, VeraConfig  # here, not at the top: the signature tests run in vLLM's venv too
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.helpers import make_adapter, tiny_model
+
+    root = tmp_path_factory.mktemp("served")
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    model = tiny_model("llama")  # vocab 128 >= the tokenizer's
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    make_adapter(str(root / "lora"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), seed=3)
+    make_adapter(str(root / "vera"), VeraConfig(r=8, target_modules=["q_proj", "up_proj"]), seed=4)
+    return root
+
+
+@pytest.fixture(scope="module")
+def llm(served):
+    return shim.LLM(model=str(served / "model"), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
+                    max_model_len=64, seed=0)
+
+
+def test_generate_matches_the_engine_and_has_vllm_fields(served, llm):
+    prompts = ["the quick brown fox", {"prompt_token_ids": [5, 6, 7, 8, 9]}, "red green blue"]
+    sp = shim.SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logprobs=2)
+    loras = [None, shim.LoRARequest("lora", 1, str(served / "lora")), shim.LoRARequest("vera", 2, str(served / "vera"))]
+    outs = llm.generate(prompts, sp, lora_request=loras, use_tqdm=False)
+    engine = scute.Engine(str(served / "model"), dtype="float32", max_model_len=64)
+    want = engine.generate(["the quick brown fox", [5, 6, 7, 8, 9], "red green blue"],
+                           scute.SamplingParams(temperature=0, max_tokens=6, min_tokens=6),
+                           [None, str(served / "lora"), str(served / "vera")], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [w.outputs[0].token_ids for w in want]
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 3
+    out = outs[2]
+    assert isinstance(out, shim.RequestOutput) and out.finished and out.lora_request is loras[2]
+    assert out.prompt == "red green blue" and out.prompt_token_ids == want[2].prompt_token_ids
+    c = out.outputs[0]
+    assert isinstance(c, shim.CompletionOutput) and c.finish_reason == "length" and c.lora_request is loras[2]
+    assert len(c.logprobs) == 6 and all(isinstance(lp, shim.Logprob) for step in c.logprobs for lp in step.values())
+    assert c.logprobs[0][c.token_ids[0]].rank == 1  # greedy: the chosen token is the most likely
+    assert c.cumulative_logprob == pytest.approx(sum(step[t].logprob for step, t in zip(c.logprobs, c.token_ids)))
+
+
+def test_unsupported_options_raise_never_ignored(served, llm):
+    folder = str(served / "model")
+    for kwargs in (dict(tensor_parallel_size=2), dict(quantization="awq"), dict(trust_remote_code=True),
+                   dict(runner="pooling"), dict(speculative_config={"method": "ngram"}), dict(no_such_option=1)):
+        with pytest.raises(shim.UnsupportedOptionError, match=next(iter(kwargs))):
+            shim.LLM(folder, **kwargs)
+    for kwargs in (dict(n=2), dict(presence_penalty=0.5), dict(repetition_penalty=1.1), dict(min_p=0.1),
+                   dict(logit_bias={1: 2.0}), dict(output_kind=shim.RequestOutputKind.DELTA)):
+        with pytest.raises(shim.UnsupportedOptionError, match=next(iter(kwargs))):
+            shim.SamplingParams(**kwargs)
+    shim.SamplingParams(n=1, presence_penalty=0.0, output_kind=shim.RequestOutputKind.FINAL_ONLY)  # defaults pass
+    with pytest.raises(shim.UnsupportedOptionError, match="priority"):
+        llm.generate("the cat", priority=[1], use_tqdm=False)
+    with pytest.raises(ValueError, match="must be the same"):
+        llm.generate(["the cat", "a dog"], lora_request=[None], use_tqdm=False)
+    with pytest.raises(ValueError, match="id must be > 0"):
+        shim.LoRARequest("x", 0, "/nowhere")
+
+
+def test_lora_needs_enable_lora_and_a_bad_adapter_raises(served, llm):
+    plain = shim.LLM(model=str(served / "model"), dtype="float32", max_model_len=64)
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        plain.generate("the cat", lora_request=shim.LoRARequest("lora", 1, str(served / "lora")), use_tqdm=False)
+    with pytest.raises(ValueError, match="requests failed"):
+        llm.generate("the cat", lora_request=shim.LoRARequest("bad", 3, str(served / "nowhere")), use_tqdm=False)
+
+
+SCRIPT = """
+import sys
+from vllm import LLM, SamplingParams
+from vllm.lora.request import LoRARequest
+
+if __name__ == "__main__":
+    model, lora, vera, out = sys.argv[1:5]
+    llm = LLM(model=model, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=64)
+    params = SamplingParams(temperature=0.0, max_tokens=5, min_tokens=5)
+    outputs = llm.generate(["the quick brown fox", "one two three", "lazy dog"], params,
+                           lora_request=[None, LoRARequest("lora", 1, lora), LoRARequest("vera", 2, vera)])
+    with open(out, "w") as f:
+        for o in outputs:
+            f.write(" ".join(map(str, o.outputs[0].token_ids)) + "\\n")
+"""
+
+
+def test_a_vllm_script_runs_unchanged(served, tmp_path, monkeypatch):
+    script = tmp_path / "offline_inference.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    out = tmp_path / "tokens.txt"
+    for name in shim._MODULES:  # a real vLLM would be shadowed only inside this test
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(sys, "argv", sys.argv[:])
+    try:
+        assert shim.main([str(script), str(served / "model"), str(served / "lora"), str(served / "vera"),
+                          str(out)]) == 0
+    finally:
+        shim.uninstall_as_vllm()
+    rows = [list(map(int, line.split())) for line in out.read_text().splitlines()]
+    engine = scute.Engine(str(served / "model"), dtype="float32", max_model_len=64)
+    want = engine.generate(["the quick brown fox", "one two three", "lazy dog"],
+                           scute.SamplingParams(temperature=0, max_tokens=5, min_tokens=5),
+                           [None, str(served / "lora"), str(served / "vera")], use_tqdm=False)
+    assert rows == [w.outputs[0].token_ids for w in want]
+    assert "vllm" not in sys.modules or sys.modules["vllm"] is not shim
+
+
+def test_sampling_params_map_to_scute():
+    sp = shim.SamplingParams(temperature=1e-6, top_k=5, top_p=0.5, seed=3, max_tokens=9, stop=["x"], logprobs=1)
+    s = sp.to_scute()
+    assert s.greedy and s.max_tokens == 9 and s.seed == 3 and s.stop_strings == ("x",) and s.logprobs == 1
+    s = shim.SamplingParams(temperature=0.7, top_k=5, top_p=0.5).to_scute()
+    assert (s.temperature, s.top_k, s.top_p) == (0.7, 5, 0.5)
+    assert sp.clone().max_tokens == 9 and "max_tokens=9" in repr(sp)
+    with pytest.raises(ValueError):
+        shim.SamplingParams(temperature=-1.0)
