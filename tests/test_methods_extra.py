@@ -384,6 +384,6 @@ def test_mixed_batch_triton(dtype, tmp_path):
     print("\n".join(f"{k:16} err/effect {e:.1e} rel {r:.1e} effect {f:.1e}" for k, (e, r, f) in errors.items()))
     for name, (err, rel, effect) in errors.items():
         if bf16:
-            assert rel <= 2e-2 and (effect < 0.3 or err <= 3e-2), name
+            assert rel <= 4e-2 and (effect < 0.3 or err <= 3e-2), name
         else:
             assert err <= 5e-3, name
