@@ -26,7 +26,7 @@ from scute.ops.pool import SlotPool
 
 BLOCK_R = 16  # rank tile: ranks 1..15 pay one masked tile (masked lanes move no bytes)
 BLOCK_K = 64  # shrink K tile
-HALF_N = 32  # expand chunk = 2·HALF_N output columns (HALF_N column pairs)
+HALF_N = 64  # expand chunk = 2·HALF_N output columns (HALF_N column pairs); the H200 sweep picked 64
 TARGET_PROGRAMS = 2048  # split-K of the shrink aims at this many programs (~16 per SM on an H200)...
 MAX_SPLIT_K = 16  # ...the expand sums the partials in one 3-D load of SPLIT_K x BLOCK_M x BLOCK_R
 TARGET_EXPAND_PROGRAMS = 8192  # the expand gives each program enough chunks to bring its grid down to this
