@@ -231,3 +231,19 @@ def test_other_families_match_peft(family, tmp_path):
     outputs = engine.generate(doubled, GREEDY, specs, use_tqdm=False)
     for out, prompt, spec in zip(outputs, doubled, specs):
         assert out.outputs[0].token_ids == refs["base" if spec is None else "lora", tuple(prompt)], (family, spec)
+
+
+def test_adapters_for_a_gpu_model_convert_on_cpu(oracle):
+    """On a GPU the converters still run on the CPU (on copies of the adapted layers' weights): same slots."""
+    from scute.adapters.manager import AdapterManager
+
+    engine = oracle.engine()
+    manager = engine.adapters
+    remote = AdapterManager(manager.model, manager.linears, 8, 256, 4, torch.device("cuda"))  # load() only
+    for method in METHODS:
+        a, b = manager.load(oracle.paths[method]), remote.load(oracle.paths[method])
+        assert a.identity == b.identity and a.layers.keys() == b.layers.keys()
+        for name, slots in a.layers.items():
+            for key, x in slots.tensors().items():
+                y = b.layers[name].tensors()[key]
+                assert y.device.type == "cpu" and torch.equal(x, y), (method, name, key)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor, nn
@@ -41,8 +43,8 @@ class AdapterManager:
         path = os.fspath(path)
         ckpt = read_checkpoint(path)
         modules = linear_modules(self.model)
-        if self.device.type != "cpu":  # converters mix checkpoint tensors with W0: put them on W0's device
-            ckpt.tensors = {k: x.to(self.device) for k, x in ckpt.tensors.items()}
+        if self.device.type != "cpu":  # converters compute on the CPU: give them CPU copies of W0 and b0
+            modules = _CpuLinears(modules)
         layers = convert_checkpoint(ckpt, modules)
         name = name or os.path.basename(os.path.normpath(path))
         adapter = Adapter(name, ckpt.path, ckpt.peft_type, ckpt.config, ckpt.identity,
@@ -51,7 +53,7 @@ class AdapterManager:
         if rank > self.max_adapter_rank:
             raise AdapterError(f"adapter {path} ({adapter.peft_type}) has rank {rank}, above max_adapter_rank="
                                f"{self.max_adapter_rank}: raise max_adapter_rank")
-        return adapter.to(device="cpu") if self.device.type != "cpu" else adapter
+        return adapter
 
     def load_named(self, name: str, path: str | os.PathLike) -> Adapter:
         self.named[name] = self.load(path, name)
@@ -140,3 +142,27 @@ def _signature(path: str) -> tuple:
         except OSError:
             pass
     return tuple(sig)
+
+
+class _CpuLinears(Mapping):
+    """The model's linear layers as the converters see them (``weight``, ``bias``), copied to the CPU only
+    when a checkpoint touches them."""
+
+    def __init__(self, modules: dict[str, nn.Module]) -> None:
+        self._modules, self._copies = modules, {}
+
+    def __getitem__(self, name: str) -> SimpleNamespace:
+        if name not in self._copies:
+            m = self._modules[name]
+            bias = None if m.bias is None else m.bias.detach().cpu()
+            self._copies[name] = SimpleNamespace(weight=m.weight.detach().cpu(), bias=bias)
+        return self._copies[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._modules
+
+    def __iter__(self):
+        return iter(self._modules)
+
+    def __len__(self) -> int:
+        return len(self._modules)
