@@ -36,9 +36,9 @@ def test_cuda_fp32_matches_peft(oracle, backend):
 
 def test_cuda_fp32_chunked_prefill_preemption_prefix_cache(oracle):
     prompts, adapters = _mixed_batch()
-    bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4
-    engine = oracle.engine(device="cuda", max_num_batched_tokens=24, max_num_seqs=6,
-                           kv_cache_memory_bytes=12 * bytes_per_block, max_model_len=64)
+    bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4  # K+V, 2 layers, 16 tokens, 2 kv heads, head_dim 16, fp32
+    engine = oracle.engine(device="cuda", max_num_batched_tokens=32, max_num_seqs=8,
+                           kv_cache_memory_bytes=6 * bytes_per_block, max_model_len=64)
     for _ in range(2):  # the second pass hits the prefix cache
         outputs = engine.generate(prompts, GREEDY, specs(oracle, adapters), use_tqdm=False)
         check(oracle, outputs, prompts, adapters)
