@@ -194,7 +194,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cache-dir", default=None, help="where the base model and adapters are cached")
     parser.add_argument("--force", action="store_true", help="train again even if cached")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: fastest on a busy box)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     for method, path in train_demo_adapters(args.cache_dir, args.force).items():
         print(f"{method:5s} {path}")
 
