@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from bench.ab.models import TEXT, build_smollm2, build_tiny, make_adapter  # noqa: E402
+from bench.ab.models import TEXT, build_smollm2, build_tiny, make_adapter
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 VLLM_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
@@ -155,12 +155,11 @@ def run_side(backend: str, python: str, workload_file: str, out_file: str, threa
     if backend == "scute" and threads:  # vLLM-CPU computes on one OpenMP thread per core it binds (auto: 1 here)
         env["OMP_NUM_THREADS"] = str(threads)
     cmd = [python, os.path.join(HERE, "ab", "run_llm.py"), "--backend", backend, workload_file, out_file]
-    log = open(out_file + ".log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    monitor = PeakRSS(proc.pid)
-    rc = proc.wait()
-    peak = monitor.stop()
-    log.close()
+    with open(out_file + ".log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        monitor = PeakRSS(proc.pid)
+        rc = proc.wait()
+        peak = monitor.stop()
     if rc != 0:
         with open(out_file + ".log") as f:
             tail = f.read()[-3000:]

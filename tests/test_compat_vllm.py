@@ -14,8 +14,8 @@ import scute.compat.vllm as shim
 from scute.compat.signatures import api_records
 
 SNAPSHOT = os.path.join(os.path.dirname(__file__), "data", "vllm_signatures.json")
-SHIM_CLASSES = dict(LLM=shim.LLM, SamplingParams=shim.SamplingParams, LoRARequest=shim.LoRARequest,
-                    RequestOutput=shim.RequestOutput, CompletionOutput=shim.CompletionOutput)
+SHIM_CLASSES = {"LLM": shim.LLM, "SamplingParams": shim.SamplingParams, "LoRARequest": shim.LoRARequest,
+                    "RequestOutput": shim.RequestOutput, "CompletionOutput": shim.CompletionOutput}
 
 
 def vllm_records() -> tuple[str, dict]:
@@ -29,8 +29,8 @@ def vllm_records() -> tuple[str, dict]:
         except ImportError:
             pass
         else:
-            classes = dict(LLM=LLM, SamplingParams=SamplingParams, LoRARequest=LoRARequest,
-                           RequestOutput=RequestOutput, CompletionOutput=CompletionOutput)
+            classes = {"LLM": LLM, "SamplingParams": SamplingParams, "LoRARequest": LoRARequest,
+                           "RequestOutput": RequestOutput, "CompletionOutput": CompletionOutput}
             return f"vllm {vllm.__version__}", api_records(classes)
     with open(SNAPSHOT) as f:
         snap = json.load(f)
@@ -55,7 +55,7 @@ def test_snapshot_is_of_the_supported_vllm():
 
 
 # ---------------------------------------------------------------------------------------------- a real model
-WORDS = "the a quick brown fox jumps over lazy dog and cat runs sleeps red green blue one two three".split()
+WORDS = ["the", "a", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and", "cat", "runs", "sleeps", "red", "green", "blue", "one", "two", "three"]
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +109,12 @@ def test_generate_matches_the_engine_and_has_vllm_fields(served, llm):
 
 def test_unsupported_options_raise_never_ignored(served, llm):
     folder = str(served / "model")
-    for kwargs in (dict(tensor_parallel_size=2), dict(quantization="awq"), dict(trust_remote_code=True),
-                   dict(runner="pooling"), dict(speculative_config={"method": "ngram"}), dict(no_such_option=1)):
+    for kwargs in ({"tensor_parallel_size": 2}, {"quantization": "awq"}, {"trust_remote_code": True},
+                   {"runner": "pooling"}, {"speculative_config": {"method": "ngram"}}, {"no_such_option": 1}):
         with pytest.raises(shim.UnsupportedOptionError, match=next(iter(kwargs))):
             shim.LLM(folder, **kwargs)
-    for kwargs in (dict(n=2), dict(presence_penalty=0.5), dict(repetition_penalty=1.1), dict(min_p=0.1),
-                   dict(logit_bias={1: 2.0}), dict(output_kind=shim.RequestOutputKind.DELTA)):
+    for kwargs in ({"n": 2}, {"presence_penalty": 0.5}, {"repetition_penalty": 1.1}, {"min_p": 0.1},
+                   {"logit_bias": {1: 2.0}}, {"output_kind": shim.RequestOutputKind.DELTA}):
         with pytest.raises(shim.UnsupportedOptionError, match=next(iter(kwargs))):
             shim.SamplingParams(**kwargs)
     shim.SamplingParams(n=1, presence_penalty=0.0, output_kind=shim.RequestOutputKind.FINAL_ONLY)  # defaults pass

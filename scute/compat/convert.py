@@ -102,10 +102,14 @@ class LayerConversion:
 
 
 def convert_layer(name: str, slots: Slots, weight: Tensor, bias: Tensor | None, rank: int,
-                  bias_policy: str = "keep") -> LayerConversion:
-    """One layer's normal form -> rank-`rank` LoRA factors (see the module docstring)."""
+                  bias_policy: str = "keep", cache: dict | None = None) -> LayerConversion:
+    """One layer's normal form -> rank-`rank` LoRA factors (see the module docstring). `cache` (a dict kept
+    by the caller) holds the layer's delta and SVD, to convert one adapter at several ranks."""
     out_f, in_f = weight.shape
-    dW, db = effective_delta(slots, weight, bias)
+    cache = {} if cache is None else cache
+    if "delta" not in cache:
+        cache["delta"] = effective_delta(slots, weight, bias)
+    dW, db = cache["delta"]
     b_ref = 1.0 if bias is None else max(bias.detach().double().norm().item(), 1e-300)
     db_norm = db.norm().item()
     has_bias = db_norm > 1e-9 * b_ref  # DoRA's (1 − g)⊙b0 correction cancels to rounding
@@ -118,7 +122,9 @@ def convert_layer(name: str, slots: Slots, weight: Tensor, bias: Tensor | None, 
         B[:, :k], A[:k] = Bf, Af
         error = (dW - B @ A).norm().item()
     else:
-        U, S, Vh = torch.linalg.svd(dW, full_matrices=False)
+        if "svd" not in cache:
+            cache["svd"] = torch.linalg.svd(dW, full_matrices=False)
+        U, S, Vh = cache["svd"]
         k, method = min(rank, S.numel()), "svd"
         root = S[:k].sqrt()
         B[:, :k], A[:k] = U[:, :k] * root, root[:, None] * Vh[:k]
@@ -164,8 +170,10 @@ class LoraConversion:
         return element_size * per
 
 
-def convert_adapter(adapter: Adapter, model: nn.Module, rank: int, bias_policy: str = "keep") -> LoraConversion:
-    """Convert a loaded adapter (its slots were computed from `model`'s weights) into a rank-`rank` LoRA."""
+def convert_adapter(adapter: Adapter, model: nn.Module, rank: int, bias_policy: str = "keep",
+                    cache: dict | None = None) -> LoraConversion:
+    """Convert a loaded adapter (its slots were computed from `model`'s weights) into a rank-`rank` LoRA.
+    Pass the same `cache` dict to convert one adapter at several ranks with one SVD per layer."""
     if rank < 1:
         raise ValueError(f"rank must be at least 1, got {rank}")
     if bias_policy not in BIAS_POLICIES:
@@ -174,7 +182,8 @@ def convert_adapter(adapter: Adapter, model: nn.Module, rank: int, bias_policy: 
     layers = {}
     for name, slots in adapter.layers.items():
         base = modules[name]
-        layers[name] = convert_layer(name, slots, base.weight, base.bias, rank, bias_policy)
+        layer_cache = None if cache is None else cache.setdefault(name, {})
+        layers[name] = convert_layer(name, slots, base.weight, base.bias, rank, bias_policy, layer_cache)
     shared = {}
     for slots in adapter.layers.values():
         for slot in slots.shared:
@@ -189,12 +198,21 @@ def convert_adapter(adapter: Adapter, model: nn.Module, rank: int, bias_policy: 
     return conv
 
 
+def as_adapter(conv: LoraConversion, dtype: torch.dtype = torch.float32) -> Adapter:
+    """The conversion as a loaded Scute adapter (plain LoRA slots), to serve or compare without a file."""
+    layers = {}
+    for name, l in conv.layers.items():
+        c = None if l.bias is None else l.bias.to(dtype)
+        layers[name] = Slots(l.in_features, l.out_features, A=l.A.to(dtype), B=l.B.to(dtype), c=c)
+    return Adapter(f"{os.path.basename(conv.source)}-lora-r{conv.rank}", conv.source, "LORA", {}, "", layers)
+
+
 def target_modules(names: list[str], model: nn.Module) -> list[str] | str:
     """PEFT `target_modules` adapting exactly `names`: their leaf names if that selects no other linear
     layer of `model`, else a full-match regex of the names."""
     leaves = sorted({n.rpartition(".")[2] for n in names})
     linear = [n for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), Tensor)
-              and getattr(m, "weight").dim() == 2 and not isinstance(m, nn.Embedding)]
+              and m.weight.dim() == 2 and not isinstance(m, nn.Embedding)]
     selected = {n for n in linear if n.rpartition(".")[2] in leaves}
     if selected == set(names):
         return leaves
@@ -233,9 +251,9 @@ def conversion_report(conv: LoraConversion) -> dict:
     return {
         "source": conv.source, "peft_type": conv.peft_type, "rank": conv.rank, "rel_error": conv.rel_error,
         "exact_bytes_fp32": conv.exact_bytes(4), "lora_bytes_fp32": conv.lora_bytes(4), "notes": conv.notes,
-        "layers": {n: dict(in_features=l.in_features, out_features=l.out_features, rel_error=l.rel_error,
-                           delta_rank=l.delta_rank, method=l.method, bias_norm=l.bias_norm,
-                           bias_dropped=bool(l.bias_error_norm), exact_elems=l.exact_elems)
+        "layers": {n: {"in_features": l.in_features, "out_features": l.out_features, "rel_error": l.rel_error,
+                           "delta_rank": l.delta_rank, "method": l.method, "bias_norm": l.bias_norm,
+                           "bias_dropped": bool(l.bias_error_norm), "exact_elems": l.exact_elems}
                    for n, l in conv.layers.items()},
     }
 

@@ -19,8 +19,8 @@ import enum
 import inspect
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import scute
 from scute.engine.request import AdapterRequest
@@ -66,7 +66,7 @@ class SamplingParams:
     include_stop_str_in_output; output_kind CUMULATIVE or FINAL_ONLY (`generate` returns final outputs either
     way); skip_clone (no effect). Any other option raises unless left at vLLM's default."""
 
-    _HONOURED = {"temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens",
+    _HONOURED: ClassVar[set[str]] = {"temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens",
                  "min_tokens", "logprobs", "skip_special_tokens", "include_stop_str_in_output", "output_kind",
                  "skip_clone"}
 
@@ -259,8 +259,8 @@ class LLM:
                                      ("tokenizer_mode", tokenizer_mode, ("auto", "hf"))):
             if value not in allowed:
                 raise _unsupported("LLM", name, value, f"Scute runs text generation: use one of {allowed}")
-        options = dict(dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-                       enforce_eager=enforce_eager, kv_cache_memory_bytes=kv_cache_memory_bytes)
+        options = {"dtype": dtype, "seed": seed, "gpu_memory_utilization": gpu_memory_utilization,
+                       "enforce_eager": enforce_eager, "kv_cache_memory_bytes": kv_cache_memory_bytes}
         self.enable_lora = bool(kwargs.pop("enable_lora", False))
         for name, value in kwargs.items():
             if name in _ENGINE_KWARGS:
