@@ -14,6 +14,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import torch
 from torch import Tensor, nn
@@ -143,15 +144,15 @@ def is_targeted(config: Mapping, name: str) -> bool:
 class LayerCheckpoint:
     """What a converter sees of one adapted layer: its tensors, the adapter's config and the base layer.
 
-    `weight` is the base W0 [out, in] and `bias` the bias the method expects (a bias trained with
-    ``bias="all"`` replaces the base one), both in `dtype` — float32, or float64 for a float64 model — which
-    is also the dtype `tensor()` returns. Write the method's math with this bias; the loader corrects for the
-    base bias the server keeps.
+    Converters run on the CPU, in `dtype` — float32, or float64 for a float64 model — which is the dtype
+    `tensor()` returns. `weight` is the base W0 [out, in], copied to the CPU in `dtype` on first use only (most
+    methods never read it), and `bias` the bias the method expects (a bias trained with ``bias="all"`` replaces
+    the base one). Write the method's math with this bias; the loader corrects for the base bias the server keeps.
     """
 
     name: str
     config: Mapping
-    weight: Tensor
+    base: nn.Module = field(repr=False)  # the served linear layer: `weight` [out, in], `bias`
     bias: Tensor | None
     tensors: dict[str, Tensor]
     checkpoint: AdapterCheckpoint
@@ -163,15 +164,19 @@ class LayerCheckpoint:
 
     @property
     def in_features(self) -> int:
-        return self.weight.shape[1]
+        return self.base.weight.shape[1]
 
     @property
     def out_features(self) -> int:
-        return self.weight.shape[0]
+        return self.base.weight.shape[0]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.weight.dtype
+        return acc_dtype(self.base.weight.dtype)
+
+    @cached_property
+    def weight(self) -> Tensor:
+        return self.base.weight.detach().to(device="cpu", dtype=self.dtype)
 
     def error(self, problem: str) -> AdapterError:
         return self.checkpoint.error(problem, self.name)
@@ -245,13 +250,12 @@ def convert_checkpoint(
     for name in sorted(groups, key=list(modules).index):  # model order: the first problem reported is the first
         tensors, base = groups[name], modules[name]
         dtype = acc_dtype(base.weight.dtype)
-        w = base.weight.detach().to(dtype)
-        b0 = None if base.bias is None else base.bias.detach().to(dtype)
+        b0 = None if base.bias is None else base.bias.detach().to(device="cpu", dtype=dtype)
         trained_bias = tensors.pop("base_layer.bias", tensors.pop("bias", None))
         bias = b0 if trained_bias is None else trained_bias.to(dtype)
-        if bias is not None and tuple(bias.shape) != (w.shape[0],):
-            raise ckpt.error(f"trained bias has shape {tuple(bias.shape)}, layer needs ({w.shape[0]},)", name)
-        layer = LayerCheckpoint(name, ckpt.config, w, bias, tensors, ckpt, globals_, shapes, shared, dense=dense)
+        if bias is not None and tuple(bias.shape) != (shapes[name][0],):
+            raise ckpt.error(f"trained bias has shape {tuple(bias.shape)}, layer needs ({shapes[name][0]},)", name)
+        layer = LayerCheckpoint(name, ckpt.config, base, bias, tensors, ckpt, globals_, shapes, shared, dense=dense)
         if set(tensors) & set(method.keys):
             try:
                 slots = method.convert(layer)
@@ -260,7 +264,7 @@ def convert_checkpoint(
             except ValueError as e:  # a slot that does not fit the layer
                 raise layer.error(str(e)) from e
         else:  # only a trained bias (bias="all" on a layer the method does not adapt)
-            slots = Slots(w.shape[1], w.shape[0])
+            slots = Slots(layer.in_features, layer.out_features)
         if extra := sorted(set(tensors) - layer.used):
             raise layer.error(f"unexpected tensor {extra[0]!r} for {ckpt.peft_type} with this config")
         out[name] = _correct_bias(slots, b0, bias)

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Mapping
 from dataclasses import replace
-from types import SimpleNamespace
 
 import torch
 from torch import Tensor, nn
 
-from scute.adapters.checkpoint import Adapter, AdapterError, convert_checkpoint, linear_modules, read_checkpoint
+from scute.adapters.checkpoint import Adapter, AdapterError, load_adapter
 from scute.model.hf import place_adapter
 from scute.model.linear import ScuteLinear
 
@@ -41,14 +39,7 @@ class AdapterManager:
     def load(self, path: str | os.PathLike, name: str | None = None) -> Adapter:
         """Read, validate and convert a PEFT folder (raises AdapterError / OSError)."""
         path = os.fspath(path)
-        ckpt = read_checkpoint(path)
-        modules = linear_modules(self.model)
-        if self.device.type != "cpu":  # converters compute on the CPU: give them CPU copies of W0 and b0
-            modules = _CpuLinears(modules)
-        layers = convert_checkpoint(ckpt, modules)
-        name = name or os.path.basename(os.path.normpath(path))
-        adapter = Adapter(name, ckpt.path, ckpt.peft_type, ckpt.config, ckpt.identity,
-                          {n: s.folded() for n, s in layers.items()})
+        adapter = load_adapter(path, self.model, name)  # converts on the CPU (W0 copied only if a method needs it)
         rank = max((s.rank for s in adapter.layers.values()), default=0)
         if rank > self.max_adapter_rank:
             raise AdapterError(f"adapter {path} ({adapter.peft_type}) has rank {rank}, above max_adapter_rank="
@@ -142,27 +133,3 @@ def _signature(path: str) -> tuple:
         except OSError:
             pass
     return tuple(sig)
-
-
-class _CpuLinears(Mapping):
-    """The model's linear layers as the converters see them (``weight``, ``bias``), copied to the CPU only
-    when a checkpoint touches them."""
-
-    def __init__(self, modules: dict[str, nn.Module]) -> None:
-        self._modules, self._copies = modules, {}
-
-    def __getitem__(self, name: str) -> SimpleNamespace:
-        if name not in self._copies:
-            m = self._modules[name]
-            bias = None if m.bias is None else m.bias.detach().cpu()
-            self._copies[name] = SimpleNamespace(weight=m.weight.detach().cpu(), bias=bias)
-        return self._copies[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._modules
-
-    def __iter__(self):
-        return iter(self._modules)
-
-    def __len__(self) -> int:
-        return len(self._modules)

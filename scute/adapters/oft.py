@@ -36,7 +36,7 @@ def coft_project(Q: Tensor, eps: float) -> Tensor:
 
 def cayley(Q: Tensor, neumann_terms: int | None) -> Tensor:
     """R from Q: the exact Cayley map if `neumann_terms` is None, else PEFT's truncated series."""
-    eye = torch.eye(Q.shape[-1], dtype=Q.dtype).expand_as(Q)
+    eye = torch.eye(Q.shape[-1], dtype=Q.dtype, device=Q.device).expand_as(Q)
     if neumann_terms is None:
         return torch.linalg.solve(eye + Q, eye - Q, left=False)
     R = eye.clone()
