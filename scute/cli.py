@@ -69,9 +69,34 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _explain(argv: list[str]) -> int:
+    from scute.adapters.explain import explain_main
+
+    return explain_main(argv)
+
+
+def _convert(argv: list[str]) -> int:
+    from scute.compat.convert import convert_main
+
+    return convert_main(argv)
+
+
+# Subcommands with their own argument parsers: `scute explain -h`, `scute convert -h`.
+DELEGATED = {
+    "explain": (_explain, "per layer: slots filled, merged and live, bytes, FLOPs and predicted cost of an adapter"),
+    "convert": (_convert, "convert an adapter of any method to a PEFT LoRA checkpoint (truncated SVD) for LoRA-only "
+                          "servers, with its error"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DELEGATED:
+        return DELEGATED[argv[0]][0](argv[1:])
     parser = argparse.ArgumentParser(prog="scute", description="Serve many PEFT adapters on one base model.")
     sub = parser.add_subparsers(dest="command", required=True)
+    for name, (_, help_text) in DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     p = sub.add_parser("demo", help="SmolLM2-135M with a LoRA, DoRA, IA3, VeRA and OFT adapter in one batch")
     p.add_argument("--cache-dir", help="base model and adapter cache (default ~/.cache/scute/demo or $SCUTE_CACHE)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
