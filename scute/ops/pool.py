@@ -56,6 +56,9 @@ class SlotPool:
     block, smallest OFT block).
     """
 
+    # The engine runs its steps under torch.inference_mode; the pool is created on a first forward but updated
+    # in place later by set_slot, outside it: its tensors must be normal tensors, never inference tensors.
+    @torch.inference_mode(False)
     def __init__(self, in_features: int, out_features: Sequence[int], num_slots: int,
                  device: torch.device | str, dtype: torch.dtype) -> None:
         self.in_features, self.out_features = in_features, tuple(out_features)
@@ -88,6 +91,7 @@ class SlotPool:
         return hit[1]
 
     # ------------------------------------------------------------------ building
+    @torch.inference_mode(False)
     def update(self, slots: Sequence[Sequence[Slots | None]]) -> None:
         """Rebuild the table from ``slots[p][s]`` (folded: scale 1) and copy it into place."""
         if len(slots) != self.num_proj or any(len(row) != self.num_slots for row in slots):
