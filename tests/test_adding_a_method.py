@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from scute.adapters import registry
-from tests.test_methods_extra import one_thread  # noqa: F401 (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "adding_a_method.md"

@@ -61,15 +61,6 @@ class Oracle:
         return Engine(tiny_model(self.family), **options)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is several times faster than two on a loaded 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory):
     return Oracle(tmp_path_factory.mktemp("adapters"))

@@ -3,19 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from scute import Engine, SamplingParams
 from tests.helpers import tiny_model
 from tests.test_engine import PROMPTS
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class LetterTokenizer:

@@ -6,20 +6,11 @@ import os
 import shutil
 
 import pytest
-import torch
 from peft import LoraConfig
 
 from scute import Engine, SamplingParams
 from tests.helpers import make_adapter, tiny_model
 from tests.test_engine import GREEDY, PROMPTS, Oracle, check
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

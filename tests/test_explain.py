@@ -31,7 +31,6 @@ from scute.adapters import read_checkpoint
 from scute.adapters.explain import ExplainTable, explain, explain_main
 from scute.ops.cost import VEC_BYTES
 from tests.helpers import ALL_LINEAR, make_adapter, tiny_model
-from tests.test_methods_extra import one_thread  # noqa: F401 (fixture)
 
 T4 = ["q_proj", "v_proj", "up_proj", "down_proj"]
 E = 2  # bf16 matrices; vectors are float32 (VEC_BYTES)

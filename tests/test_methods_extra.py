@@ -54,14 +54,6 @@ T4 = ["q_proj", "v_proj", "up_proj", "down_proj"]  # in 64/64/64/96, out 64/32/9
 QKV = ["q_proj", "k_proj", "v_proj"]  # biased on qwen2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: intra-op threads only contend (a 64×128 matmul is 50× slower with 2 threads on a busy
-    2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 TOL = {torch.float64: {"rel": 1e-10, "effect": 1e-10}, torch.float32: {"rel": 1e-5, "effect": 1e-3}}
 IDS = torch.randint(0, 128, (3, 7), generator=torch.Generator().manual_seed(0))
 
