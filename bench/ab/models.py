@@ -88,8 +88,9 @@ def build_smollm2(folder: str) -> str:
 
 
 def randomize(peft_model, seed: int, scale: float) -> None:
-    """Every trainable adapter tensor random: LoRA A/B and VeRA λ around `scale`, multiplicative vectors
-    (DoRA magnitude, IA3) around 1, OFT skew parameters small."""
+    """Every trainable adapter tensor random, its size set by `scale` (0.5 = the A/B workload's): LoRA B and
+    VeRA λ around `scale`, multiplicative vectors (DoRA magnitude, IA3) around 1 ± 0.4·scale, OFT's skew
+    parameters ± 0.1·scale; LoRA A kaiming-like."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -97,9 +98,9 @@ def randomize(peft_model, seed: int, scale: float) -> None:
                 continue
             noise = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
             if "lora_magnitude_vector" in name or "ia3_l" in name:
-                p.mul_(1 + 0.2 * noise)
+                p.mul_(1 + 0.4 * scale * noise)
             elif "oft_R" in name:
-                p.copy_(0.05 * noise)
+                p.copy_(0.1 * scale * noise)
             elif "vera_lambda" in name:
                 p.copy_(scale * 4 * noise)
             elif "lora_A" in name:
