@@ -340,3 +340,7 @@ def convert_main(argv: list[str] | None = None) -> int:
         print(f"note: {note}")
     print(f"wrote {args.out}")
     return 0
+
+
+if __name__ == "__main__":  # python -m scute.compat.convert ADAPTER --to lora --rank R --out DIR
+    raise SystemExit(convert_main())
