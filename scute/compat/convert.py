@@ -189,7 +189,8 @@ def convert_adapter(adapter: Adapter, model: nn.Module, rank: int, bias_policy: 
         for slot in slots.shared:
             x = getattr(slots, slot)
             shared[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes() // x.element_size()
-    conv = LoraConversion(adapter.path, adapter.peft_type, rank, layers, sum(shared.values()))
+    method = "DORA" if adapter.peft_type == "LORA" and adapter.config.get("use_dora") else adapter.peft_type
+    conv = LoraConversion(adapter.path, method, rank, layers, sum(shared.values()))
     dropped = [l.name for l in layers.values() if l.bias_error_norm]
     if dropped:
         conv.notes.append(f"bias change of {len(dropped)} layers dropped (bias='drop'): counted in the error")
@@ -321,7 +322,7 @@ def convert_main(argv: list[str] | None = None) -> int:
             lora_kib = esize * (l.A.numel() + l.B.numel()) / 1024
             print(f"{name:<44} {l.in_features:>6} {l.out_features:>6} {l.delta_rank:>7} {l.method:>7} "
                   f"{l.rel_error:>9.2e} {esize * l.exact_elems / 1024:>10.1f} {lora_kib:>9.1f}")
-    print(f"{adapter.peft_type} -> LoRA r={args.rank}: {len(conv.layers)} layers, "
+    print(f"{conv.peft_type} -> LoRA r={args.rank}: {len(conv.layers)} layers, "
           f"{sum(l.exact for l in conv.layers.values())} exact")
     print(f"weight error (whole model)  sqrt(Σ‖ΔW−BA‖²)/sqrt(Σ‖ΔW‖²) = {conv.rel_error:.3e}")
     if args.probe_tokens > 0:
