@@ -44,6 +44,9 @@ $(VLLM_VENV)/.installed:
 # Scute vs vLLM on one workload (docs/vllm_ab.md); results in out/ab/.
 ab: $(VENV)/.demo $(VLLM_VENV)/.installed
 	$(BIN)/python bench/ab_vllm.py --models tiny,smollm2 --vllm-python $(VLLM_VENV)/bin/python
+	$(BIN)/python bench/ab_vllm.py --models tiny,smollm2 --vllm-python $(VLLM_VENV)/bin/python --base-only
+	PYTHONPATH=. VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		tests/test_compat_vllm.py -k "signatures or snapshot"
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info
