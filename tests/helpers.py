@@ -98,3 +98,26 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def effect_err(actual: torch.Tensor, expected: torch.Tensor, base: torch.Tensor) -> float:
     """‖actual − expected‖ / ‖expected − base‖: the error as a fraction of the adapter's effect."""
     return ((actual - expected).norm() / (expected - base).norm()).item()
+
+
+def check_layers(layers: dict, slots: dict, base_model, tol: dict) -> float:
+    """Each PEFT-adapted layer's captured (input, output) against the reference op with the converted slots,
+    unfolded and folded; asserts `tol` ("rel" of the output, "effect" of the adapter's change) and returns the
+    largest relative error."""
+    from scute.ops.reference import scute_linear_ref
+
+    assert set(layers) <= set(slots), "a layer PEFT adapts was not converted"
+    modules, worst = dict(base_model.named_modules()), 0.0
+    for name, (x, y_peft) in layers.items():
+        lin = modules[name]
+        x2 = x.reshape(-1, lin.in_features)
+        zeros = torch.zeros(x2.shape[0], dtype=torch.long)
+        y_base = torch.nn.functional.linear(x2, lin.weight, lin.bias)
+        for s in (slots[name], slots[name].folded()):
+            y = scute_linear_ref(x2, lin.weight, lin.bias, [s], zeros)
+            expected = y_peft.reshape(y.shape)
+            worst = max(worst, rel_err(y, expected))
+            assert rel_err(y, expected) <= tol["rel"], name
+            if not torch.equal(expected, y_base):
+                assert effect_err(y, expected, y_base) <= tol["effect"], name
+    return worst

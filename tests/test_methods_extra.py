@@ -47,8 +47,7 @@ from scute.adapters.checkpoint import linear_modules
 from scute.adapters.lora_variants import alora_active
 from scute.engine.context import ForwardContext, forward_context
 from scute.model.hf import place_adapter, swap_linears
-from scute.ops.reference import scute_linear_ref
-from tests.helpers import ALL_LINEAR, capture_layers, effect_err, make_adapter, rel_err, tiny_model
+from tests.helpers import ALL_LINEAR, capture_layers, check_layers, effect_err, make_adapter, rel_err, tiny_model
 
 T4 = ["q_proj", "v_proj", "up_proj", "down_proj"]  # in 64/64/64/96, out 64/32/96/64
 QKV = ["q_proj", "k_proj", "v_proj"]  # biased on qwen2
@@ -116,24 +115,11 @@ def assert_matches_peft(path, config, family="llama", dtype=torch.float64, build
     base = tiny_model(family, dtype)
     with torch.no_grad():
         base_logits = base(IDS).logits
-    tol, worst = TOL[dtype], 0.0
+    tol = TOL[dtype]
     assert rel_err(base_logits, peft_logits) > 1e-3, "the adapter has no visible effect: the test could not fail"
 
     slots = convert_checkpoint(read_checkpoint(path), linear_modules(base), dense=dense)
-    modules = dict(base.named_modules())
-    assert set(layers) <= set(slots), "a layer PEFT adapts was not converted"
-    for name, (x, y_peft) in layers.items():
-        lin = modules[name]
-        x2 = x.reshape(-1, lin.in_features)
-        zeros = torch.zeros(x2.shape[0], dtype=torch.long)
-        y_base = torch.nn.functional.linear(x2, lin.weight, lin.bias)
-        for s in (slots[name], slots[name].folded()):
-            y = scute_linear_ref(x2, lin.weight, lin.bias, [s], zeros)
-            expected = y_peft.reshape(y.shape)
-            worst = max(worst, rel_err(y, expected))
-            assert rel_err(y, expected) <= tol["rel"], name
-            if not torch.equal(expected, y_base):
-                assert effect_err(y, expected, y_base) <= tol["effect"], name
+    worst = check_layers(layers, slots, base, tol)
 
     model = tiny_model(family, dtype)
     linears = swap_linears(model, max_adapters=2)
