@@ -9,11 +9,18 @@ from __future__ import annotations
 import os
 
 import torch
-from peft import get_peft_model
+from peft import IA3Config, LoraConfig, OFTConfig, VeraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 FAMILIES = ("llama", "qwen2")
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FIVE_METHODS = {  # one config of each core method, for tests that mix them
+    "lora": lambda: LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR),
+    "dora": lambda: LoraConfig(r=6, lora_alpha=8, use_dora=True, target_modules=["q_proj", "v_proj", "up_proj"]),
+    "ia3": lambda: IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    "vera": lambda: VeraConfig(r=8, target_modules=["q_proj", "v_proj", "up_proj"]),
+    "oft": lambda: OFTConfig(r=0, oft_block_size=8, target_modules=ALL_LINEAR),
+}
 
 
 def tiny_model(family: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0, hidden: int = 64):

@@ -10,18 +10,12 @@ import shutil
 
 import pytest
 import torch
-from peft import IA3Config, LoraConfig, OFTConfig, PeftModel, VeraConfig
+from peft import PeftModel
 
 from scute import AdapterRequest, Engine, SamplingParams
-from tests.helpers import ALL_LINEAR, make_adapter, tiny_model
+from tests.helpers import FIVE_METHODS as CONFIGS
+from tests.helpers import make_adapter, tiny_model
 
-CONFIGS = {
-    "lora": lambda: LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR),
-    "dora": lambda: LoraConfig(r=6, lora_alpha=8, use_dora=True, target_modules=["q_proj", "v_proj", "up_proj"]),
-    "ia3": lambda: IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
-    "vera": lambda: VeraConfig(r=8, target_modules=["q_proj", "v_proj", "up_proj"]),
-    "oft": lambda: OFTConfig(r=0, oft_block_size=8, target_modules=ALL_LINEAR),
-}
 METHODS = list(CONFIGS)
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)

@@ -8,20 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import IA3Config, LoraConfig, OFTConfig, VeraConfig
 
 from scute.adapters import load_adapter
 from scute.engine.context import ForwardContext, forward_context
 from scute.model.hf import place_adapter, swap_linears
-from tests.helpers import ALL_LINEAR, effect_err, make_adapter, rel_err, tiny_model
-
-CONFIGS = {
-    "lora": lambda: LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR),
-    "dora": lambda: LoraConfig(r=6, lora_alpha=8, use_dora=True, target_modules=["q_proj", "v_proj", "up_proj"]),
-    "ia3": lambda: IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
-    "vera": lambda: VeraConfig(r=8, target_modules=["q_proj", "v_proj", "up_proj"]),
-    "oft": lambda: OFTConfig(r=0, oft_block_size=8, target_modules=ALL_LINEAR),
-}
+from tests.helpers import FIVE_METHODS as CONFIGS
+from tests.helpers import effect_err, make_adapter, rel_err, tiny_model
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -27,11 +27,16 @@ import torch.nn.functional as F  # noqa: E402
 
 from scute.engine.context import ForwardContext, forward_context  # noqa: E402
 from scute.model.linear import ScuteLinear  # noqa: E402
-from scute.ops import SlotPool, build_lora_meta, scute_linear_ref, scute_linears_triton  # noqa: E402
+from scute.ops import (  # noqa: E402
+    SlotPool,
+    build_lora_meta,
+    scute_linear_ref,
+    scute_linears_triton,
+    triton_ops,  # noqa: E402
+)
 from scute.ops.meta import BLOCK_M, LoraMeta, max_tiles  # noqa: E402
 from scute.ops.reference import input_transform_ref  # noqa: E402
 from scute.ops.testing import POPULARITY, random_slots, token_slots, vera_pair  # noqa: E402
-from scute.ops import triton_ops  # noqa: E402
 from scute.ops.triton_ops import input_transform  # noqa: E402
 
 IN, OUT = 32, 48
