@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
@@ -24,6 +24,8 @@ class ForwardContext:
     sample_adapter_slots: [S] int64, the slots of the rows that reach the LM head when the model computes
         logits only for some positions (None: the LM head sees all T tokens).
     attn: the attention backend's metadata (block tables, slot mapping, ...), None outside the engine.
+    slot_rows: the reference op's rows per adapter slot (``scute.ops.reference.slot_rows``), computed by the
+        first `ScuteLinear` on the CPU path for each slots tensor and reused by every other layer.
     lora_meta: the adapter kernels' per-step token metadata (a `scute.ops.meta.MetaCache`: tokens sorted by
         adapter, tiles), built once per step by the first `ScuteLinear` that needs it (None until then), or
         ahead by the engine into preallocated buffers.
@@ -33,6 +35,7 @@ class ForwardContext:
     sample_adapter_slots: Tensor | None = None
     attn: Any = None
     lora_meta: Any = None
+    slot_rows: dict = field(default_factory=dict)  # id(slots tensor) -> the reference op's rows per slot
 
     def adapter_slots(self, num_tokens: int) -> Tensor:
         """The slots of a layer call over `num_tokens` rows (all tokens, or only the sampled ones)."""

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from scute.adapters.slots import Slots
 from scute.engine.context import ForwardContext, get_forward_context
 from scute.ops import LoraMeta, MetaCache, SlotPool, scute_linear_ref, scute_linear_triton, triton_enabled
+from scute.ops.reference import slot_rows
 
 
 class ScuteLinear(nn.Module):
@@ -51,8 +52,11 @@ class ScuteLinear(nn.Module):
         if triton_enabled(flat):
             pool = self._pool_for(flat)
             y = scute_linear_triton(flat, self.weight, self.bias, pool, lora_meta(ctx, token_slots, pool))
-        else:
-            y = scute_linear_ref(flat, self.weight, self.bias, self.slots, token_slots)
+        else:  # the grouping of tokens by slot is the same for every layer: computed once per forward
+            rows = ctx.slot_rows.get(id(token_slots))
+            if rows is None:
+                rows = ctx.slot_rows[id(token_slots)] = slot_rows(token_slots)
+            y = scute_linear_ref(flat, self.weight, self.bias, self.slots, token_slots, rows)
         return y.view(*x.shape[:-1], self.out_features)
 
     def _pool_for(self, x: Tensor) -> SlotPool:

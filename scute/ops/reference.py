@@ -28,7 +28,17 @@ def rotate_pairs(z: Tensor, group: int) -> Tensor:
     return torch.stack((-zz[..., 1, :], zz[..., 0, :]), dim=-2).flatten(-3)
 
 
-def input_transform_ref(x: Tensor, slots: Sequence[Slots | None], token_slots: Tensor) -> Tensor:
+def slot_rows(token_slots: Tensor) -> dict[int, Tensor]:
+    """The rows of each adapter slot present in `token_slots` (ascending; slot −1 left out): one stable sort and
+    one host sync. A forward computes it once per distinct `token_slots` and passes it to every layer's call."""
+    present, counts = torch.unique(token_slots, return_counts=True)
+    groups = torch.argsort(token_slots, stable=True).split(counts.tolist())
+    return {a: rows for a, rows in zip(present.tolist(), groups) if a >= 0}
+
+
+def input_transform_ref(
+    x: Tensor, slots: Sequence[Slots | None], token_slots: Tensor, rows: dict[int, Tensor] | None = None
+) -> Tensor:
     """Apply each token's input transform T (base path only).
 
     Semantics:
@@ -36,13 +46,13 @@ def input_transform_ref(x: Tensor, slots: Sequence[Slots | None], token_slots: T
         x'[t]_k = t_blocks_a[k] @ x[t]_k             if it has a block-diagonal T (chunk k of size b)
         x'[t] = x[t]                                 otherwise (including token_slots[t] == -1)
 
-    Shapes: x [T, in], token_slots [T] int (−1 = base); returns x' [T, in] in x.dtype (a new tensor only if
-    some token has a T slot).
+    Shapes: x [T, in], token_slots [T] int (−1 = base), `rows` = ``slot_rows(token_slots)`` if the caller has
+    it; returns x' [T, in] in x.dtype (a new tensor only if some token has a T slot).
     """
     out = x
-    for a in _active(slots, token_slots, lambda s: s.t is not None or s.t_blocks is not None):
-        s, rows = slots[a], (token_slots == a).nonzero().squeeze(1)
-        xa = x[rows].to(acc_dtype(x.dtype))
+    for a, idx in _active(slots, token_slots, rows, lambda s: s.t is not None or s.t_blocks is not None):
+        s = slots[a]
+        xa = x[idx].to(acc_dtype(x.dtype))
         if s.t is not None:
             xa = xa * s.t.to(xa.dtype)
         if s.t_blocks is not None:
@@ -53,11 +63,13 @@ def input_transform_ref(x: Tensor, slots: Sequence[Slots | None], token_slots: T
             xa = torch.einsum("kij,nkj->nki", tb, chunks).flatten(-2)
         if out is x:
             out = x.clone()
-        out[rows] = xa.to(x.dtype)
+        out[idx] = xa.to(x.dtype)
     return out
 
 
-def epilogue_ref(z: Tensor, x: Tensor, slots: Sequence[Slots | None], token_slots: Tensor) -> Tensor:
+def epilogue_ref(
+    z: Tensor, x: Tensor, slots: Sequence[Slots | None], token_slots: Tensor, rows: dict[int, Tensor] | None = None
+) -> Tensor:
     """Apply each token's epilogue and low-rank delta to the base output z (in place on rows with an adapter).
 
     Semantics:
@@ -65,30 +77,32 @@ def epilogue_ref(z: Tensor, x: Tensor, slots: Sequence[Slots | None], token_slot
         y[t] = z[t]                                                        for token_slots[t] == -1
     with empty slots as identity / zero. Computed in float32 (float64 for float64 inputs), stored in z.dtype.
 
-    Shapes: z [T, out], x [T, in] (the raw input: A sees x, not T(x)), token_slots [T]; returns z.
+    Shapes: z [T, out], x [T, in] (the raw input: A sees x, not T(x)), token_slots [T], `rows` as in
+    `input_transform_ref`; returns z.
     """
-    for a in _active(slots, token_slots, lambda s: True):
-        s, rows = slots[a], (token_slots == a).nonzero().squeeze(1)
-        za = z[rows].to(acc_dtype(z.dtype))
+    for a, idx in _active(slots, token_slots, rows, lambda s: True):
+        s = slots[a]
+        za = z[idx].to(acc_dtype(z.dtype))
         y = za * s.o.to(za.dtype) if s.o is not None else za.clone()
         if s.o2 is not None:
             y = y + s.o2.to(za.dtype) * rotate_pairs(za, s.rot_group)
         if s.c is not None:
             y = y + s.c.to(za.dtype)
         if s.A is not None:
-            h = x[rows].to(za.dtype) @ s.A.to(za.dtype).T
+            h = x[idx].to(za.dtype) @ s.A.to(za.dtype).T
             if s.m is not None:
                 h = h * s.m.to(za.dtype)
             d = h @ s.B.to(za.dtype).T
             if s.v is not None:
                 d = d * s.v.to(za.dtype)
             y = y + s.scale * d if s.scale != 1.0 else y + d
-        z[rows] = y.to(z.dtype)
+        z[idx] = y.to(z.dtype)
     return z
 
 
 def scute_linear_ref(
-    x: Tensor, weight: Tensor, bias: Tensor | None, slots: Sequence[Slots | None], token_slots: Tensor
+    x: Tensor, weight: Tensor, bias: Tensor | None, slots: Sequence[Slots | None], token_slots: Tensor,
+    rows: dict[int, Tensor] | None = None,
 ) -> Tensor:
     """One adapted linear layer over a batch where every token has its own adapter (or none).
 
@@ -99,14 +113,17 @@ def scute_linear_ref(
         U_a(z) = o_a ⊙ z + o2_a ⊙ rot_g(z) + c_a
 
     Shapes: x [T, in], weight [out, in], bias [out] or None, slots[a] for a in [0, len(slots)) (None = the
-    slot is empty: its tokens get the base output), token_slots [T] int64 with values in [-1, len(slots)).
+    slot is empty: its tokens get the base output), token_slots [T] int64 with values in [-1, len(slots)),
+    `rows` = ``slot_rows(token_slots)`` when the caller already has it (it is the same for every layer).
     Returns y [T, out] in x.dtype. The base GEMM runs in x.dtype, like the server's; the adapter path in
     float32 (float64 for float64 inputs).
     """
-    z = F.linear(input_transform_ref(x, slots, token_slots), weight, bias)
-    return epilogue_ref(z, x, slots, token_slots)
+    rows = slot_rows(token_slots) if rows is None else rows
+    z = F.linear(input_transform_ref(x, slots, token_slots, rows), weight, bias)
+    return epilogue_ref(z, x, slots, token_slots, rows)
 
 
-def _active(slots: Sequence[Slots | None], token_slots: Tensor, want) -> list[int]:
-    present = token_slots.unique().tolist()
-    return [a for a in present if a >= 0 and slots[a] is not None and want(slots[a])]
+def _active(slots, token_slots: Tensor, rows: dict[int, Tensor] | None, want) -> list[tuple[int, Tensor]]:
+    """(slot, its rows) for each slot present whose `Slots` exist here and satisfy `want`."""
+    rows = slot_rows(token_slots) if rows is None else rows
+    return [(a, idx) for a, idx in rows.items() if slots[a] is not None and want(slots[a])]
