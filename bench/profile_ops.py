@@ -19,7 +19,8 @@ CONFIGS = {
     "default": {},
     "split1": dict(MAX_SPLIT_K=1),
     "warps2": dict(EXPAND_WARPS=2, SHRINK_WARPS=2),
-    "stages3": dict(NUM_STAGES=3),
+    "stages1": dict(SHRINK_STAGES=1),
+    "stages3": dict(SHRINK_STAGES=3, EXPAND_STAGES=2),
     "chunk1": dict(TARGET_EXPAND_PROGRAMS=1 << 30),
 }
 
@@ -53,7 +54,8 @@ def compiled_stats() -> list[str]:
 
 def main() -> None:
     layer = B.Layer()
-    base = {k: getattr(triton_ops, k) for k in ("MAX_SPLIT_K", "EXPAND_WARPS", "SHRINK_WARPS", "NUM_STAGES",
+    base = {k: getattr(triton_ops, k) for k in ("MAX_SPLIT_K", "EXPAND_WARPS", "SHRINK_WARPS", "SHRINK_STAGES",
+                                                "EXPAND_STAGES",
                                                 "TARGET_EXPAND_PROGRAMS")}
     for variant, batch, n in [("lora", 64, 64), ("lora", 1, 1), ("vera", 1, 1), ("vera", 64, 64)]:
         pools = B.build_pools(layer, variant, n, B.GROUPED)

@@ -1,15 +1,14 @@
 """Triton kernels of the six-slot op: input-transform pre-pass, shrink, expand with epilogue.
 
 Imported lazily (by `scute.ops.triton_ops` on first use) because `triton.jit` decides at decoration time whether
-to run compiled or in the interpreter (``TRITON_INTERPRET=1``). Every value loaded is cast to float32 right after
-`tl.load`: the interpreter computes bf16 arithmetic on bit patterns, and the adapter path accumulates in fp32
-anyway. Table layout and flags: `scute.ops.pool`.
+to run compiled or in the interpreter (``TRITON_INTERPRET=1``). Table layout and flags: `scute.ops.pool`.
 
-Why no `tl.dot`: at decode a tile holds about one token per adapter, and a tensor-core dot needs 16 rows; the
-first versions padded to 16 and held [16, 64] pointer and value tiles: ~200-250 registers per thread, two CTAs
-per SM, adapter weights streamed at 0.3-0.45 TB/s (H200, measured). Tiles of BLOCK_M = 4 tokens with
-broadcast-multiply-sum products in fp32 (exact products, fp32 sums) keep registers low and many programs in
-flight; the products are tiny next to the bytes at the ranks adapters have.
+A tile is up to BLOCK_M = 16 tokens of one adapter group (at decode: one token). The shrink is a tile GEMM on
+tensor cores (`tl.dot` of x and A in their own dtype: exact products, fp32 sums; fp32 inputs in IEEE fp32, no
+tf32) over the grid (tile, K split x rank tile, projection); masked rows move no bytes. The expand runs the
+tile's tokens one row at a time over the grid (tile, column range): a row's h is a rank-length vector, so its
+product with a Bᵀ block is a broadcast-multiply-sum in fp32 with no padded rows holding registers, and the
+row's slot vectors are contiguous loads through one pointer each.
 """
 
 from __future__ import annotations
@@ -47,6 +46,14 @@ HAS_T = tl.constexpr(_pool.HAS_T)
 HAS_TB = tl.constexpr(_pool.HAS_TB)
 
 
+@triton.jit
+def _ptr(tab_ptr, at, ty: tl.constexpr):
+    """The pointer stored in the table at `at` (scalar or tensor of offsets), typed `ty`, with the pool's alignment
+    promise (every tensor it points to starts 16-byte aligned: `SlotPool` checks): without the hint Triton cannot
+    vectorise loads through a pointer it read from memory and moves 2 bytes per instruction."""
+    return tl.multiple_of(tl.load(tab_ptr + at).to(tl.pointer_type(ty)), 16)
+
+
 # ---------------------------------------------------------------------------------------------- input transform
 @triton.jit
 def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, slots_ptr, num_tokens, in_features, num_slots,
@@ -58,13 +65,13 @@ def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, slots_ptr, num_tokens, in_fea
     flags = tl.where(slot >= 0, tl.load(tab_ptr + row + F_FLAGS), 0)
     x_row = x_ptr + t.to(tl.int64) * in_features
     out_row = xt_ptr + (p * num_tokens + t).to(tl.int64) * in_features
-    t_vec = tl.load(tab_ptr + row + F_T).to(tl.pointer_type(tl.float32))
+    t_vec = _ptr(tab_ptr, row + F_T, tl.float32)
     if (flags & HAS_TB) != 0:
         # Block-diagonal T: NBP blocks of size b per program, x'_k = T_k (t ⊙ x)_k as a broadcast-multiply-sum
         # (blocks are 4..64 wide: too small and too many for tensor cores to pay).
         b = tl.load(tab_ptr + row + F_TBB).to(tl.int32)
         shared_block = tl.load(tab_ptr + row + F_TBN) == 1
-        tb = tl.load(tab_ptr + row + F_TB).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        tb = _ptr(tab_ptr, row + F_TB, x_ptr.dtype.element_ty)
         k = c * NBP + tl.arange(0, NBP)
         i = tl.arange(0, BB)
         kmask = k < in_features // b
@@ -92,94 +99,108 @@ def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, slots_ptr, num_tokens, in_fea
 @triton.jit
 def shrink_kernel(x_ptr, h_ptr, tab_ptr, sorted_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr,
                   num_tokens, in_features, num_slots, h_width, k_per_split,
-                  P: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
-    """Program (tile, split): h_part[split, rows, hoff:hoff+r] = x[rows, K_split] @ A_p[:, K_split]ᵀ for each
-    projection p of the tile's group (split-K: enough programs to keep the memory system busy at decode)."""
-    tile, split = tl.program_id(0), tl.program_id(1)
+                  RT: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """Program (tile, split x rank tile, projection p): h_part[split, rows, hoff + r] = x[rows, K_split] @
+    A_p[r, K_split]ᵀ for the BR rank rows r of its rank tile (programs past the group's rank return at once)."""
+    tile, pid, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    split, r0 = pid // RT, (pid % RT) * BR
     g = tl.load(tile_group_ptr + tile)
     if g < 0:  # an unused tile: the grid is sized for the worst case, fixed for CUDA-graph capture
         return
+    row = (p * num_slots + g) * NF
+    rank = tl.load(tab_ptr + row + F_ARANK).to(tl.int32)
+    if r0 >= rank:  # this group's rank needs fewer rank tiles (or projection p has no A of its own)
+        return
+    a_ptr = _ptr(tab_ptr, row + F_A, x_ptr.dtype.element_ty)
+    hoff = tl.load(tab_ptr + row + F_AHOFF).to(tl.int32)
     pos = tl.load(tile_start_ptr + tile) + tl.arange(0, BM)
     row_ok = pos < tl.load(tile_end_ptr + tile)
     x_rows = x_ptr + tl.load(sorted_ptr + pos, mask=row_ok, other=0).to(tl.int64) * in_features
+    r = r0 + tl.arange(0, BR)
+    r_ok = r < rank
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, in_features)
-    offs_r, offs_k = tl.arange(0, BR), tl.arange(0, BK)
-    h_rows = h_ptr + (split * num_tokens + pos).to(tl.int64) * h_width
-    for p in tl.static_range(P):
-        row = (p * num_slots + g) * NF
-        rank = tl.load(tab_ptr + row + F_ARANK).to(tl.int32)
-        a_ptr = tl.load(tab_ptr + row + F_A).to(tl.pointer_type(x_ptr.dtype.element_ty))
-        hoff = tl.load(tab_ptr + row + F_AHOFF).to(tl.int32)
-        # Loop to this group's own rank: an r=16 adapter pays one rank tile next to an r=256 one.
-        for r0 in range(0, rank, BR):
-            r = r0 + offs_r
-            acc = tl.zeros((BM, BR), dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BK):
-                k = k0 + offs_k
-                kmask = k < k_hi
-                xk = tl.load(x_rows[:, None] + k[None, :], mask=row_ok[:, None] & kmask[None, :],
-                             other=0.0).to(tl.float32)
-                ak = tl.load(a_ptr + r[:, None] * in_features + k[None, :],
-                             mask=(r < rank)[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-                acc += tl.sum(xk[:, None, :] * ak[None, :, :], axis=2)
-            tl.store(h_rows[:, None] + hoff + r[None, :], acc, mask=row_ok[:, None] & (r < rank)[None, :])
+    acc = tl.zeros((BM, BR), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < k_hi
+        xk = tl.load(x_rows[:, None] + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        at = tl.load(a_ptr + r[None, :] * in_features + k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        acc = tl.dot(xk, at, acc, input_precision=PREC)
+    h_rows = h_ptr + (split * num_tokens + pos).to(tl.int64) * h_width + hoff
+    tl.store(h_rows[:, None] + r[None, :], acc, mask=row_ok[:, None] & r_ok[None, :])
 
 
 # ---------------------------------------------------------------------------------------------- expand
 @triton.jit
-def _vec(base, live, cols, mask, other):
-    """Per-token gather of a slot vector at `cols` ([BM, N]); `other` where the token's slot lacks it."""
-    return tl.load(base[:, None] + cols[None, :], mask=mask & live[:, None], other=other)
+def _has(flags, bit: tl.constexpr, like):
+    """(flags & bit) != 0 as a mask shaped like `like` (Triton's interpreter rejects a scalar bool in a mask)."""
+    return ((flags & bit) + like * 0) != 0
 
 
 @triton.jit
-def _row_vector(tab_ptr, srow, flags, bit, field):
-    """Each row's base pointer of a slot vector and whether its slot has it (loaded once per program)."""
-    return tl.load(tab_ptr + srow + field).to(tl.pointer_type(tl.float32)), (flags & bit) != 0
-
-
-@triton.jit
-def _h_tile(h_ptr, m_base, m_live, pos, row_ok, r0, rank, hoff, num_tokens, h_width,
-            SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr):
-    """m ⊙ h for rank rows [r0, r0 + BR): the shrink's SPLIT_K partials in ONE 3-D load, then summed (a loop of
-    loads would be a chain of dependent L2 round trips: it made the first version 5x slower at decode)."""
+def _h_row(h_ptr, m, flags, i, r0, rank, hoff, num_tokens, h_width, SPLIT_K: tl.constexpr, BR: tl.constexpr):
+    """m ⊙ h of sorted row i for rank rows [r0, r0 + BR): the shrink's SPLIT_K partials in one 2-D load, summed."""
     r = r0 + tl.arange(0, BR)
     s = tl.arange(0, SPLIT_K)
-    rows = (s[:, None] * num_tokens + pos[None, :]).to(tl.int64) * h_width + hoff
-    mask = row_ok[:, None] & (r < rank)[None, :]
-    h = tl.sum(tl.load(h_ptr + rows[:, :, None] + r[None, None, :], mask=mask[None, :, :], other=0.0), axis=0)
-    return h * _vec(m_base, m_live, r, mask, 1.0)
+    rows = (s * num_tokens + i).to(tl.int64) * h_width + hoff
+    h = tl.sum(tl.load(h_ptr + rows[:, None] + r[None, :], mask=(r < rank)[None, :], other=0.0), axis=0)
+    return h * tl.load(m + r, mask=(r < rank) & _has(flags, HAS_M, r), other=1.0)
 
 
 @triton.jit
-def _delta(h, bt_ptr, r0, rank, n_out, cols, BR: tl.constexpr):
-    """h [BM, BR] @ Bᵀ[r0:r0+BR, cols] as a broadcast-multiply-sum: [BM, HB] fp32."""
+def _row_delta(h, bt_ptr, r0, rank, n_out, cols, BR: tl.constexpr):
+    """h [BR] (fp32) @ Bᵀ[r0:r0+BR, cols]: [len(cols)] fp32, exact fp32 products."""
     r = r0 + tl.arange(0, BR)
     mask = (r < rank)[:, None] & (cols < n_out)[None, :]
     bt = tl.load(bt_ptr + r[:, None] * n_out + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    return tl.sum(h[:, :, None] * bt[None, :, :], axis=1)
+    return tl.sum(h[:, None] * bt, axis=0)
 
 
 @triton.jit
-def _epilogue(z, cols, partner, sign, delta, mask, o, o_live, o2, o2_live, c, c_live, v, v_live):
+def _epilogue(z, partner, sign, delta, cols, mask, flags, o, o2, c, v):
     """o ⊙ z + o2 ⊙ rot(z) + c + v ⊙ delta, in the reference's order (rot(z) = sign · partner); each vector given
-    by its rows' base pointers and liveness. o2's term is a where, not a multiply by 0: an inf in the partner
-    column must not turn a plain token's output into NaN."""
-    y = _vec(o, o_live, cols, mask, 1.0) * z
-    y += tl.where(o2_live[:, None], _vec(o2, o2_live, cols, mask, 0.0) * (sign * partner), 0.0)
-    y += _vec(c, c_live, cols, mask, 0.0)
-    return y + _vec(v, v_live, cols, mask, 1.0) * delta
+    by its slot's pointer and a bit of `flags` (a dead vector moves no bytes). o2's term is a where, not a
+    multiply by 0: an inf in the partner column must not turn a plain token's output into NaN."""
+    y = tl.load(o + cols, mask=mask & _has(flags, HAS_O, cols), other=1.0) * z
+    o2_live = _has(flags, HAS_O2, cols)
+    y += tl.where(o2_live, tl.load(o2 + cols, mask=mask & o2_live, other=0.0) * (sign * partner), 0.0)
+    y += tl.load(c + cols, mask=mask & _has(flags, HAS_C, cols), other=0.0)
+    return y + tl.load(v + cols, mask=mask & _has(flags, HAS_V, cols), other=1.0) * delta
+
+
+@triton.jit
+def _expand_chunk(z_row, col_a, col_b, n_out, h0, h_ptr, bt_ptr, i, rank, hoff, num_tokens, h_width,
+                  flags, m, o, o2, c, v, SPLIT_K: tl.constexpr, BR: tl.constexpr):
+    """One token's chunk: columns col_a and their rotation partners col_b (see `expand_kernel`)."""
+    mask_a = col_a < n_out
+    mask_b = col_b < n_out
+    z_a = tl.load(z_row + col_a, mask=mask_a, other=0.0).to(tl.float32)
+    z_b = tl.load(z_row + col_b, mask=mask_b, other=0.0).to(tl.float32)
+    d_a = tl.zeros(z_a.shape, dtype=tl.float32)
+    d_b = tl.zeros(z_b.shape, dtype=tl.float32)
+    if rank > 0:
+        d_a = _row_delta(h0, bt_ptr, 0, rank, n_out, col_a, BR)
+        d_b = _row_delta(h0, bt_ptr, 0, rank, n_out, col_b, BR)
+        for r0 in range(BR, rank, BR):
+            h = _h_row(h_ptr, m, flags, i, r0, rank, hoff, num_tokens, h_width, SPLIT_K, BR)
+            d_a += _row_delta(h, bt_ptr, r0, rank, n_out, col_a, BR)
+            d_b += _row_delta(h, bt_ptr, r0, rank, n_out, col_b, BR)
+    y_a = _epilogue(z_a, z_b, -1.0, d_a, col_a, mask_a, flags, o, o2, c, v)
+    y_b = _epilogue(z_b, z_a, 1.0, d_b, col_b, mask_b, flags, o, o2, c, v)
+    tl.store(z_row + col_a, y_a.to(z_row.dtype.element_ty), mask=mask_a)
+    tl.store(z_row + col_b, y_b.to(z_row.dtype.element_ty), mask=mask_b)
 
 
 @triton.jit
 def expand_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr, tile_start_ptr,
                   tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2, chunks_per_prog,
                   P: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr):
-    """Program (tile, n-range): z[rows, cols] ← epilogue(z) + v ⊙ (B (m ⊙ h)) in place for `chunks_per_prog`
-    chunks of 2·HB columns of one projection: the setup (table, rows, h) is paid once per program and the Bᵀ
-    tiles stream. A chunk's columns are HB pairs (j, j + g/2) of RoAd groups of g (g = 2·HB without rotation:
-    plain contiguous tiles), so rot_g(z) only reads columns the program owns: in place is safe."""
+    """Program (tile, n-range): z[t, cols] ← epilogue(z) + v ⊙ (B (m ⊙ h)) in place, for each token t of the tile
+    (one row at a time: at decode a tile holds one token, and a row's slot vectors are plain contiguous loads)
+    over `chunks_per_prog` chunks of 2·HB columns of one projection. A chunk's columns are HB pairs
+    (j, j + g/2) of RoAd groups of g (without rotation: the chunk's two contiguous halves), so rot_g(z) only
+    reads columns the program owns: in place is safe."""
     tile, pid_n = tl.program_id(0), tl.program_id(1)
     g = tl.load(tile_group_ptr + tile)
     if g < 0:  # an unused tile: the grid is sized for the worst case, fixed for CUDA-graph capture
@@ -198,40 +219,33 @@ def expand_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sort
     grow = (p * num_slots + g) * NF
     if tl.load(tab_ptr + grow + F_ACTIVE) == 0:  # no member of the group touches this projection's output
         return
-    pos = tl.load(tile_start_ptr + tile) + tl.arange(0, BM)
-    row_ok = pos < tl.load(tile_end_ptr + tile)
-    tok = tl.load(sorted_ptr + pos, mask=row_ok, other=0)
-    srow = (p * num_slots + tl.load(sorted_slots_ptr + pos, mask=row_ok, other=0)) * NF
-    flags = tl.load(tab_ptr + srow + F_FLAGS, mask=row_ok, other=0)
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.minimum(start + BM, tl.load(tile_end_ptr + tile))
     rank = tl.load(tab_ptr + grow + F_RANK).to(tl.int32)
     hoff = tl.load(tab_ptr + grow + F_BHOFF).to(tl.int32)
     rot = tl.load(tab_ptr + grow + F_ROT).to(tl.int32)
-    bt_ptr = tl.load(tab_ptr + grow + F_BT).to(tl.pointer_type(z0_ptr.dtype.element_ty))
-    m, m_live = _row_vector(tab_ptr, srow, flags, HAS_M, F_M)
-    o, o_live = _row_vector(tab_ptr, srow, flags, HAS_O, F_O)
-    o2, o2_live = _row_vector(tab_ptr, srow, flags, HAS_O2, F_O2)
-    c, c_live = _row_vector(tab_ptr, srow, flags, HAS_C, F_C)
-    v, v_live = _row_vector(tab_ptr, srow, flags, HAS_V, F_V)
-    # The first rank tile's h is loaded once (ranks <= 16 need no other); larger ranks reload theirs per chunk.
-    h0 = _h_tile(h_ptr, m, m_live, pos, row_ok, 0, rank, hoff, num_tokens, h_width, SPLIT_K, BM, BR)
-    half = tl.where(rot > 0, rot // 2, HB)
-    z_rows = z_ptr + tok.to(tl.int64) * n_out
+    bt_ptr = _ptr(tab_ptr, grow + F_BT, z0_ptr.dtype.element_ty)
     c_lo = prog * chunks_per_prog
-    for chunk in range(c_lo, tl.minimum(c_lo + chunks_per_prog, tl.cdiv(n_out, 2 * HB))):
-        q = chunk * HB + tl.arange(0, HB)
-        col_a = (q // half) * (2 * half) + q % half
-        col_b = col_a + half
-        d_a = _delta(h0, bt_ptr, 0, rank, n_out, col_a, BR)
-        d_b = _delta(h0, bt_ptr, 0, rank, n_out, col_b, BR)
-        for r0 in range(BR, rank, BR):
-            h = _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, num_tokens, h_width, SPLIT_K, BM, BR)
-            d_a += _delta(h, bt_ptr, r0, rank, n_out, col_a, BR)
-            d_b += _delta(h, bt_ptr, r0, rank, n_out, col_b, BR)
-        mask_a = row_ok[:, None] & (col_a < n_out)[None, :]
-        mask_b = row_ok[:, None] & (col_b < n_out)[None, :]
-        z_a = tl.load(z_rows[:, None] + col_a[None, :], mask=mask_a, other=0.0).to(tl.float32)
-        z_b = tl.load(z_rows[:, None] + col_b[None, :], mask=mask_b, other=0.0).to(tl.float32)
-        y_a = _epilogue(z_a, col_a, z_b, -1.0, d_a, mask_a, o, o_live, o2, o2_live, c, c_live, v, v_live)
-        y_b = _epilogue(z_b, col_b, z_a, 1.0, d_b, mask_b, o, o_live, o2, o2_live, c, c_live, v, v_live)
-        tl.store(z_rows[:, None] + col_a[None, :], y_a.to(z0_ptr.dtype.element_ty), mask=mask_a)
-        tl.store(z_rows[:, None] + col_b[None, :], y_b.to(z0_ptr.dtype.element_ty), mask=mask_b)
+    c_hi = tl.minimum(c_lo + chunks_per_prog, tl.cdiv(n_out, 2 * HB))
+    for i in range(start, end):
+        z_row = z_ptr + tl.load(sorted_ptr + i).to(tl.int64) * n_out
+        srow = (p * num_slots + tl.load(sorted_slots_ptr + i)) * NF
+        flags = tl.load(tab_ptr + srow + F_FLAGS)
+        m, o, o2 = _ptr(tab_ptr, srow + F_M, tl.float32), _ptr(tab_ptr, srow + F_O, tl.float32), \
+            _ptr(tab_ptr, srow + F_O2, tl.float32)
+        c, v = _ptr(tab_ptr, srow + F_C, tl.float32), _ptr(tab_ptr, srow + F_V, tl.float32)
+        # The first rank tile's h is loaded once per row (ranks <= BR need no other); larger ranks reload theirs.
+        h0 = _h_row(h_ptr, m, flags, i, 0, rank, hoff, num_tokens, h_width, SPLIT_K, BR)
+        # Two copies of the chunk loop: columns from a runtime group size have no known contiguity (Triton would
+        # then move them one element at a time); plain halves keep 16-byte accesses.
+        if rot > 0:
+            for chunk in range(c_lo, c_hi):
+                q = chunk * HB + tl.arange(0, HB)
+                col_a = (q // (rot // 2)) * rot + q % (rot // 2)
+                _expand_chunk(z_row, col_a, col_a + rot // 2, n_out, h0, h_ptr, bt_ptr, i, rank, hoff, num_tokens,
+                              h_width, flags, m, o, o2, c, v, SPLIT_K, BR)
+        else:
+            for chunk in range(c_lo, c_hi):
+                col_a = chunk * 2 * HB + tl.arange(0, HB)
+                _expand_chunk(z_row, col_a, col_a + HB, n_out, h0, h_ptr, bt_ptr, i, rank, hoff, num_tokens,
+                              h_width, flags, m, o, o2, c, v, SPLIT_K, BR)

@@ -53,7 +53,7 @@ class SlotPool:
     (device int32 [num_slots]: each slot's group representative), ``group_key`` (host tuple of the same, None
     when every slot is its own group), ``h_width`` (rank rows of ``h`` per token), ``has_lowrank``,
     ``has_input_transform``, ``has_expand``, ``block_b`` / ``min_block`` (power-of-two cover of the largest OFT
-    block, smallest OFT block).
+    block, smallest OFT block), ``max_rank`` (the largest rank: sizes the kernels' rank tiles).
     """
 
     # The engine runs its steps under torch.inference_mode; the pool is created on a first forward but updated
@@ -69,13 +69,13 @@ class SlotPool:
         self._cache: dict[tuple, tuple[Tensor, Tensor]] = {}
         self.group_key: tuple[int, ...] | None = None
         self.h_width, self.has_lowrank, self.has_input_transform, self.has_expand = 1, False, False, False
-        self.block_b, self.min_block = 1, 1
+        self.block_b, self.min_block, self.max_rank = 1, 1, 0
 
     @property
     def signature(self) -> tuple:
         """Everything a captured graph bakes in; a graph stays valid while this is unchanged."""
         return (self.group_key, self.h_width, self.has_lowrank, self.has_input_transform, self.has_expand,
-                self.block_b, self.min_block)
+                self.block_b, self.min_block, self.max_rank)
 
     # ------------------------------------------------------------------ device copies
     def _dev(self, x: Tensor, kind: str, keep: dict) -> Tensor:
@@ -86,6 +86,8 @@ class SlotPool:
         if hit is None:
             y = x.t() if kind == "matT" else x
             y = y.to(device=self.device, dtype=torch.float32 if kind == "vec" else self.dtype).contiguous()
+            if y.data_ptr() % 16:  # the kernels are promised 16-byte aligned starts (vectorised loads)
+                y = y.clone()
             hit = (x, y)
         keep[key] = hit
         return hit[1]
@@ -118,6 +120,7 @@ class SlotPool:
         self.has_expand = bool(host[..., F_ACTIVE].any())
         self.block_b = 1 << (max(blocks, default=1) - 1).bit_length()
         self.min_block = min(blocks, default=1)
+        self.max_rank = int(host[..., F_RANK].max())
 
     def _groups(self, slots: Sequence[Sequence[Slots | None]]) -> list[int]:
         """Each slot's group representative: the lowest slot with the same shared (A, B) in every projection."""

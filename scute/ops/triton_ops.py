@@ -24,15 +24,16 @@ from torch import Tensor
 from scute.ops.meta import BLOCK_M, LoraMeta
 from scute.ops.pool import SlotPool
 
-BLOCK_R = 16  # rank tile: ranks 1..15 pay one masked tile (masked lanes move no bytes)
 BLOCK_K = 64  # shrink K tile
-HALF_N = 64  # expand chunk = 2·HALF_N output columns (HALF_N column pairs); the H200 sweep picked 64
-TARGET_PROGRAMS = 2048  # split-K of the shrink aims at this many programs (~16 per SM on an H200)...
+HALF_N = 128  # expand chunk = 2·HALF_N output columns (HALF_N column pairs) at rank tile 16; a larger rank tile
+# narrows it (a chunk's Bᵀ block stays 16 x 2·HALF_N elements: the registers of one broadcast-multiply-sum)
+MAX_BLOCK_R = 64  # rank tile: the pool's largest rank rounded up to a power of two in [16, 64]; larger ranks
+# get several rank tiles (the shrink's grid, the expand's loop)
+TARGET_PROGRAMS = 1024  # the shrink's split-K aims at this many programs (~8 per SM on an H200)...
 MAX_SPLIT_K = 16  # ...the expand sums the partials in one 3-D load of SPLIT_K x BLOCK_M x BLOCK_R
-TARGET_EXPAND_PROGRAMS = 8192  # the expand gives each program enough chunks to bring its grid down to this
-# Triton launch options (module constants: the bench tunes them). One stage: software pipelining made the
-# expand 1.5x slower (its loops are short; the smem staging costs more than it hides; H200, measured).
-SHRINK_WARPS, EXPAND_WARPS, NUM_STAGES = 4, 4, 1
+TARGET_EXPAND_PROGRAMS = 2048  # the expand gives each program enough chunks to bring its grid down to this
+# Triton launch options (module constants: the bench tunes them).
+SHRINK_WARPS, EXPAND_WARPS, SHRINK_STAGES, EXPAND_STAGES = 4, 4, 2, 1
 
 
 def _kernels():
@@ -41,10 +42,15 @@ def _kernels():
     return kernels
 
 
-def choose_split_k(in_features: int, num_tiles: int, block_k: int = BLOCK_K) -> int:
-    """Split-K factor of the shrink: at decode one adapter's A is read by a handful of programs unless K is
-    split (design.md §6: the split-K shrink halved the step time). A power of two, fixed by the shapes only."""
-    want = min(max(1, TARGET_PROGRAMS // max(num_tiles, 1)), MAX_SPLIT_K, triton_cdiv(in_features, block_k))
+def block_r(max_rank: int) -> int:
+    """Rank tile of a pool whose largest rank is `max_rank`: a power of two in [16, MAX_BLOCK_R] (tl.dot needs 16)."""
+    return min(max(16, 1 << (max(max_rank, 1) - 1).bit_length()), MAX_BLOCK_R)
+
+
+def choose_split_k(in_features: int, programs: int, block_k: int = BLOCK_K) -> int:
+    """Split-K factor of the shrink, given its `programs` per split (tiles x rank tiles x projections): at decode
+    one adapter's A is read by a handful of programs unless K is split. A power of two, fixed by the shapes."""
+    want = min(max(1, TARGET_PROGRAMS // max(programs, 1)), MAX_SPLIT_K, triton_cdiv(in_features, block_k))
     return 1 << (want.bit_length() - 1)  # a power of two: the expand sums the splits with one tl.arange
 
 
@@ -94,14 +100,15 @@ def _(x, table, token_slots, num_proj, block_b, min_block):
 
 @torch.library.custom_op("scute::shrink", mutates_args=())
 def shrink(x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group: Tensor, tile_start: Tensor,
-           tile_end: Tensor, num_proj: int, h_width: int, split_k: int, block_k: int) -> Tensor:
+           tile_end: Tensor, num_proj: int, h_width: int, max_rank: int, split_k: int, block_k: int) -> Tensor:
     """Down projection of every token by its group's A (all projections of the pool), split over K.
 
     Semantics:
         Σ_s h[s, i, hoff_{p,g} : hoff_{p,g} + r_{p,g}] = A_{p,g} x[sorted_idx[i]]     for each tile's rows i (group g)
     (the rank-space scale m is applied by the expand; rows of base tokens and unused columns are not written).
 
-    Shapes: x [T, in], table (see `input_transform`), sorted_idx [T], tile_* [NT] int32 (`LoraMeta`).
+    Shapes: x [T, in], table (see `input_transform`), sorted_idx [T], tile_* [NT] int32 (`LoraMeta`);
+    max_rank ≥ every rank in the table (sizes the grid's rank tiles).
     Returns h [split_k, T, h_width] float32, indexed by *sorted* position.
     """
     num_tokens, in_features = x.shape
@@ -109,21 +116,28 @@ def shrink(x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group: Tensor, til
     if num_tokens == 0:
         return h
     k_per_split = triton_cdiv(triton_cdiv(in_features, split_k), block_k) * block_k
-    _kernels().shrink_kernel[(tile_group.shape[0], split_k)](
+    br = block_r(max_rank)
+    rank_tiles = triton_cdiv(max_rank, br)
+    _kernels().shrink_kernel[(tile_group.shape[0], split_k * rank_tiles, num_proj)](
         x, h, table, sorted_idx, tile_group, tile_start, tile_end, num_tokens, in_features, table.shape[1],
-        h_width, k_per_split, P=num_proj, BM=BLOCK_M, BR=BLOCK_R, BK=block_k, num_warps=SHRINK_WARPS,
-        num_stages=NUM_STAGES)
+        h_width, k_per_split, RT=rank_tiles, BM=BLOCK_M, BR=br, BK=block_k, PREC=_precision(x),
+        num_warps=SHRINK_WARPS, num_stages=SHRINK_STAGES)
     return h
 
 
+def _precision(x: Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"  # 16-bit inputs: products are exact either way
+
+
 @shrink.register_fake
-def _(x, table, sorted_idx, tile_group, tile_start, tile_end, num_proj, h_width, split_k, block_k):
+def _(x, table, sorted_idx, tile_group, tile_start, tile_end, num_proj, h_width, max_rank, split_k, block_k):
     return x.new_empty((split_k, x.shape[0], h_width), dtype=torch.float32)
 
 
 @torch.library.custom_op("scute::expand_", mutates_args=("zs",))
 def expand_(zs: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, sorted_idx: Tensor,
-            tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, half_n: int, chunks_per_prog: int) -> None:
+            tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, max_rank: int, half_n: int,
+            chunks_per_prog: int) -> None:
     """Epilogue and low-rank delta, in place on each projection's base output.
 
     Semantics (token t with slot a ≥ 0, projection p, group g of a; z = zs[p][t] before the call):
@@ -144,12 +158,12 @@ def expand_(zs: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, so
     progs = sum(triton_cdiv(triton_cdiv(n, 2 * half_n), chunks_per_prog) for n in outs)
     _kernels().expand_kernel[(tile_group.shape[0], progs)](
         *z3, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, num_tokens, table.shape[1],
-        h.shape[2], *outs, chunks_per_prog, P=len(zs), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=BLOCK_R, HB=half_n,
-        num_warps=EXPAND_WARPS, num_stages=NUM_STAGES)
+        h.shape[2], *outs, chunks_per_prog, P=len(zs), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=block_r(max_rank),
+        HB=half_n, num_warps=EXPAND_WARPS, num_stages=EXPAND_STAGES)
 
 
 @expand_.register_fake
-def _(zs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, half_n, chunks_per_prog):
+def _(zs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, max_rank, half_n, chunks_per_prog):
     return None
 
 
@@ -169,14 +183,16 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     if not pool.has_expand:
         return zs
     if pool.has_lowrank:
-        split_k = choose_split_k(x.shape[1], meta.tile_group.shape[0], block_k)
+        rank_tiles = triton_cdiv(pool.max_rank, block_r(pool.max_rank))
+        split_k = choose_split_k(x.shape[1], meta.tile_group.shape[0] * rank_tiles * pool.num_proj, block_k)
         h = shrink(x, pool.table, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end,
-                   pool.num_proj, pool.h_width, split_k, block_k)
+                   pool.num_proj, pool.h_width, pool.max_rank, split_k, block_k)
     else:  # epilogue-only pool (IA3, RoAd): the expand reads no h
         h = x.new_empty((1, 1, 1), dtype=torch.float32)
+    half_n = max(16, half_n * 16 // block_r(pool.max_rank))
     chunks = choose_chunks_per_prog(meta.tile_group.shape[0], pool.out_features, half_n)
     expand_(zs, h, pool.table, meta.sorted_slots, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end,
-            half_n, chunks)
+            pool.max_rank, half_n, chunks)
     return zs
 
 
