@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from torch import nn
 
 from scute.adapters.checkpoint import Adapter
-from scute.model.linear import ScuteLinear
+from scute.model.linear import LinearGroup, ScuteLinear
+
+# vLLM's packed_modules_mapping: sibling projections that read one input, served by one op call.
+PACKED_MODULES_MAPPING = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def swap_linears(model: nn.Module, max_adapters: int) -> dict[str, ScuteLinear]:
-    """Replace every `nn.Linear` of `model` in place by a `ScuteLinear` sharing its parameters.
+def swap_linears(model: nn.Module, max_adapters: int,
+                 packed_modules_mapping: Mapping[str, Sequence[str]] = PACKED_MODULES_MAPPING,
+                 ) -> dict[str, ScuteLinear]:
+    """Replace every `nn.Linear` of `model` in place by a `ScuteLinear` sharing its parameters, and tie the
+    siblings one entry of `packed_modules_mapping` names under one parent (all present, one ``in_features``)
+    into a `LinearGroup`; ``{}`` groups nothing.
 
     Returns the new modules by qualified name (the names PEFT checkpoints use, minus ``base_model.model.``).
     """
@@ -20,6 +29,12 @@ def swap_linears(model: nn.Module, max_adapters: int) -> dict[str, ScuteLinear]:
         parent = model.get_submodule(parent_name)
         swapped[name] = ScuteLinear(getattr(parent, child), max_adapters)
         setattr(parent, child, swapped[name])
+    for parent_name in dict.fromkeys(name.rpartition(".")[0] for name in names):
+        prefix = f"{parent_name}." if parent_name else ""
+        for packed, children in packed_modules_mapping.items():
+            members = [swapped.get(prefix + child) for child in children]
+            if all(m is not None for m in members) and len({m.in_features for m in members}) == 1:
+                LinearGroup(packed, members)
     return swapped
 
 
@@ -28,6 +43,6 @@ def place_adapter(linears: dict[str, ScuteLinear], index: int, adapter: Adapter 
     None empties the slot."""
     layers = {} if adapter is None else adapter.layers
     if missing := set(layers) - set(linears):
-        raise ValueError(f"adapter {adapter.name!r} adapts {sorted(missing)[0]}, which is not a ScuteLinear here")
+        raise ValueError(f"adapter {adapter.name!r} adapts {min(missing)}, which is not a ScuteLinear here")
     for name, linear in linears.items():
         linear.set_slot(index, layers.get(name))

@@ -1,0 +1,259 @@
+"""`LinearGroup`: q/k/v and gate/up served by one op call, against the same layers alone and the reference path.
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1`` + ``SCUTE_TRITON_CPU=1``,
+the set-up of ``test_ops_triton.py``, including its fresh process when triton was imported first). The op calls
+and shrink launches are counted, so a grouping that silently stopped grouping fails here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# As in test_ops_triton.py: triton reads TRITON_INTERPRET when first imported; if another test module imported it
+# already, this module's tests run in a fresh process (test_in_a_fresh_interpreter_process) and skip here.
+FRESH_PROCESS = DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1" and "triton" in sys.modules
+if DEVICE == "cpu" and not FRESH_PROCESS:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+import torch.nn.functional as F
+
+import scute.model.linear as linear_mod
+from scute.adapters import load_adapter
+from scute.engine.context import ForwardContext, forward_context
+from scute.model.hf import place_adapter, swap_linears
+from scute.model.linear import LinearGroup, ScuteLinear
+from scute.ops import scute_linear_ref, triton_ops
+from scute.ops.testing import random_slots, token_slots, vera_pair
+from tests.helpers import FIVE_METHODS, make_adapter, rel_err, tiny_model
+
+IN, OUTS, SLOTS = 32, (48, 16, 16), 6
+TOL = 5e-3 if DEVICE == "cuda" else 1e-5  # tf32 dots on the GPU; exact fp32 products in the interpreter
+
+
+@pytest.fixture(autouse=True)
+def _in_interpreter_process(request, monkeypatch):
+    if FRESH_PROCESS and request.node.originalname != "test_in_a_fresh_interpreter_process":
+        pytest.skip("runs in test_in_a_fresh_interpreter_process: triton was imported before TRITON_INTERPRET=1")
+    monkeypatch.setenv("SCUTE_TRITON_CPU", "1")
+
+
+def test_in_a_fresh_interpreter_process():
+    if not FRESH_PROCESS:
+        pytest.skip("this process runs the tests itself")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          check=False, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Records the number of projections of every op call `ScuteLinear`/`LinearGroup` make, and shrink launches."""
+    record = {"ops": [], "shrink": 0}
+
+    def grouped(x, weights, *args, **kw):
+        record["ops"].append(len(weights))
+        return op(x, weights, *args, **kw)
+
+    def alone(*args, **kw):
+        record["ops"].append(1)
+        return op_one(*args, **kw)
+
+    def counted_shrink(*args, **kw):
+        record["shrink"] += 1
+        return shrink(*args, **kw)
+
+    op, op_one, shrink = linear_mod.scute_linears_triton, linear_mod.scute_linear_triton, triton_ops.shrink
+    monkeypatch.setattr(linear_mod, "scute_linears_triton", grouped)
+    monkeypatch.setattr(linear_mod, "scute_linear_triton", alone)
+    monkeypatch.setattr(triton_ops, "shrink", counted_shrink)
+    return record
+
+
+# ---------------------------------------------------------------------------------------------- a tiny Llama
+def _llama(paths: dict, packed: dict | None):
+    model = tiny_model("llama").to(DEVICE)
+    linears = swap_linears(model, 8) if packed is None else swap_linears(model, 8, packed_modules_mapping=packed)
+    for slot, (name, path) in enumerate(paths.items()):
+        place_adapter(linears, slot, load_adapter(path, model, name=name))
+    return model
+
+
+def _logits(model, input_ids, row_slots):
+    ctx = ForwardContext(token_adapter_slots=row_slots.repeat_interleave(input_ids.shape[1]).to(DEVICE))
+    with torch.no_grad(), forward_context(ctx):
+        logits = model(input_ids.to(DEVICE)).logits
+    assert ctx.group_outputs == {}, "every output a group computed was claimed"
+    return logits.cpu()
+
+
+def test_tiny_llama_grouped_equals_alone_equals_reference(tmp_path, calls, monkeypatch):
+    paths = {}
+    for i, (name, config) in enumerate(FIVE_METHODS.items()):  # lora adapts all 7 projections of a layer
+        paths[name] = str(tmp_path / name)
+        make_adapter(paths[name], config(), "llama", torch.float32, seed=20 + i)
+    input_ids = torch.randint(0, 128, (7, 3), generator=torch.Generator().manual_seed(5))
+    row_slots = torch.tensor([2, -1, 0, 4, 1, -1, 3])  # vera, base, lora, oft, dora, base, ia3
+    with torch.no_grad():
+        base = tiny_model("llama")(input_ids).logits
+        base_here = tiny_model("llama").to(DEVICE)(input_ids.to(DEVICE)).logits.cpu()
+
+    grouped = _logits(_llama(paths, None), input_ids, row_slots)
+    # per layer: q/k/v in one call, o alone, gate/up in one call, down alone; the LM head has no adapter
+    assert calls["ops"] == [3, 1, 2, 1] * 2 and calls["shrink"] == 8
+    calls["ops"], calls["shrink"] = [], 0
+    alone = _logits(_llama(paths, {}), input_ids, row_slots)
+    assert calls["ops"] == [1] * 14 and calls["shrink"] == 14
+    monkeypatch.delenv("SCUTE_TRITON_CPU")
+    model = _llama(paths, None).cpu()
+    reference = _logits(model, input_ids, row_slots)
+
+    for row, slot in enumerate(row_slots.tolist()):
+        if slot < 0:  # base rows: exactly the base model's logits, on every path
+            assert torch.equal(grouped[row], base_here[row]) and torch.equal(alone[row], base_here[row])
+            assert torch.equal(reference[row], base[row])
+        else:
+            assert rel_err(grouped[row], reference[row]) <= TOL, row
+            assert rel_err(alone[row], reference[row]) <= TOL, row
+            assert rel_err(grouped[row], alone[row]) <= TOL, row
+            assert rel_err(reference[row], base[row]) > 1e-3, "the adapter had no effect: the test would not see it"
+
+
+def test_ungroupable_siblings_stay_alone():
+    """A set is grouped only if all its names are present with one in_features."""
+    model = torch.nn.Module()
+    model.attn = torch.nn.Module()
+    model.attn.q_proj, model.attn.k_proj = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)  # no v_proj
+    model.mlp = torch.nn.Module()
+    model.mlp.gate_proj, model.mlp.up_proj = torch.nn.Linear(8, 8), torch.nn.Linear(4, 8)  # in_features differ
+    model.ffn = torch.nn.Module()
+    model.ffn.gate_proj, model.ffn.up_proj = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    linears = swap_linears(model, 2)
+    assert [n for n, m in linears.items() if m.group is not None] == ["ffn.gate_proj", "ffn.up_proj"]
+    assert linears["ffn.up_proj"].group.name == "gate_up_proj"
+
+
+# ---------------------------------------------------------------------------------------------- one group
+def _qkv(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    layers = [ScuteLinear(torch.nn.Linear(IN, o, bias=o != 16).to(DEVICE), SLOTS) for o in OUTS]
+    group = LinearGroup("qkv_proj", layers)
+    return gen, layers, group
+
+
+def _mixed(out_f: int, gen, pair) -> list:
+    kw = {"device": DEVICE, "generator": gen}
+    return [random_slots("lora", IN, out_f, rank=4, bias=True, **kw), None, random_slots("vera", IN, out_f,
+            vera_pair=pair, **kw), random_slots("oft", IN, out_f, block=8, **kw), random_slots("ia3", IN, out_f,
+            **kw), random_slots("dora", IN, out_f, rank=3, **kw)]
+
+
+def _place(layers, gen) -> None:
+    pair = vera_pair(4, IN, max(OUTS), device=DEVICE, generator=gen)
+    for layer in layers:
+        for i, s in enumerate(_mixed(layer.out_features, gen, pair)):
+            layer.set_slot(i, s)
+
+
+def _check(y, layer, x, ts) -> None:
+    """`layer`'s output `y` for `x` is the reference's; base rows (slot −1, or an empty slot) bit-identical."""
+    with torch.no_grad():
+        ref = scute_linear_ref(x, layer.weight, layer.bias, layer.slots, ts)
+        base = F.linear(x, layer.weight, layer.bias)
+    plain = torch.tensor([s < 0 or layer.slots[s] is None for s in ts.tolist()], device=DEVICE)
+    assert torch.equal(y[plain], base[plain])
+    if not plain.all():
+        assert rel_err(y[~plain], ref[~plain]) <= TOL
+
+
+def test_member_called_with_another_input_computes_alone(calls):
+    gen, (q, k, v), group = _qkv(1)
+    _place((q, k, v), gen)
+    ts = token_slots("uniform", 9, SLOTS, generator=gen).to(DEVICE)
+    x, x2 = (torch.randn(9, IN, generator=gen).to(DEVICE) for _ in range(2))
+    ctx = ForwardContext(token_adapter_slots=ts)
+    with torch.no_grad(), forward_context(ctx):
+        yq = q(x)  # computes q, k and v for x: one call
+        yk2 = k(x2)  # k's output waits for x: k computes alone for x2
+        yv = v(x)  # claims its output: no call
+        assert calls["ops"] == [3, 1] and set(ctx.group_outputs[group][2]) == {1}  # k's output for x waits
+        yk = k(x)  # claims it: handed out once, then dropped
+        assert calls["ops"] == [3, 1] and ctx.group_outputs == {}
+        yk_again = k(x)  # nothing waits for k: a new round for x
+        assert calls["ops"] == [3, 1, 3] and set(ctx.group_outputs[group][2]) == {0, 2}
+        yq_view = q(x.view(9, IN))  # another tensor object (same values): q's output waits for x, so alone
+        assert calls["ops"] == [3, 1, 3, 1]
+    for y, layer, inp in ((yq, q, x), (yk2, k, x2), (yv, v, x), (yk, k, x), (yk_again, k, x), (yq_view, q, x)):
+        _check(y, layer, inp, ts)
+    with torch.no_grad(), forward_context(ForwardContext(token_adapter_slots=ts)):
+        v(x)  # a new forward: nothing of the last one is claimed
+    assert calls["ops"] == [3, 1, 3, 1, 3]
+
+
+def test_group_with_only_k_adapted(calls):
+    gen, (q, k, v), group = _qkv(2)
+    ts = token_slots("skewed", 9, SLOTS, generator=gen).to(DEVICE)
+    x = torch.randn(9, IN, generator=gen).to(DEVICE)
+    with torch.no_grad(), forward_context(ForwardContext(token_adapter_slots=ts)):
+        for layer in (q, k, v):  # no adapter anywhere in the group: the plain GEMMs, no op call
+            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert calls["ops"] == [] and group.pool is None
+    k.set_slot(1, random_slots("lora", IN, k.out_features, rank=5, device=DEVICE, generator=gen))
+    k.set_slot(4, random_slots("oft", IN, k.out_features, block=4, device=DEVICE, generator=gen))
+    with torch.no_grad(), forward_context(ForwardContext(token_adapter_slots=ts)):
+        ys = [layer(x) for layer in (q, k, v)]
+    assert calls["ops"] == [3] and calls["shrink"] == 1
+    for y, layer in zip(ys, (q, k, v)):
+        _check(y, layer, x, ts)
+    assert (ts == 1).any() and not torch.allclose(ys[1], F.linear(x, k.weight, k.bias)), "k's adapter had no effect"
+
+
+def test_set_slot_on_one_member_updates_the_group_pool(calls):
+    gen, (q, k, v), group = _qkv(3)
+    _place((q, k, v), gen)
+    ts = token_slots("uniform", 9, SLOTS, generator=gen).to(DEVICE)
+    x = torch.randn(1, 9, IN, generator=gen).to(DEVICE)
+    with torch.no_grad(), forward_context(ForwardContext(token_adapter_slots=ts)):
+        before = [layer(x) for layer in (q, k, v)]
+    table = group.pool.table.data_ptr()
+    v.set_slot(0, random_slots("lora", IN, v.out_features, rank=7, device=DEVICE, generator=gen))
+    v.set_slot(3, None)
+    with torch.no_grad(), forward_context(ForwardContext(token_adapter_slots=ts)):
+        after = [layer(x) for layer in (q, k, v)]
+    assert calls["ops"] == [3, 3] and group.pool.table.data_ptr() == table  # updated in place
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+    changed = (ts == 0) | (ts == 3)
+    assert changed.any() and not torch.allclose(after[2][0, changed], before[2][0, changed])
+    for y, layer in zip(after, (q, k, v)):
+        _check(y[0], layer, x[0], ts)
+    assert q.pool is None and k.pool is None  # members served by the group never built a pool of their own
+
+
+def test_torch_compile_runs_each_member_alone(calls):
+    """Under torch.compile the members run alone (the hand-out between calls stays out of the graph)."""
+    gen, layers, _ = _qkv(4)
+    _place(layers, gen)
+    ts = token_slots("zipf", 9, SLOTS, generator=gen).to(DEVICE)
+    x = torch.randn(9, IN, generator=gen).to(DEVICE)
+    with torch.no_grad(), forward_context(ForwardContext(token_adapter_slots=ts)):
+        eager = [layer(x) for layer in layers]
+        for layer in layers:  # a compiled graph needs the pools built before: the members' own ones here
+            layer.forward_alone(x)
+        calls["ops"] = []
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x: [layer(x) for layer in layers], fullgraph=True, backend="aot_eager")(x)
+    assert calls["ops"] == [1, 1, 1]
+    for y, y_eager in zip(compiled, eager):
+        torch.testing.assert_close(y, y_eager, rtol=TOL, atol=TOL)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))
