@@ -273,14 +273,14 @@ def bars(rows: list[dict]) -> dict:
     return out
 
 
-SWEEP = [dict(half_n=64, block_k=128, target_programs=1024, target_expand=4096, warps=4, stages=(2, 1)),
-         dict(half_n=128, block_k=64, target_programs=1024, target_expand=4096, warps=4, stages=(2, 1)),
-         dict(half_n=64, block_k=64, target_programs=2048, target_expand=8192, warps=4, stages=(2, 1)),
-         dict(half_n=64, block_k=64, target_programs=512, target_expand=2048, warps=4, stages=(2, 1)),
-         dict(half_n=64, block_k=64, target_programs=1024, target_expand=4096, warps=4, stages=(3, 2)),
-         dict(half_n=64, block_k=64, target_programs=1024, target_expand=4096, warps=4, stages=(1, 1)),
-         dict(half_n=32, block_k=64, target_programs=1024, target_expand=4096, warps=2, stages=(2, 1)),
-         dict(half_n=64, block_k=64, target_programs=1024, target_expand=4096, warps=8, stages=(2, 1))]
+SWEEP = [dict(half_n=64, block_k=64, target_programs=1024, target_expand=2048, warps=4, stages=(2, 1)),
+         dict(half_n=256, block_k=64, target_programs=1024, target_expand=2048, warps=4, stages=(2, 1)),
+         dict(half_n=128, block_k=128, target_programs=1024, target_expand=2048, warps=4, stages=(3, 1)),
+         dict(half_n=128, block_k=256, target_programs=1024, target_expand=2048, warps=4, stages=(3, 1)),
+         dict(half_n=128, block_k=64, target_programs=2048, target_expand=4096, warps=4, stages=(2, 1)),
+         dict(half_n=128, block_k=64, target_programs=512, target_expand=1024, warps=4, stages=(2, 1)),
+         dict(half_n=128, block_k=64, target_programs=1024, target_expand=2048, warps=2, stages=(2, 1)),
+         dict(half_n=128, block_k=64, target_programs=1024, target_expand=2048, warps=8, stages=(2, 1))]
 
 
 def apply(cfg: dict) -> None:

@@ -6,9 +6,10 @@ to run compiled or in the interpreter (``TRITON_INTERPRET=1``). Table layout and
 A tile is up to BLOCK_M = 16 tokens of one adapter group (at decode: one token). The shrink is a tile GEMM on
 tensor cores (`tl.dot` of x and A in their own dtype: exact products, fp32 sums; fp32 inputs in IEEE fp32, no
 tf32) over the grid (tile, K split x rank tile, projection); masked rows move no bytes. The expand runs the
-tile's tokens one row at a time over the grid (tile, column range): a row's h is a rank-length vector, so its
-product with a Bᵀ block is a broadcast-multiply-sum in fp32 with no padded rows holding registers, and the
-row's slot vectors are contiguous loads through one pointer each.
+tile over the grid (tile, column range): a one-token tile (most tiles at decode) as a row, whose h is a
+rank-length vector (its product with a Bᵀ block is a broadcast-multiply-sum in fp32, no padded rows holding
+registers; its slot vectors are contiguous loads through one pointer each); a tile of several tokens as a
+tensor-core product (h split in two 16-bit parts: about 16 mantissa bits), reading each Bᵀ block once for all.
 """
 
 from __future__ import annotations
@@ -193,14 +194,113 @@ def _expand_chunk(z_row, col_a, col_b, n_out, h0, h_ptr, bt_ptr, i, rank, hoff, 
 
 
 @triton.jit
+def _vec_rows(base, live, cols, mask, other):
+    """Per-row gather of a slot vector at `cols` ([BM, N]); `other` where the row's slot lacks it."""
+    return tl.load(base[:, None] + cols[None, :], mask=mask & live[:, None], other=other)
+
+
+@triton.jit
+def _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, num_tokens, h_width,
+            SPLIT_K: tl.constexpr, BR: tl.constexpr):
+    """m ⊙ h of the tile's rows for rank rows [r0, r0 + BR): the SPLIT_K partials in one 3-D load, summed."""
+    r = r0 + tl.arange(0, BR)
+    s = tl.arange(0, SPLIT_K)
+    rows = (s[:, None] * num_tokens + pos[None, :]).to(tl.int64) * h_width + hoff
+    mask = row_ok[:, None] & (r < rank)[None, :]
+    h = tl.sum(tl.load(h_ptr + rows[:, :, None] + r[None, None, :], mask=mask[None, :, :], other=0.0), axis=0)
+    return h * _vec_rows(m, m_live, r, mask, 1.0)
+
+
+@triton.jit
+def _tile_delta(h, bt_ptr, r0, rank, n_out, cols, BR: tl.constexpr, PREC: tl.constexpr):
+    """h [BM, BR] (fp32) @ Bᵀ[r0:r0+BR, cols] on tensor cores: [BM, len(cols)] fp32. 16-bit Bᵀ multiplies h as
+    two 16-bit parts (hi = h rounded, lo = h − hi: about 16 mantissa bits); fp32 in IEEE fp32 (no tf32)."""
+    r = r0 + tl.arange(0, BR)
+    mask = (r < rank)[:, None] & (cols < n_out)[None, :]
+    bt = tl.load(bt_ptr + r[:, None] * n_out + cols[None, :], mask=mask, other=0.0)
+    if bt_ptr.dtype.element_ty == tl.float32:
+        return tl.dot(h, bt, input_precision=PREC)
+    hi = h.to(bt_ptr.dtype.element_ty)
+    lo = (h - hi.to(tl.float32)).to(bt_ptr.dtype.element_ty)
+    return tl.dot(lo, bt, tl.dot(hi, bt))
+
+
+@triton.jit
+def _epilogue_rows(z, partner, sign, delta, cols, mask, o, o_live, o2, o2_live, c, c_live, v, v_live):
+    """`_epilogue` for a tile of rows, each with its own slot vectors (base pointers and liveness per row)."""
+    y = _vec_rows(o, o_live, cols, mask, 1.0) * z
+    y += tl.where(o2_live[:, None], _vec_rows(o2, o2_live, cols, mask, 0.0) * (sign * partner), 0.0)
+    y += _vec_rows(c, c_live, cols, mask, 0.0)
+    return y + _vec_rows(v, v_live, cols, mask, 1.0) * delta
+
+
+@triton.jit
+def _expand_tile_chunk(z_rows, col_a, col_b, row_ok, n_out, h0, h_ptr, bt_ptr, pos, rank, hoff, num_tokens, h_width,
+                       m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live,
+                       SPLIT_K: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
+    """`_expand_chunk` for all rows of a tile at once (several tokens share each Bᵀ block: tensor cores)."""
+    mask_a = row_ok[:, None] & (col_a < n_out)[None, :]
+    mask_b = row_ok[:, None] & (col_b < n_out)[None, :]
+    z_a = tl.load(z_rows[:, None] + col_a[None, :], mask=mask_a, other=0.0).to(tl.float32)
+    z_b = tl.load(z_rows[:, None] + col_b[None, :], mask=mask_b, other=0.0).to(tl.float32)
+    d_a = tl.zeros(z_a.shape, dtype=tl.float32)
+    d_b = tl.zeros(z_b.shape, dtype=tl.float32)
+    if rank > 0:
+        d_a = _tile_delta(h0, bt_ptr, 0, rank, n_out, col_a, BR, PREC)
+        d_b = _tile_delta(h0, bt_ptr, 0, rank, n_out, col_b, BR, PREC)
+        for r0 in range(BR, rank, BR):
+            h = _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, num_tokens, h_width, SPLIT_K, BR)
+            d_a += _tile_delta(h, bt_ptr, r0, rank, n_out, col_a, BR, PREC)
+            d_b += _tile_delta(h, bt_ptr, r0, rank, n_out, col_b, BR, PREC)
+    y_a = _epilogue_rows(z_a, z_b, -1.0, d_a, col_a, mask_a, o, o_live, o2, o2_live, c, c_live, v, v_live)
+    y_b = _epilogue_rows(z_b, z_a, 1.0, d_b, col_b, mask_b, o, o_live, o2, o2_live, c, c_live, v, v_live)
+    tl.store(z_rows[:, None] + col_a[None, :], y_a.to(z_rows.dtype.element_ty), mask=mask_a)
+    tl.store(z_rows[:, None] + col_b[None, :], y_b.to(z_rows.dtype.element_ty), mask=mask_b)
+
+
+@triton.jit
+def _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, num_slots, start, end, c_lo, c_hi,
+                 rank, hoff, rot, bt_ptr, num_tokens, h_width,
+                 SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr):
+    """The expand of a tile of several tokens (prefill, a popular adapter, a shared VeRA group)."""
+    pos = start + tl.arange(0, BM)
+    row_ok = pos < end
+    tok = tl.load(sorted_ptr + pos, mask=row_ok, other=0)
+    srow = (p * num_slots + tl.load(sorted_slots_ptr + pos, mask=row_ok, other=0)) * NF
+    flags = tl.load(tab_ptr + srow + F_FLAGS, mask=row_ok, other=0)
+    m, m_live = _ptr(tab_ptr, srow + F_M, tl.float32), (flags & HAS_M) != 0
+    o, o_live = _ptr(tab_ptr, srow + F_O, tl.float32), (flags & HAS_O) != 0
+    o2, o2_live = _ptr(tab_ptr, srow + F_O2, tl.float32), (flags & HAS_O2) != 0
+    c, c_live = _ptr(tab_ptr, srow + F_C, tl.float32), (flags & HAS_C) != 0
+    v, v_live = _ptr(tab_ptr, srow + F_V, tl.float32), (flags & HAS_V) != 0
+    h0 = _h_tile(h_ptr, m, m_live, pos, row_ok, 0, rank, hoff, num_tokens, h_width, SPLIT_K, BR)
+    z_rows = z_ptr + tok.to(tl.int64) * n_out
+    if rot > 0:
+        for chunk in range(c_lo, c_hi):
+            q = chunk * HB + tl.arange(0, HB)
+            col_a = (q // (rot // 2)) * rot + q % (rot // 2)
+            _expand_tile_chunk(z_rows, col_a, col_a + rot // 2, row_ok, n_out, h0, h_ptr, bt_ptr, pos, rank, hoff,
+                               num_tokens, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live,
+                               SPLIT_K, BR, PREC)
+    else:
+        for chunk in range(c_lo, c_hi):
+            col_a = chunk * 2 * HB + tl.arange(0, HB)
+            _expand_tile_chunk(z_rows, col_a, col_a + HB, row_ok, n_out, h0, h_ptr, bt_ptr, pos, rank, hoff,
+                               num_tokens, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live,
+                               SPLIT_K, BR, PREC)
+
+
+@triton.jit
 def expand_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr, tile_start_ptr,
                   tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2, chunks_per_prog,
-                  P: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr):
-    """Program (tile, n-range): z[t, cols] ← epilogue(z) + v ⊙ (B (m ⊙ h)) in place, for each token t of the tile
-    (one row at a time: at decode a tile holds one token, and a row's slot vectors are plain contiguous loads)
-    over `chunks_per_prog` chunks of 2·HB columns of one projection. A chunk's columns are HB pairs
+                  P: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr,
+                  PREC: tl.constexpr):
+    """Program (tile, n-range): z[t, cols] ← epilogue(z) + v ⊙ (B (m ⊙ h)) in place for the tile's tokens t over
+    `chunks_per_prog` chunks of 2·HB columns of one projection. A chunk's columns are HB pairs
     (j, j + g/2) of RoAd groups of g (without rotation: the chunk's two contiguous halves), so rot_g(z) only
-    reads columns the program owns: in place is safe."""
+    reads columns the program owns: in place is safe. A tile of one token (most tiles at decode) runs as a row:
+    rank-length h, slot vectors through one pointer each, no padded rows holding registers; a tile of several
+    runs them together on tensor cores, reading each Bᵀ block once for all of them."""
     tile, pid_n = tl.program_id(0), tl.program_id(1)
     g = tl.load(tile_group_ptr + tile)
     if g < 0:  # an unused tile: the grid is sized for the worst case, fixed for CUDA-graph capture
@@ -227,25 +327,28 @@ def expand_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sort
     bt_ptr = _ptr(tab_ptr, grow + F_BT, z0_ptr.dtype.element_ty)
     c_lo = prog * chunks_per_prog
     c_hi = tl.minimum(c_lo + chunks_per_prog, tl.cdiv(n_out, 2 * HB))
-    for i in range(start, end):
-        z_row = z_ptr + tl.load(sorted_ptr + i).to(tl.int64) * n_out
-        srow = (p * num_slots + tl.load(sorted_slots_ptr + i)) * NF
-        flags = tl.load(tab_ptr + srow + F_FLAGS)
-        m, o, o2 = _ptr(tab_ptr, srow + F_M, tl.float32), _ptr(tab_ptr, srow + F_O, tl.float32), \
-            _ptr(tab_ptr, srow + F_O2, tl.float32)
-        c, v = _ptr(tab_ptr, srow + F_C, tl.float32), _ptr(tab_ptr, srow + F_V, tl.float32)
-        # The first rank tile's h is loaded once per row (ranks <= BR need no other); larger ranks reload theirs.
-        h0 = _h_row(h_ptr, m, flags, i, 0, rank, hoff, num_tokens, h_width, SPLIT_K, BR)
-        # Two copies of the chunk loop: columns from a runtime group size have no known contiguity (Triton would
-        # then move them one element at a time); plain halves keep 16-byte accesses.
-        if rot > 0:
-            for chunk in range(c_lo, c_hi):
-                q = chunk * HB + tl.arange(0, HB)
-                col_a = (q // (rot // 2)) * rot + q % (rot // 2)
-                _expand_chunk(z_row, col_a, col_a + rot // 2, n_out, h0, h_ptr, bt_ptr, i, rank, hoff, num_tokens,
-                              h_width, flags, m, o, o2, c, v, SPLIT_K, BR)
-        else:
-            for chunk in range(c_lo, c_hi):
-                col_a = chunk * 2 * HB + tl.arange(0, HB)
-                _expand_chunk(z_row, col_a, col_a + HB, n_out, h0, h_ptr, bt_ptr, i, rank, hoff, num_tokens,
-                              h_width, flags, m, o, o2, c, v, SPLIT_K, BR)
+    if end - start > 1:
+        _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, num_slots, start, end, c_lo, c_hi,
+                     rank, hoff, rot, bt_ptr, num_tokens, h_width, SPLIT_K, BM, BR, HB, PREC)
+        return
+    z_row = z_ptr + tl.load(sorted_ptr + start).to(tl.int64) * n_out
+    srow = (p * num_slots + tl.load(sorted_slots_ptr + start)) * NF
+    flags = tl.load(tab_ptr + srow + F_FLAGS)
+    m, o, o2 = _ptr(tab_ptr, srow + F_M, tl.float32), _ptr(tab_ptr, srow + F_O, tl.float32), \
+        _ptr(tab_ptr, srow + F_O2, tl.float32)
+    c, v = _ptr(tab_ptr, srow + F_C, tl.float32), _ptr(tab_ptr, srow + F_V, tl.float32)
+    # The first rank tile's h is loaded once (ranks <= BR need no other); larger ranks reload theirs per chunk.
+    h0 = _h_row(h_ptr, m, flags, start, 0, rank, hoff, num_tokens, h_width, SPLIT_K, BR)
+    # Two copies of the chunk loop: columns from a runtime group size have no known contiguity (Triton would
+    # then move them one element at a time); plain halves keep 16-byte accesses.
+    if rot > 0:
+        for chunk in range(c_lo, c_hi):
+            q = chunk * HB + tl.arange(0, HB)
+            col_a = (q // (rot // 2)) * rot + q % (rot // 2)
+            _expand_chunk(z_row, col_a, col_a + rot // 2, n_out, h0, h_ptr, bt_ptr, start, rank, hoff, num_tokens,
+                          h_width, flags, m, o, o2, c, v, SPLIT_K, BR)
+    else:
+        for chunk in range(c_lo, c_hi):
+            col_a = chunk * 2 * HB + tl.arange(0, HB)
+            _expand_chunk(z_row, col_a, col_a + HB, n_out, h0, h_ptr, bt_ptr, start, rank, hoff, num_tokens,
+                          h_width, flags, m, o, o2, c, v, SPLIT_K, BR)

@@ -24,16 +24,16 @@ from torch import Tensor
 from scute.ops.meta import BLOCK_M, LoraMeta
 from scute.ops.pool import SlotPool
 
-BLOCK_K = 64  # shrink K tile
+BLOCK_K = 128  # shrink K tile
 HALF_N = 128  # expand chunk = 2·HALF_N output columns (HALF_N column pairs) at rank tile 16; a larger rank tile
 # narrows it (a chunk's Bᵀ block stays 16 x 2·HALF_N elements: the registers of one broadcast-multiply-sum)
 MAX_BLOCK_R = 64  # rank tile: the pool's largest rank rounded up to a power of two in [16, 64]; larger ranks
 # get several rank tiles (the shrink's grid, the expand's loop)
 TARGET_PROGRAMS = 1024  # the shrink's split-K aims at this many programs (~8 per SM on an H200)...
 MAX_SPLIT_K = 16  # ...the expand sums the partials in one 3-D load of SPLIT_K x BLOCK_M x BLOCK_R
-TARGET_EXPAND_PROGRAMS = 2048  # the expand gives each program enough chunks to bring its grid down to this
+TARGET_EXPAND_PROGRAMS = 4096  # the expand gives each program enough chunks to bring its grid down to this
 # Triton launch options (module constants: the bench tunes them).
-SHRINK_WARPS, EXPAND_WARPS, SHRINK_STAGES, EXPAND_STAGES = 4, 4, 2, 1
+SHRINK_WARPS, EXPAND_WARPS, SHRINK_STAGES, EXPAND_STAGES = 4, 4, 3, 1
 
 
 def _kernels():
@@ -159,7 +159,7 @@ def expand_(zs: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, so
     _kernels().expand_kernel[(tile_group.shape[0], progs)](
         *z3, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, num_tokens, table.shape[1],
         h.shape[2], *outs, chunks_per_prog, P=len(zs), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=block_r(max_rank),
-        HB=half_n, num_warps=EXPAND_WARPS, num_stages=EXPAND_STAGES)
+        HB=half_n, PREC=_precision(zs[0]), num_warps=EXPAND_WARPS, num_stages=EXPAND_STAGES)
 
 
 @expand_.register_fake
