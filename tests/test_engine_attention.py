@@ -102,6 +102,8 @@ def check_triton(device: str) -> None:
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4, msg=lambda m, where=where: f"{where}: {m}")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU CI's check; with CUDA the compiled kernel is tested "
+                    "(test_triton_paged_attention_on_cuda), and triton 3.6's interpreter fails on this kernel")
 def test_triton_paged_attention_in_the_interpreter():
     """Triton's interpreter mode is fixed when triton is first imported, so this runs in a fresh process."""
     pytest.importorskip("triton")

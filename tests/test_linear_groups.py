@@ -87,10 +87,10 @@ def _llama(paths: dict, packed: dict | None):
     return model
 
 
-def _logits(model, input_ids, row_slots):
-    ctx = ForwardContext(token_adapter_slots=row_slots.repeat_interleave(input_ids.shape[1]).to(DEVICE))
+def _logits(model, input_ids, row_slots, device=DEVICE):
+    ctx = ForwardContext(token_adapter_slots=row_slots.repeat_interleave(input_ids.shape[1]).to(device))
     with torch.no_grad(), forward_context(ctx):
-        logits = model(input_ids.to(DEVICE)).logits
+        logits = model(input_ids.to(device)).logits
     assert ctx.group_outputs == {}, "every output a group computed was claimed"
     return logits.cpu()
 
@@ -114,7 +114,7 @@ def test_tiny_llama_grouped_equals_alone_equals_reference(tmp_path, calls, monke
     assert calls["ops"] == [1] * 14 and calls["shrink"] == 14
     monkeypatch.delenv("SCUTE_TRITON_CPU")
     model = _llama(paths, None).cpu()
-    reference = _logits(model, input_ids, row_slots)
+    reference = _logits(model, input_ids, row_slots, "cpu")
 
     for row, slot in enumerate(row_slots.tolist()):
         if slot < 0:  # base rows: exactly the base model's logits, on every path
