@@ -146,6 +146,18 @@ def test_bf16():
     check(y, x, w, b, slots, ts, 1.6e-2 if dtype == torch.bfloat16 else FP32_TOL)
 
 
+@pytest.mark.parametrize("popularity", ["identical", "skewed"])
+def test_tile_sub_chunks(popularity, monkeypatch):
+    """Multi-token tiles with their chunks cut into sub-chunks (TILE_HALF_N < half_n), RoAd pairs included."""
+    monkeypatch.setattr(triton_ops, "TILE_HALF_N", 4)
+    gen, w, b = _case(torch.float32, seed=31)
+    slots = mixed_slots(torch.float32, gen)
+    ts = token_slots(popularity, 33, len(slots), generator=gen).to(DEVICE)
+    x = torch.randn(33, IN, generator=gen).to(DEVICE)
+    (y,) = run_triton(x, [w], [b], [slots], ts, torch.float32)
+    check(y, x, w, b, slots, ts, FP32_TOL)
+
+
 def test_ranks_1_to_256_in_one_batch():
     gen, w, b = _case(torch.float32, seed=3)
     ranks = [1, 2, 15, 16, 17, 31, 64, 100, 256]

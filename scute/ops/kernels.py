@@ -261,7 +261,8 @@ def _expand_tile_chunk(z_rows, col_a, col_b, row_ok, n_out, h0, h_ptr, bt_ptr, p
 @triton.jit
 def _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, num_slots, start, end, c_lo, c_hi,
                  rank, hoff, rot, bt_ptr, num_tokens, h_width,
-                 SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr):
+                 SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr, HBT: tl.constexpr,
+                 PREC: tl.constexpr):
     """The expand of a tile of several tokens (prefill, a popular adapter, a shared VeRA group)."""
     pos = start + tl.arange(0, BM)
     row_ok = pos < end
@@ -275,26 +276,30 @@ def _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, 
     v, v_live = _ptr(tab_ptr, srow + F_V, tl.float32), (flags & HAS_V) != 0
     h0 = _h_tile(h_ptr, m, m_live, pos, row_ok, 0, rank, hoff, num_tokens, h_width, SPLIT_K, BR)
     z_rows = z_ptr + tok.to(tl.int64) * n_out
+    # Each chunk in sub-chunks of HBT column pairs: smaller [BM, HBT] tiles need fewer registers, and the
+    # kernel's register count (so how many programs an SM holds) is the larger of this path's and the row path's.
     if rot > 0:
         for chunk in range(c_lo, c_hi):
-            q = chunk * HB + tl.arange(0, HB)
-            col_a = (q // (rot // 2)) * rot + q % (rot // 2)
-            _expand_tile_chunk(z_rows, col_a, col_a + rot // 2, row_ok, n_out, h0, h_ptr, bt_ptr, pos, rank, hoff,
-                               num_tokens, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live,
-                               SPLIT_K, BR, PREC)
+            for sub in range(0, HB, HBT):
+                q = chunk * HB + sub + tl.arange(0, HBT)
+                col_a = (q // (rot // 2)) * rot + q % (rot // 2)
+                _expand_tile_chunk(z_rows, col_a, col_a + rot // 2, row_ok, n_out, h0, h_ptr, bt_ptr, pos, rank,
+                                   hoff, num_tokens, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live,
+                                   SPLIT_K, BR, PREC)
     else:
         for chunk in range(c_lo, c_hi):
-            col_a = chunk * 2 * HB + tl.arange(0, HB)
-            _expand_tile_chunk(z_rows, col_a, col_a + HB, row_ok, n_out, h0, h_ptr, bt_ptr, pos, rank, hoff,
-                               num_tokens, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live,
-                               SPLIT_K, BR, PREC)
+            for sub in range(0, HB, HBT):
+                col_a = chunk * 2 * HB + sub + tl.arange(0, HBT)
+                _expand_tile_chunk(z_rows, col_a, col_a + HB, row_ok, n_out, h0, h_ptr, bt_ptr, pos, rank, hoff,
+                                   num_tokens, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live,
+                                   SPLIT_K, BR, PREC)
 
 
 @triton.jit
 def expand_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr, tile_start_ptr,
                   tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2, chunks_per_prog,
                   P: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr,
-                  PREC: tl.constexpr):
+                  HBT: tl.constexpr, PREC: tl.constexpr):
     """Program (tile, n-range): z[t, cols] ← epilogue(z) + v ⊙ (B (m ⊙ h)) in place for the tile's tokens t over
     `chunks_per_prog` chunks of 2·HB columns of one projection. A chunk's columns are HB pairs
     (j, j + g/2) of RoAd groups of g (without rotation: the chunk's two contiguous halves), so rot_g(z) only
@@ -329,7 +334,7 @@ def expand_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sort
     c_hi = tl.minimum(c_lo + chunks_per_prog, tl.cdiv(n_out, 2 * HB))
     if end - start > 1:
         _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, num_slots, start, end, c_lo, c_hi,
-                     rank, hoff, rot, bt_ptr, num_tokens, h_width, SPLIT_K, BM, BR, HB, PREC)
+                     rank, hoff, rot, bt_ptr, num_tokens, h_width, SPLIT_K, BM, BR, HB, HBT, PREC)
         return
     z_row = z_ptr + tl.load(sorted_ptr + start).to(tl.int64) * n_out
     srow = (p * num_slots + tl.load(sorted_slots_ptr + start)) * NF

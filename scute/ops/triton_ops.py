@@ -27,6 +27,8 @@ from scute.ops.pool import SlotPool
 BLOCK_K = 128  # shrink K tile
 HALF_N = 128  # expand chunk = 2·HALF_N output columns (HALF_N column pairs) at rank tile 16; a larger rank tile
 # narrows it (a chunk's Bᵀ block stays 16 x 2·HALF_N elements: the registers of one broadcast-multiply-sum)
+TILE_HALF_N = 128  # the expand's multi-token tiles run each chunk in sub-chunks of this many column pairs
+# (bench/kernel_regs.py: 16 would bring the kernel from 255 registers + spills to 128, 32 to 161, on sm_90)
 MAX_BLOCK_R = 64  # rank tile: the pool's largest rank rounded up to a power of two in [16, 64]; larger ranks
 # get several rank tiles (the shrink's grid, the expand's loop)
 TARGET_PROGRAMS = 1024  # the shrink's split-K aims at this many programs (~8 per SM on an H200)...
@@ -159,7 +161,8 @@ def expand_(zs: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, so
     _kernels().expand_kernel[(tile_group.shape[0], progs)](
         *z3, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, num_tokens, table.shape[1],
         h.shape[2], *outs, chunks_per_prog, P=len(zs), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=block_r(max_rank),
-        HB=half_n, PREC=_precision(zs[0]), num_warps=EXPAND_WARPS, num_stages=EXPAND_STAGES)
+        HB=half_n, HBT=min(half_n, TILE_HALF_N), PREC=_precision(zs[0]), num_warps=EXPAND_WARPS,
+        num_stages=EXPAND_STAGES)
 
 
 @expand_.register_fake

@@ -1,0 +1,76 @@
+"""Registers, spills and load widths of the adapter kernels on sm_90 (H100/H200), compiled on a machine without a
+GPU: Triton compiles to PTX, the ptxas bundled with Triton assembles it with ``-v``.
+
+Why: an SM holds 65536 registers, so a kernel of 4-warp programs at 255 registers runs 2 programs per SM, at 128
+registers 4; at decode every program waits on a chain of dependent loads, and the programs in flight are what
+hides it. The GPU profile (bench/profile_ops.py) reports the same numbers, at the price of device time.
+
+Run: ``PYTHONPATH=. python bench/kernel_regs.py`` (about a minute on 2 cores). Note: Triton 3.9 writes PTX 9.4 and
+its bundled ptxas (CUDA 12.9) reads up to 8.8; the kernels use nothing newer, so the version line is rewritten.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from scute.ops import kernels
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+TARGET = GPUTarget("cuda", 90, 32)
+
+EXPAND_ARGS = {"z0_ptr": "*bf16", "z1_ptr": "*bf16", "z2_ptr": "*bf16", "h_ptr": "*fp32", "tab_ptr": "*i64",
+               "sorted_slots_ptr": "*i32", "sorted_ptr": "*i32", "tile_group_ptr": "*i32", "tile_start_ptr": "*i32",
+               "tile_end_ptr": "*i32", "num_tokens": "i32", "num_slots": "i32", "h_width": "i32", "out0": "i32",
+               "out1": "i32", "out2": "i32", "chunks_per_prog": "i32"}
+SHRINK_ARGS = {"x_ptr": "*bf16", "h_ptr": "*fp32", "tab_ptr": "*i64", "sorted_ptr": "*i32", "tile_group_ptr": "*i32",
+               "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "num_tokens": "i32", "in_features": "i32",
+               "num_slots": "i32", "h_width": "i32", "k_per_split": "i32"}
+
+
+def compile_stats(fn, args: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 1) -> dict:
+    """Compile `fn` for sm_90 as a launch on the bench's shapes would (pointers 16-byte aligned, sizes multiples
+    of 16: Triton specialises both) and return its registers, spill bytes and global load/store widths."""
+    signature = {**args, **{k: "constexpr" for k in constexprs}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args) if name != "chunks_per_prog"}
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    ptx = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(re.sub(r"\.version \d+\.\d+", ".version 8.7", ptx, count=1))
+    try:
+        log = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True,
+                             check=True).stderr
+    finally:
+        os.unlink(f.name)
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    widths = Counter(re.findall(r"\b(ld\.global[\w.:]*|st\.global[\w.:]*)", ptx))
+    return dict(regs=regs, spill_bytes=int(spill.group(1)) if spill else 0,
+                programs_per_sm=min(65536 // (regs * 32 * num_warps), 32),
+                vector_loads=sum(n for k, n in widths.items() if k.startswith("ld") and ".v" in k),
+                scalar_loads=sum(n for k, n in widths.items() if k.startswith("ld") and ".v" not in k))
+
+
+def main() -> None:
+    rows = []
+    for hb, hbt, warps in [(128, 128, 4), (128, 32, 4), (128, 16, 4), (128, 128, 8), (64, 64, 4), (256, 256, 4)]:
+        cst = dict(P=3, SPLIT_K=4, BM=16, BR=16, HB=hb, HBT=hbt, PREC="tf32")
+        rows.append((f"expand HB={hb} HBT={hbt} warps={warps}",
+                     compile_stats(kernels.expand_kernel, EXPAND_ARGS, cst, warps)))
+    for bk, stages in [(128, 3), (64, 2)]:
+        cst = dict(RT=1, BM=16, BR=16, BK=bk, PREC="tf32")
+        rows.append((f"shrink BK={bk} stages={stages}", compile_stats(kernels.shrink_kernel, SHRINK_ARGS, cst, 4, stages)))
+    print(f"{'kernel':<34} {'regs':>5} {'spill B':>8} {'progs/SM':>9} {'vec ld':>7} {'scalar ld':>10}")
+    for name, s in rows:
+        print(f"{name:<34} {s['regs']:>5} {s['spill_bytes']:>8} {s['programs_per_sm']:>9} {s['vector_loads']:>7} "
+              f"{s['scalar_loads']:>10}")
+
+
+if __name__ == "__main__":
+    main()
