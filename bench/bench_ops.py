@@ -273,14 +273,15 @@ def bars(rows: list[dict]) -> dict:
     return out
 
 
-SWEEP = [dict(half_n=64, block_k=64, target_programs=1024, target_expand=2048, warps=4, stages=(2, 1)),
-         dict(half_n=256, block_k=64, target_programs=1024, target_expand=2048, warps=4, stages=(2, 1)),
-         dict(half_n=128, block_k=128, target_programs=1024, target_expand=2048, warps=4, stages=(3, 1)),
-         dict(half_n=128, block_k=256, target_programs=1024, target_expand=2048, warps=4, stages=(3, 1)),
-         dict(half_n=128, block_k=64, target_programs=2048, target_expand=4096, warps=4, stages=(2, 1)),
-         dict(half_n=128, block_k=64, target_programs=512, target_expand=1024, warps=4, stages=(2, 1)),
-         dict(half_n=128, block_k=64, target_programs=1024, target_expand=2048, warps=2, stages=(2, 1)),
-         dict(half_n=128, block_k=64, target_programs=1024, target_expand=2048, warps=8, stages=(2, 1))]
+SWEEP = [dict(half_n=128, block_k=128, target_programs=1024, target_expand=4096, warps=4, stages=(3, 1),
+              tile_half_n=32),
+         dict(half_n=128, block_k=128, target_programs=1024, target_expand=4096, warps=4, stages=(3, 1),
+              tile_half_n=16),
+         dict(half_n=256, block_k=128, target_programs=1024, target_expand=4096, warps=4, stages=(3, 1),
+              tile_half_n=16),
+         dict(half_n=128, block_k=256, target_programs=1024, target_expand=4096, warps=4, stages=(3, 1)),
+         dict(half_n=128, block_k=128, target_programs=2048, target_expand=8192, warps=4, stages=(3, 1)),
+         dict(half_n=128, block_k=128, target_programs=1024, target_expand=4096, warps=8, stages=(3, 1))]
 
 
 def apply(cfg: dict) -> None:
@@ -288,6 +289,7 @@ def apply(cfg: dict) -> None:
     triton_ops.TARGET_PROGRAMS, triton_ops.TARGET_EXPAND_PROGRAMS = cfg["target_programs"], cfg["target_expand"]
     triton_ops.SHRINK_WARPS = triton_ops.EXPAND_WARPS = cfg["warps"]
     triton_ops.SHRINK_STAGES, triton_ops.EXPAND_STAGES = cfg["stages"]
+    triton_ops.TILE_HALF_N = cfg.get("tile_half_n", 128)
 
 
 def sweep(layer: Layer, bw: float, lat: float, default: dict) -> tuple[list[dict], dict]:
@@ -315,6 +317,7 @@ def main() -> None:
     ap.add_argument("--target-programs", type=int, default=triton_ops.TARGET_PROGRAMS)
     ap.add_argument("--target-expand", type=int, default=triton_ops.TARGET_EXPAND_PROGRAMS)
     ap.add_argument("--warps", type=int, default=triton_ops.EXPAND_WARPS)
+    ap.add_argument("--tile-half-n", type=int, default=triton_ops.TILE_HALF_N)
     ap.add_argument("--stages", type=int, nargs=2, default=(triton_ops.SHRINK_STAGES, triton_ops.EXPAND_STAGES),
                     metavar=("SHRINK", "EXPAND"))
     ap.add_argument("--sweep", action="store_true",
@@ -328,7 +331,8 @@ def main() -> None:
     layer = Layer()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, bandwidth=bw, launch_latency=lat)
     cfg = dict(half_n=args.half_n, block_k=args.block_k, target_programs=args.target_programs,
-               target_expand=args.target_expand, warps=args.warps, stages=tuple(args.stages))
+               target_expand=args.target_expand, warps=args.warps, stages=tuple(args.stages),
+               tile_half_n=args.tile_half_n)
     if args.sweep:
         result["sweep"], cfg = sweep(layer, bw, lat, cfg)
     apply(cfg)
