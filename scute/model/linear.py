@@ -15,12 +15,12 @@ from scute.ops import (
     LoraMeta,
     MetaCache,
     SlotPool,
-    scute_linear_ref,
     scute_linear_triton,
     scute_linears_triton,
     triton_enabled,
 )
-from scute.ops.reference import slot_rows
+from scute.ops.cpu import LowRankStack, scute_linear_cpu
+from scute.ops.reference import acc_dtype, slot_rows
 
 MAX_GROUP = 3  # projections per op call: the expand kernel serves at most 3
 
@@ -32,8 +32,9 @@ class ScuteLinear(nn.Module):
 
     Forward: the token slots come from the forward context; tokens with slot −1, or whose slot is empty here,
     get exactly ``F.linear(x, weight, bias)``. On CUDA the Triton kernels run, reading the slots from a
-    `SlotPool` (device tables, non-persistent: rebuilt from the slots, never saved in a state dict); elsewhere the
-    PyTorch reference op. `set_slot` updates the pool's tables in place: a captured CUDA graph stays valid while
+    `SlotPool` (device tables, non-persistent: rebuilt from the slots, never saved in a state dict); elsewhere
+    `scute_linear_cpu` (the reference op with the batch's low-rank parts in two GEMMs, from a `LowRankStack`
+    of the slots, rebuilt after `set_slot`). `set_slot` updates the pool's tables in place: a captured CUDA graph stays valid while
     ``pool.signature`` is unchanged (re-capture when it changes, e.g. on the first OFT adapter of a layer).
 
     A member of a `LinearGroup` (``group``, set by the group) is served by the group on the Triton path; its own
@@ -49,6 +50,7 @@ class ScuteLinear(nn.Module):
         self.num_filled = 0
         self.pool: SlotPool | None = None
         self.group: LinearGroup | None = None
+        self.stack: LowRankStack | None = None  # the CPU path's stacked low-rank parts, rebuilt after set_slot
 
     def set_slot(self, index: int, slots: Slots | None) -> None:
         if slots is not None and (slots.in_features, slots.out_features) != (self.in_features, self.out_features):
@@ -58,6 +60,7 @@ class ScuteLinear(nn.Module):
             )
         self.slots[index] = slots if slots is None or slots.scale == 1.0 else slots.folded()
         self.num_filled = sum(s is not None for s in self.slots)
+        self.stack = None
         if self.pool is not None:
             self.pool.update([self.slots])
         if self.group is not None:
@@ -82,7 +85,10 @@ class ScuteLinear(nn.Module):
             rows = ctx.slot_rows.get(id(token_slots))
             if rows is None:
                 rows = ctx.slot_rows[id(token_slots)] = slot_rows(token_slots)
-            y = scute_linear_ref(flat, self.weight, self.bias, self.slots, token_slots, rows)
+            dtype = acc_dtype(flat.dtype)
+            if self.stack is None or self.stack.a.dtype != dtype or self.stack.a.device != flat.device:
+                self.stack = LowRankStack.build(self.slots, dtype, flat.device)
+            y = scute_linear_cpu(flat, self.weight, self.bias, self.slots, token_slots, self.stack, rows)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
