@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from scute.adapters.slots import Slots
 from scute.ops.meta import max_tiles
 from scute.ops.pool import _needs_expand, _storage_key
-from scute.ops.triton_ops import block_r, choose_split_k, triton_cdiv
+from scute.ops.triton_ops import choose_split_k, rank_tiles
 
 VEC_BYTES = 4  # the pool keeps slot vectors in float32
 
@@ -66,8 +66,7 @@ def layer_call_bytes(slots: Sequence[Sequence[Slots | None]], in_features: int, 
     width = _h_width(live)
     if width:
         max_rank = max(sl.rank for row in slots for sl in row if sl is not None and sl.A is not None)
-        rank_tiles = triton_cdiv(max_rank, block_r(max_rank))
-        split = choose_split_k(in_features, max_tiles(n_tok, len(slots[0])) * rank_tiles * n_proj)
+        split = choose_split_k(in_features, max_tiles(n_tok, len(slots[0])) * rank_tiles(max_rank) * n_proj)
         lowrank_tokens = sum(1 for s in token_slots if s in live and any(sl is not None and sl.A is not None
                                                                          for sl in live[s]))
         cost.launches += 1

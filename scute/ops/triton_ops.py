@@ -49,6 +49,11 @@ def block_r(max_rank: int) -> int:
     return min(max(16, 1 << (max(max_rank, 1) - 1).bit_length()), MAX_BLOCK_R)
 
 
+def rank_tiles(max_rank: int) -> int:
+    """Rank tiles of a pool whose largest rank is `max_rank` (the shrink's grid has one program per tile)."""
+    return triton_cdiv(max_rank, block_r(max_rank))
+
+
 def choose_split_k(in_features: int, programs: int, block_k: int = BLOCK_K) -> int:
     """Split-K factor of the shrink, given its `programs` per split (tiles x rank tiles x projections): at decode
     one adapter's A is read by a handful of programs unless K is split. A power of two, fixed by the shapes."""
@@ -118,11 +123,10 @@ def shrink(x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group: Tensor, til
     if num_tokens == 0:
         return h
     k_per_split = triton_cdiv(triton_cdiv(in_features, split_k), block_k) * block_k
-    br = block_r(max_rank)
-    rank_tiles = triton_cdiv(max_rank, br)
-    _kernels().shrink_kernel[(tile_group.shape[0], split_k * rank_tiles, num_proj)](
+    rt = rank_tiles(max_rank)
+    _kernels().shrink_kernel[(tile_group.shape[0], split_k * rt, num_proj)](
         x, h, table, sorted_idx, tile_group, tile_start, tile_end, num_tokens, in_features, table.shape[1],
-        h_width, k_per_split, RT=rank_tiles, BM=BLOCK_M, BR=br, BK=block_k, PREC=_precision(x),
+        h_width, k_per_split, RT=rt, BM=BLOCK_M, BR=block_r(max_rank), BK=block_k, PREC=_precision(x),
         num_warps=SHRINK_WARPS, num_stages=SHRINK_STAGES)
     return h
 
@@ -186,8 +190,8 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     if not pool.has_expand:
         return zs
     if pool.has_lowrank:
-        rank_tiles = triton_cdiv(pool.max_rank, block_r(pool.max_rank))
-        split_k = choose_split_k(x.shape[1], meta.tile_group.shape[0] * rank_tiles * pool.num_proj, block_k)
+        programs = meta.tile_group.shape[0] * rank_tiles(pool.max_rank) * pool.num_proj
+        split_k = choose_split_k(x.shape[1], programs, block_k)
         h = shrink(x, pool.table, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end,
                    pool.num_proj, pool.h_width, pool.max_rank, split_k, block_k)
     else:  # epilogue-only pool (IA3, RoAd): the expand reads no h
