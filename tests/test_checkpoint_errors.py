@@ -143,3 +143,20 @@ def test_identity_changes_with_content(lora_dir):
 def test_modules_to_save_refused(tmp_path):
     make_adapter(str(tmp_path), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
     assert "modules_to_save" in load_error(tmp_path)
+
+
+def test_gpt2_conv1d_adapter_refused(tmp_path):
+    """A real GPT-2 (Conv1D layers, weight [in, out]) LoRA: refused by name, not misread as an nn.Linear one."""
+    from peft import get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    peft_model = get_peft_model(GPT2LMHeadModel(config), LoraConfig(r=2, target_modules=["c_attn"],
+                                                                    fan_in_fan_out=True))
+    peft_model.save_pretrained(str(tmp_path))
+    model = GPT2LMHeadModel(config)
+    msg = load_error(str(tmp_path), model)
+    assert "Conv1D" in msg and "fan_in_fan_out" in msg
+    edit_config(str(tmp_path), lambda c: c.update(fan_in_fan_out=False))  # the layers say it too
+    assert "Conv1D" in load_error(str(tmp_path), model)

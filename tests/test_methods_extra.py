@@ -42,7 +42,7 @@ from peft import (
 )
 from peft.tuners.lora.config import BdLoraConfig, MontecloraConfig, VeloraConfig
 
-from scute.adapters import AdapterError, convert_checkpoint, load_adapter, read_checkpoint
+from scute.adapters import AdapterError, convert_checkpoint, load_adapter, read_checkpoint, supported_methods
 from scute.adapters.checkpoint import linear_modules
 from scute.adapters.lora_variants import alora_active
 from scute.engine.context import ForwardContext, forward_context
@@ -243,6 +243,7 @@ def test_lily_refused(tmp_path):
     make_adapter(str(tmp_path), LilyConfig(target_modules=["q_proj", "v_proj"]))
     with pytest.raises(AdapterError, match="averaged over all tokens of the batch"):
         load_adapter(tmp_path, tiny_model(), dense=True)
+    assert "LILY" not in supported_methods() and "HIRA" in supported_methods()  # HiRA: served with dense=True
 
 
 def test_alora_refused_and_gate_matches_peft(tmp_path):

@@ -219,7 +219,12 @@ def intern_shared(x: Tensor) -> Tensor:
 
 def _is_linear(module: nn.Module) -> bool:
     w = getattr(module, "weight", None)
-    return isinstance(w, Tensor) and w.dim() == 2 and not isinstance(module, nn.Embedding)
+    return isinstance(w, Tensor) and w.dim() == 2 and not isinstance(module, nn.Embedding) and not _is_conv1d(module)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' GPT-2-style `Conv1D`: a linear layer whose weight is stored [in, out] (PEFT: fan_in_fan_out)."""
+    return type(module).__name__ == "Conv1D"
 
 
 def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -359,6 +364,12 @@ def load_adapter(
     per-adapter ΔW (in·out elements per layer: see `scute explain`); without it they are refused, saying why.
     """
     ckpt = read_checkpoint(path, allow_pickle=allow_pickle)
+    if ckpt.config.get("fan_in_fan_out") or any(_is_conv1d(m) and is_targeted(ckpt.config, n)
+                                                for n, m in model.named_modules()):
+        raise ckpt.error(
+            "the adapter targets GPT-2-style Conv1D layers (fan_in_fan_out=True: weights stored [in, out]); "
+            "Scute serves adapters of nn.Linear layers only"
+        )
     layers = convert_checkpoint(ckpt, linear_modules(model), dense=dense)
     folded = {n: s.folded() for n, s in layers.items()}
     name = name or os.path.basename(os.path.normpath(os.fspath(path)))

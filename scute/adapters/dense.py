@@ -56,7 +56,7 @@ def convert_hira(layer: LayerCheckpoint) -> Slots:
     return full_rank_slots(layer, layer.weight * (B @ A))
 
 
-@register_method("LILY", keys=("lily_A.weight", "lily_B.weight", "lily_router.weight"))
+@register_method("LILY", keys=("lily_A.weight", "lily_B.weight", "lily_router.weight"), served=False)
 def convert_lily(layer: LayerCheckpoint) -> Slots:
     refuse(layer, "Lily mixes its up-projections with router weights averaged over all tokens of the batch, so "
                   "a request's output depends on the other requests batched with it")

@@ -31,20 +31,22 @@ class Method:
     convert: Converter
     keys: tuple[str, ...]
     global_keys: tuple[str, ...] = ()
+    served: bool = True  # False: registered only to refuse its checkpoints with the reason (Lily)
 
 
 _METHODS: dict[str, Method] = {}
 
 
 def register_method(
-    peft_type: str, *, keys: tuple[str, ...], global_keys: tuple[str, ...] = ()
+    peft_type: str, *, keys: tuple[str, ...], global_keys: tuple[str, ...] = (), served: bool = True
 ) -> Callable[[Converter], Converter]:
-    """Register `convert` as the converter of PEFT checkpoints whose `peft_type` is `peft_type`."""
+    """Register `convert` as the converter of PEFT checkpoints whose `peft_type` is `peft_type`; ``served=False``
+    for a method whose converter always refuses (with the reason): it is then not listed as supported."""
 
     def wrap(convert: Converter) -> Converter:
         if peft_type in _METHODS:
             raise ValueError(f"a converter for peft_type {peft_type!r} is already registered")
-        _METHODS[peft_type] = Method(peft_type, convert, tuple(keys), tuple(global_keys))
+        _METHODS[peft_type] = Method(peft_type, convert, tuple(keys), tuple(global_keys), served)
         return convert
 
     return wrap
@@ -61,8 +63,9 @@ def get_method(peft_type: str) -> Method:
 
 
 def supported_methods() -> list[str]:
+    """The PEFT types Scute serves (some, like HiRA, only with ``load_adapter(..., dense=True)``)."""
     _load_builtin_methods()
-    return sorted(_METHODS)
+    return sorted(t for t, m in _METHODS.items() if m.served)
 
 
 def _load_builtin_methods() -> None:
