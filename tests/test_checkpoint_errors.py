@@ -56,6 +56,14 @@ def test_unknown_peft_type_lists_supported(lora_dir):
     assert "'FOO' is not supported" in msg and all(m in msg for m in ("IA3", "LORA", "OFT", "VERA"))
 
 
+@pytest.mark.parametrize("peft_type, why", [("XLORA", "hidden states"), ("PREFIX_TUNING", "virtual tokens"),
+                                            ("RANDLORA", "full rank"), ("LN_TUNING", "LayerNorm")])
+def test_known_unserved_peft_type_says_why(lora_dir, peft_type, why):
+    edit_config(lora_dir, lambda c: c.update(peft_type=peft_type))
+    msg = load_error(lora_dir)
+    assert f"{peft_type!r} is not supported: " in msg and why in msg and "LORA" in msg.split("supported: ")[-1]
+
+
 def test_missing_tensor(lora_dir):
     edit_tensors(lora_dir, lambda t: t.pop(f"{Q0}.lora_B.weight"))
     msg = load_error(lora_dir)
@@ -160,3 +168,12 @@ def test_gpt2_conv1d_adapter_refused(tmp_path):
     assert "Conv1D" in msg and "fan_in_fan_out" in msg
     edit_config(str(tmp_path), lambda c: c.update(fan_in_fan_out=False))  # the layers say it too
     assert "Conv1D" in load_error(str(tmp_path), model)
+
+
+def test_not_served_table_names_real_unserved_types():
+    from peft.utils import PeftType
+
+    from scute.adapters import supported_methods
+    from scute.adapters.registry import NOT_SERVED
+
+    assert set(NOT_SERVED) <= {p.value for p in PeftType} and not set(NOT_SERVED) & set(supported_methods())

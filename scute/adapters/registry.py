@@ -36,6 +36,24 @@ class Method:
 
 _METHODS: dict[str, Method] = {}
 
+# PEFT types Scute does not serve, and why (docs/normal_form.md §6 has the math behind each reason).
+_PROMPT = "it adds virtual tokens or prefix key/values, not adapters of linear layers"
+_MERGE = "it trains {}, not adapters of linear layers: merge it into the base model"
+_LATER = "its exact form is {}; not implemented yet"
+NOT_SERVED = {
+    **dict.fromkeys(("PROMPT_TUNING", "MULTITASK_PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING", "ADAPTION_PROMPT",
+                     "CPT", "CARTRIDGE"), _PROMPT),
+    "LN_TUNING": _MERGE.format("LayerNorm parameters"),
+    "TRAINABLE_TOKENS": _MERGE.format("embedding rows"),
+    "SHADOW": "it is not an adapter of linear layers",
+    "XLORA": "it gates its LoRAs by the hidden states of an extra forward pass: no static form per token",
+    **dict.fromkeys(("C3A", "WAVEFT", "SHIRA", "SUPERTUNING", "FROD"),
+                    _LATER.format("a dense or sparse per-adapter weight change (FRoD replaces the weight)")),
+    **dict.fromkeys(("RANDLORA", "OSF"), _LATER.format("a LoRA of (near) full rank")),
+    **dict.fromkeys(("ADAMSS", "GRALORA", "TINYLORA", "UNILORA", "POLY", "PSOFT", "PEANUT"),
+                    _LATER.format("a plain LoRA")),
+}
+
 
 def register_method(
     peft_type: str, *, keys: tuple[str, ...], global_keys: tuple[str, ...] = (), served: bool = True
@@ -57,8 +75,9 @@ def get_method(peft_type: str) -> Method:
     try:
         return _METHODS[peft_type]
     except KeyError:
+        why = f": {NOT_SERVED[peft_type]}" if peft_type in NOT_SERVED else ""
         raise KeyError(
-            f"peft_type {peft_type!r} is not supported; supported: {', '.join(supported_methods())}"
+            f"peft_type {peft_type!r} is not supported{why}; supported: {', '.join(supported_methods())}"
         ) from None
 
 
