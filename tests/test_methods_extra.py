@@ -29,6 +29,7 @@ from peft import (
     HRAConfig,
     IA3Config,
     LilyConfig,
+    RandLoraConfig,
     LoHaConfig,
     LoKrConfig,
     LoraConfig,
@@ -165,6 +166,8 @@ CASES = {
     "fourierft": (lambda: FourierFTConfig(n_frequency=20, scaling=40.0, target_modules=T4,
                                           n_frequency_pattern={"up_proj": 7}), {"run_ctx": fourierft_fp64}),
     "delora": (lambda: DeloraConfig(r=4, delora_lambda=3, target_modules=T4), {}),
+    # r=5 does not divide the widths: the last basis is partial; in > out on down_proj/k_proj takes the other side
+    "randlora": (lambda: RandLoraConfig(r=5, randlora_alpha=7, target_modules=ALL_LINEAR), {"families": BOTH}),
     "hira_dense": (lambda: HiraConfig(r=3, target_modules=T4), {"dense": True}),
     "glora_vector": (lambda: GloraConfig(r=4, config_A_B="vector", config_C="lora", config_D_E="vector",
                                          target_modules=ALL_LINEAR), {"families": BOTH}),
@@ -236,6 +239,12 @@ def test_hira_refused_without_dense(tmp_path):
 def test_refused_without_dense(config, message, tmp_path):
     make_adapter(str(tmp_path), config)
     with pytest.raises(AdapterError, match=message):
+        load_adapter(tmp_path, tiny_model())
+
+
+def test_randlora_without_saved_bases_refused(tmp_path):
+    make_adapter(str(tmp_path), RandLoraConfig(r=8, save_projection=False, target_modules=T4))
+    with pytest.raises(AdapterError, match="save_projection=True"):
         load_adapter(tmp_path, tiny_model())
 
 
