@@ -10,8 +10,8 @@ its rows, B with v and s folded into its rows) and a batch runs
     d = h @ B_stackᵀ
 
 then the per-slot epilogue vectors (o, o2, c) and input transforms as in the reference. The masked product does
-(active adapters) times the low-rank arithmetic; `scute_linear_cpu` falls back to the reference loop when that
-would exceed the base GEMM's.
+(active adapters) times the low-rank arithmetic, so `scute_linear_cpu` batches the active slots of smallest rank
+while that stays within the base GEMM's work and runs the others through the reference loop.
 """
 
 from __future__ import annotations
@@ -89,12 +89,15 @@ def scute_linear_cpu(x: Tensor, weight: Tensor, bias: Tensor | None, slots: Sequ
     """
     rows = slot_rows(token_slots) if rows is None else rows
     z = F.linear(input_transform_ref(x, slots, token_slots, rows), weight, bias)
-    lowrank = [a for a in rows if a in stack.spans]
-    width = sum(stack.spans[a][1] for a in lowrank)
-    if width * (x.shape[1] + z.shape[1]) > x.shape[1] * z.shape[1]:  # masking would cost more than the loop saves
-        return epilogue_ref(z, x, slots, token_slots, rows)
-    epilogue_only = {a: idx for a, idx in rows.items() if a not in stack.spans}
-    z = epilogue_ref(z, x, slots, token_slots, epilogue_only)
+    # Batch the low-rank slots of smallest rank while the masked product stays within the base GEMM's work;
+    # wider ones (a VeRA r=256 next to r=8 LoRAs) and epilogue-only slots go through the reference loop.
+    budget, lowrank = x.shape[1] * z.shape[1] / (x.shape[1] + z.shape[1]), []
+    for a in sorted((a for a in rows if a in stack.spans), key=lambda a: stack.spans[a][1]):
+        if stack.spans[a][1] > budget:
+            break
+        lowrank.append(a)
+        budget -= stack.spans[a][1]
+    z = epilogue_ref(z, x, slots, token_slots, {a: idx for a, idx in rows.items() if a not in lowrank})
     if not lowrank:
         return z
     idx = torch.cat([rows[a] for a in lowrank])
