@@ -11,7 +11,8 @@ its rows, B with v and s folded into its rows) and a batch runs
 
 then the per-slot epilogue vectors (o, o2, c) and input transforms as in the reference. The masked product does
 (active adapters) times the low-rank arithmetic, so `scute_linear_cpu` batches the active slots of smallest rank
-while that stays within the base GEMM's work and runs the others through the reference loop.
+while that stays within the base GEMM's work (and only if that makes at least MIN_BATCHED slots) and runs the
+others through the reference loop.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ from scute.ops.reference import epilogue_ref, input_transform_ref, rotate_pairs,
 
 if TYPE_CHECKING:  # annotations only: scute.adapters imports scute.ops
     from scute.adapters.slots import Slots
+
+# Batching pays from three slots on: five r=8 LoRAs per layer take 1.8-2.0x less adapter time batched
+# (bench/bench_cpu_forward.py), the demo's two r=8 slots per layer (LoRA, DoRA) ran 5-9% slower end to end
+# (bench/bench_cpu_engine.py): the gathers, mask and scatter cost about what the loop's ops for two slots do.
+MIN_BATCHED = 3
 
 
 @dataclass
@@ -97,6 +103,8 @@ def scute_linear_cpu(x: Tensor, weight: Tensor, bias: Tensor | None, slots: Sequ
             break
         lowrank.append(a)
         budget -= stack.spans[a][1]
+    if len(lowrank) < MIN_BATCHED:
+        lowrank = []
     z = epilogue_ref(z, x, slots, token_slots, {a: idx for a, idx in rows.items() if a not in lowrank})
     if not lowrank:
         return z
