@@ -41,7 +41,8 @@ class LowRankStack:
     """The low-rank parts of one layer's slots, stacked (float32, or float64 for float64 layers).
 
     a [R, in]: the rows of every slot's m ⊙ A; b [out, R]: the columns of every slot's s · v ⊙ B;
-    spans[slot] = (first column, rank); columns of slots without A are absent.
+    spans[slot] = (first column, rank); columns of slots without A are absent. A copy: the CPU path holds each
+    adapter's low-rank tensors twice (the slots' and these, in float32).
     """
 
     a: Tensor
