@@ -29,6 +29,7 @@ from peft import (
     HRAConfig,
     IA3Config,
     LilyConfig,
+    OSFConfig,
     RandLoraConfig,
     LoHaConfig,
     LoKrConfig,
@@ -167,6 +168,8 @@ CASES = {
                                           n_frequency_pattern={"up_proj": 7}), {"run_ctx": fourierft_fp64}),
     "delora": (lambda: DeloraConfig(r=4, delora_lambda=3, target_modules=T4), {}),
     # r=5 does not divide the widths: the last basis is partial; in > out on down_proj/k_proj takes the other side
+    "osf": (lambda: OSFConfig(init_weights=False, target_modules=ALL_LINEAR), {"families": BOTH}),
+    "osf_rank": (lambda: OSFConfig(init_weights=False, effective_rank=20, target_modules=T4), {}),
     "randlora": (lambda: RandLoraConfig(r=5, randlora_alpha=7, target_modules=ALL_LINEAR), {"families": BOTH}),
     "hira_dense": (lambda: HiraConfig(r=3, target_modules=T4), {"dense": True}),
     "glora_vector": (lambda: GloraConfig(r=4, config_A_B="vector", config_C="lora", config_D_E="vector",
