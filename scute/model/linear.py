@@ -34,8 +34,9 @@ class ScuteLinear(nn.Module):
     get exactly ``F.linear(x, weight, bias)``. On CUDA the Triton kernels run, reading the slots from a
     `SlotPool` (device tables, non-persistent: rebuilt from the slots, never saved in a state dict); elsewhere
     `scute_linear_cpu` (the reference op with the batch's low-rank parts in two GEMMs, from a `LowRankStack`
-    of the slots, rebuilt after `set_slot`). `set_slot` updates the pool's tables in place: a captured CUDA graph stays valid while
-    ``pool.signature`` is unchanged (re-capture when it changes, e.g. on the first OFT adapter of a layer).
+    of the slots, rebuilt after `set_slot`). `set_slot` updates the pool's tables in place: a captured CUDA
+    graph stays valid while ``pool.signature`` is unchanged (re-capture when it changes, e.g. on the first OFT
+    adapter of a layer).
 
     A member of a `LinearGroup` (``group``, set by the group) is served by the group on the Triton path; its own
     pool is then built only if it ever computes alone.

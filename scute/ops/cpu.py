@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from scute.ops.reference import epilogue_ref, input_transform_ref, rotate_pairs, slot_rows
+from scute.ops.reference import epilogue_ref, input_transform_ref, output_vectors, slot_rows
 
 if TYPE_CHECKING:  # annotations only: scute.adapters imports scute.ops
     from scute.adapters.slots import Slots
@@ -82,7 +82,8 @@ class LowRankStack:
             spans[i] = (start, s.rank)
             start += s.rank
         if not a:
-            return LowRankStack(torch.empty(0, dtype=dtype, device=device), torch.empty(0, dtype=dtype, device=device), {})
+            empty = torch.empty(0, dtype=dtype, device=device)
+            return LowRankStack(empty, empty, {})
         return LowRankStack(torch.cat(a), torch.cat(b, dim=1), spans)
 
 
@@ -115,21 +116,8 @@ def scute_linear_cpu(x: Tensor, weight: Tensor, bias: Tensor | None, slots: Sequ
     h = h * (owner[None, :] == token_slots[idx][:, None])
     y = z[idx].to(a_cols.dtype)
     if any(slots[a].o is not None or slots[a].o2 is not None or slots[a].c is not None for a in lowrank):
-        y = _epilogue_vectors(y, slots, lowrank, [rows[a].shape[0] for a in lowrank])
+        segments = y.split([rows[a].shape[0] for a in lowrank])  # idx is the slots' rows, in `lowrank` order
+        y = torch.cat([output_vectors(seg, slots[a]) for a, seg in zip(lowrank, segments)])
     z[idx] = (y + h @ b_cols.T).to(z.dtype)
     return z
-
-
-def _epilogue_vectors(z: Tensor, slots: Sequence[Slots | None], order: list[int], counts: list[int]) -> Tensor:
-    """o ⊙ z + o2 ⊙ rot(z) + c on consecutive row segments, one per slot of `order` (the reference's order)."""
-    out = []
-    for a, seg in zip(order, z.split(counts)):
-        s = slots[a]
-        y = seg * s.o.to(seg.dtype) if s.o is not None else seg
-        if s.o2 is not None:
-            y = y + s.o2.to(seg.dtype) * rotate_pairs(seg, s.rot_group)
-        if s.c is not None:
-            y = y + s.c.to(seg.dtype)
-        out.append(y)
-    return torch.cat(out)
 

@@ -67,6 +67,17 @@ def input_transform_ref(
     return out
 
 
+def output_vectors(z: Tensor, s: Slots) -> Tensor:
+    """One slot's base-output epilogue U(z) = o ⊙ z + o2 ⊙ rot_g(z) + c (absent vectors: identity / zero), in
+    z's dtype; z itself when the slot has none of them. Shapes: z [n, out]."""
+    y = z * s.o.to(z.dtype) if s.o is not None else z
+    if s.o2 is not None:
+        y = y + s.o2.to(z.dtype) * rotate_pairs(z, s.rot_group)
+    if s.c is not None:
+        y = y + s.c.to(z.dtype)
+    return y
+
+
 def epilogue_ref(
     z: Tensor, x: Tensor, slots: Sequence[Slots | None], token_slots: Tensor, rows: dict[int, Tensor] | None = None
 ) -> Tensor:
@@ -83,11 +94,7 @@ def epilogue_ref(
     for a, idx in _active(slots, token_slots, rows, lambda s: True):
         s = slots[a]
         za = z[idx].to(acc_dtype(z.dtype))
-        y = za * s.o.to(za.dtype) if s.o is not None else za.clone()
-        if s.o2 is not None:
-            y = y + s.o2.to(za.dtype) * rotate_pairs(za, s.rot_group)
-        if s.c is not None:
-            y = y + s.c.to(za.dtype)
+        y = output_vectors(za, s)
         if s.A is not None:
             h = x[idx].to(za.dtype) @ s.A.to(za.dtype).T
             if s.m is not None:
