@@ -273,23 +273,27 @@ def bars(rows: list[dict]) -> dict:
     return out
 
 
-SWEEP = [dict(half_n=128, block_k=128, target_programs=1024, target_expand=4096, warps=4, stages=(3, 1),
-              tile_half_n=32),
-         dict(half_n=128, block_k=128, target_programs=1024, target_expand=4096, warps=4, stages=(3, 1),
-              tile_half_n=16),
-         dict(half_n=256, block_k=128, target_programs=1024, target_expand=4096, warps=4, stages=(3, 1),
-              tile_half_n=16),
-         dict(half_n=128, block_k=256, target_programs=1024, target_expand=4096, warps=4, stages=(3, 1)),
-         dict(half_n=128, block_k=128, target_programs=2048, target_expand=8192, warps=4, stages=(3, 1)),
-         dict(half_n=128, block_k=128, target_programs=1024, target_expand=4096, warps=8, stages=(3, 1))]
+DEFAULT = dict(half_n=triton_ops.HALF_N, tile_half_n=triton_ops.TILE_HALF_N, block_k=triton_ops.BLOCK_K,
+               target_programs=triton_ops.TARGET_PROGRAMS, target_expand=triton_ops.TARGET_EXPAND_PROGRAMS,
+               warps=triton_ops.EXPAND_WARPS, tile_chunks=triton_ops.TILE_CHUNKS_PER_ITEM,
+               tile_programs=triton_ops.TILE_PROGRAMS_PER_SM, tile_warps=triton_ops.TILE_WARPS,
+               stages=(triton_ops.SHRINK_STAGES, triton_ops.EXPAND_STAGES, triton_ops.TILE_STAGES))
+SWEEP = [dict(DEFAULT, tile_chunks=1),
+         dict(DEFAULT, tile_chunks=16),
+         dict(DEFAULT, tile_programs=4),
+         dict(DEFAULT, tile_half_n=64),
+         dict(DEFAULT, tile_warps=8)]
 
 
 def apply(cfg: dict) -> None:
     """Set the launchers' tuning constants (module constants read at call time)."""
     triton_ops.TARGET_PROGRAMS, triton_ops.TARGET_EXPAND_PROGRAMS = cfg["target_programs"], cfg["target_expand"]
-    triton_ops.SHRINK_WARPS = triton_ops.EXPAND_WARPS = cfg["warps"]
-    triton_ops.SHRINK_STAGES, triton_ops.EXPAND_STAGES = cfg["stages"]
-    triton_ops.TILE_HALF_N = cfg.get("tile_half_n", 128)
+    triton_ops.EXPAND_WARPS = cfg["warps"]  # the one-token expand's
+    triton_ops.SHRINK_STAGES, triton_ops.EXPAND_STAGES, triton_ops.TILE_STAGES = cfg["stages"]
+    triton_ops.TILE_HALF_N = cfg["tile_half_n"]
+    triton_ops.TILE_CHUNKS_PER_ITEM, triton_ops.TILE_PROGRAMS_PER_SM = cfg["tile_chunks"], cfg["tile_programs"]
+    triton_ops.TILE_WARPS = cfg["tile_warps"]
+    triton_ops.persistent_programs.cache_clear()
 
 
 def sweep(layer: Layer, bw: float, lat: float, default: dict) -> tuple[list[dict], dict]:
@@ -298,7 +302,7 @@ def sweep(layer: Layer, bw: float, lat: float, default: dict) -> tuple[list[dict
     for i, cfg in enumerate([default] + SWEEP):
         apply(cfg)
         print(f"--- sweep {cfg}", flush=True)
-        for batch, n in [(1, 1), (64, 64), (256, 64)]:
+        for batch, n in [(64, 64), (64, 16), (256, 64)]:
             for r in run_rows(layer, [batch], [n], ["base", "lora_grouped", "mix_grouped", "vera"], cfg, bw, lat):
                 rows.append(dict(r, **cfg))
                 if "error" not in r and r["variant"] != "base":
@@ -312,14 +316,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--adapters", default="1,16,64")
     ap.add_argument("--variants", default="base,lora,dora,ia3,vera,oft,mix,naive,lora_grouped,mix_grouped")
-    ap.add_argument("--half-n", type=int, default=triton_ops.HALF_N)
-    ap.add_argument("--block-k", type=int, default=triton_ops.BLOCK_K)
-    ap.add_argument("--target-programs", type=int, default=triton_ops.TARGET_PROGRAMS)
-    ap.add_argument("--target-expand", type=int, default=triton_ops.TARGET_EXPAND_PROGRAMS)
-    ap.add_argument("--warps", type=int, default=triton_ops.EXPAND_WARPS)
-    ap.add_argument("--tile-half-n", type=int, default=triton_ops.TILE_HALF_N)
-    ap.add_argument("--stages", type=int, nargs=2, default=(triton_ops.SHRINK_STAGES, triton_ops.EXPAND_STAGES),
-                    metavar=("SHRINK", "EXPAND"))
+    for key, value in DEFAULT.items():
+        if key != "stages":
+            ap.add_argument("--" + key.replace("_", "-"), type=int, default=value)
+    ap.add_argument("--stages", type=int, nargs=3, default=DEFAULT["stages"], metavar=("SHRINK", "ROWS", "TILES"))
     ap.add_argument("--sweep", action="store_true",
                     help="first compare tile configs on a few rows and run the table with the best")
     ap.add_argument("--out", default="bench_ops.json")
@@ -330,9 +330,7 @@ def main() -> None:
           f"launch latency in a graph {lat * 1e6:.2f} us", flush=True)
     layer = Layer()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, bandwidth=bw, launch_latency=lat)
-    cfg = dict(half_n=args.half_n, block_k=args.block_k, target_programs=args.target_programs,
-               target_expand=args.target_expand, warps=args.warps, stages=tuple(args.stages),
-               tile_half_n=args.tile_half_n)
+    cfg = {key: tuple(getattr(args, key)) if key == "stages" else getattr(args, key) for key in DEFAULT}
     if args.sweep:
         result["sweep"], cfg = sweep(layer, bw, lat, cfg)
     apply(cfg)

@@ -38,7 +38,7 @@ def compile_stats(fn, args: dict, constexprs: dict, num_warps: int = 4, num_stag
     """Compile `fn` for sm_90 as a launch on the bench's shapes would (pointers 16-byte aligned, sizes multiples
     of 16: Triton specialises both) and return its registers, spill bytes and global load/store widths."""
     signature = {**args, **{k: "constexpr" for k in constexprs}}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args) if name != "chunks_per_prog"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args) if name not in ("chunks_per_prog", "chunks_per_item")}
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     ptx = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -59,16 +59,22 @@ def compile_stats(fn, args: dict, constexprs: dict, num_warps: int = 4, num_stag
 
 def main() -> None:
     rows = []
-    for hb, hbt, warps in [(128, 128, 4), (128, 32, 4), (128, 16, 4), (128, 128, 8), (64, 64, 4), (256, 256, 4)]:
-        cst = dict(P=3, SPLIT_K=4, BM=16, BR=16, HB=hb, HBT=hbt, PREC="tf32")
-        rows.append((f"expand HB={hb} HBT={hbt} warps={warps}",
-                     compile_stats(kernels.expand_kernel, EXPAND_ARGS, cst, warps)))
+    tile_args = {**{k: v for k, v in EXPAND_ARGS.items() if k != "chunks_per_prog"}, "multi_tiles_ptr": "*i32",
+                 "num_multi_ptr": "*i32", "chunks_per_item": "i32"}
+    for hb, warps in [(128, 4), (128, 2), (64, 2), (64, 1), (128, 1), (256, 2)]:
+        cst = dict(P=3, SPLIT_K=4, BM=16, BR=16, HB=hb)
+        rows.append((f"expand rows HB={hb} warps={warps}",
+                     compile_stats(kernels.expand_rows_kernel, EXPAND_ARGS, cst, warps)))
+    for hb, br, warps, stages in [(128, 16, 4, 1), (32, 64, 4, 1), (64, 64, 4, 1), (64, 64, 8, 2), (128, 16, 8, 1)]:
+        cst = dict(P=3, SPLIT_K=4, BM=16, BR=br, HB=hb, PREC="tf32")
+        rows.append((f"expand tiles HB={hb} BR={br} w={warps} st={stages}",
+                     compile_stats(kernels.expand_tiles_kernel, tile_args, cst, warps, stages)))
     for bk, stages in [(128, 3), (64, 2)]:
         cst = dict(RT=1, BM=16, BR=16, BK=bk, PREC="tf32")
         rows.append((f"shrink BK={bk} stages={stages}", compile_stats(kernels.shrink_kernel, SHRINK_ARGS, cst, 4, stages)))
-    print(f"{'kernel':<34} {'regs':>5} {'spill B':>8} {'progs/SM':>9} {'vec ld':>7} {'scalar ld':>10}")
+    print(f"{'kernel':<40} {'regs':>5} {'spill B':>8} {'progs/SM':>9} {'vec ld':>7} {'scalar ld':>10}")
     for name, s in rows:
-        print(f"{name:<34} {s['regs']:>5} {s['spill_bytes']:>8} {s['programs_per_sm']:>9} {s['vector_loads']:>7} "
+        print(f"{name:<40} {s['regs']:>5} {s['spill_bytes']:>8} {s['programs_per_sm']:>9} {s['vector_loads']:>7} "
               f"{s['scalar_loads']:>10}")
 
 

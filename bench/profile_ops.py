@@ -18,10 +18,9 @@ from scute.ops import build_lora_meta, scute_linears_triton, triton_ops  # noqa:
 CONFIGS = {
     "default": {},
     "split1": dict(MAX_SPLIT_K=1),
-    "warps2": dict(EXPAND_WARPS=2, SHRINK_WARPS=2),
-    "stages1": dict(SHRINK_STAGES=1),
-    "stages3": dict(SHRINK_STAGES=3, EXPAND_STAGES=2),
-    "chunk1": dict(TARGET_EXPAND_PROGRAMS=1 << 30),
+    "rows64": dict(HALF_N=64),
+    "rows64w1": dict(HALF_N=64, EXPAND_WARPS=1),
+    "tiles8w": dict(TILE_WARPS=8),
 }
 
 
@@ -42,7 +41,7 @@ def kernel_times(fn, iters: int = 10) -> dict:
 def compiled_stats() -> list[str]:
     lines = []
     k = triton_ops._kernels()
-    for name in ("input_transform_kernel", "shrink_kernel", "expand_kernel"):
+    for name in ("input_transform_kernel", "shrink_kernel", "expand_rows_kernel", "expand_tiles_kernel"):
         fn = getattr(k, name)
         for dev, caches in getattr(fn, "device_caches", {}).items():
             for key, ck in caches[0].items():
@@ -55,9 +54,9 @@ def compiled_stats() -> list[str]:
 def main() -> None:
     layer = B.Layer()
     base = {k: getattr(triton_ops, k) for k in ("MAX_SPLIT_K", "EXPAND_WARPS", "SHRINK_WARPS", "SHRINK_STAGES",
-                                                "EXPAND_STAGES",
-                                                "TARGET_EXPAND_PROGRAMS")}
-    for variant, batch, n in [("lora", 64, 64), ("lora", 1, 1), ("vera", 1, 1), ("vera", 64, 64)]:
+                                                "EXPAND_STAGES", "TILE_STAGES", "TARGET_EXPAND_PROGRAMS", "HALF_N",
+                                                "TILE_WARPS")}
+    for variant, batch, n in [("lora", 64, 64), ("lora", 1, 1), ("vera", 1, 1), ("vera", 64, 1), ("mix", 64, 64)]:
         pools = B.build_pools(layer, variant, n, B.GROUPED)
         xs = layer.inputs(batch)
         ts = torch.arange(batch, device="cuda") % n
@@ -69,7 +68,7 @@ def main() -> None:
             def fn():
                 for names, pool in pools.items():
                     scute_linears_triton(xs[B.INPUT[names[0]]], [layer.w[p] for p in names], [None] * len(names),
-                                         pool, metas[pool.group_key])
+                                         pool, metas[pool.group_key], half_n=triton_ops.HALF_N)
             times = kernel_times(fn)
             total = sum(times.values())
             parts = ", ".join(f"{k.split('_kernel')[0]} {v:.1f}" for k, v in sorted(times.items(), key=lambda x: -x[1]))

@@ -147,14 +147,17 @@ def test_bf16():
 
 
 @pytest.mark.parametrize("popularity", ["identical", "skewed"])
-def test_tile_sub_chunks(popularity, monkeypatch):
-    """Multi-token tiles with their chunks cut into sub-chunks (TILE_HALF_N < half_n), RoAd pairs included."""
-    monkeypatch.setattr(triton_ops, "TILE_HALF_N", 4)
+def test_row_and_tile_chunks_differ(popularity, monkeypatch):
+    """The two expand launches cut the columns differently (one-token tiles: chunks of 2·32 columns; multi-token
+    tiles: 2·16, one chunk per persistent item), RoAd pairs included: each launch must cover every column of its
+    own tiles."""
+    monkeypatch.setattr(triton_ops, "TILE_HALF_N", 16)
+    monkeypatch.setattr(triton_ops, "TILE_CHUNKS_PER_ITEM", 1)
     gen, w, b = _case(torch.float32, seed=31)
     slots = mixed_slots(torch.float32, gen)
     ts = token_slots(popularity, 33, len(slots), generator=gen).to(DEVICE)
     x = torch.randn(33, IN, generator=gen).to(DEVICE)
-    (y,) = run_triton(x, [w], [b], [slots], ts, torch.float32)
+    (y,) = run_triton(x, [w], [b], [slots], ts, torch.float32, half_n=32)
     check(y, x, w, b, slots, ts, FP32_TOL)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from scute.adapters.slots import Slots
 from scute.ops.meta import max_tiles
 from scute.ops.pool import _needs_expand, _storage_key
-from scute.ops.triton_ops import choose_split_k, rank_tiles
+from scute.ops.triton_ops import choose_split_k
 
 VEC_BYTES = 4  # the pool keeps slot vectors in float32
 
@@ -65,15 +65,14 @@ def layer_call_bytes(slots: Sequence[Sequence[Slots | None]], in_features: int, 
         cost.adapters += _slot_bytes(column, seen, elem)
     width = _h_width(live)
     if width:
-        max_rank = max(sl.rank for row in slots for sl in row if sl is not None and sl.A is not None)
-        split = choose_split_k(in_features, max_tiles(n_tok, len(slots[0])) * rank_tiles(max_rank) * n_proj)
+        split = choose_split_k(in_features, max_tiles(n_tok, len(slots[0])) * n_proj)
         lowrank_tokens = sum(1 for s in token_slots if s in live and any(sl is not None and sl.A is not None
                                                                          for sl in live[s]))
         cost.launches += 1
         cost.activations += lowrank_tokens * (in_features * elem + 2 * split * width * 4)
     expand = {s for s, col in live.items() if any(_needs_expand(sl) for sl in col)}
     if expand:
-        cost.launches += 1
+        cost.launches += 1 if n_tok == 1 else 2  # one-token tiles, then multi-token tiles
         cost.activations += sum(1 for s in token_slots if s in expand) * sum(2 * o * elem for o in out_features)
     return cost
 

@@ -5,11 +5,13 @@ to run compiled or in the interpreter (``TRITON_INTERPRET=1``). Table layout and
 
 A tile is up to BLOCK_M = 16 tokens of one adapter group (at decode: one token). The shrink is a tile GEMM on
 tensor cores (`tl.dot` of x and A in their own dtype: exact products, fp32 sums; fp32 inputs in IEEE fp32, no
-tf32) over the grid (tile, K split x rank tile, projection); masked rows move no bytes. The expand runs the
-tile over the grid (tile, column range): a one-token tile (most tiles at decode) as a row, whose h is a
-rank-length vector (its product with a Bᵀ block is a broadcast-multiply-sum in fp32, no padded rows holding
-registers; its slot vectors are contiguous loads through one pointer each); a tile of several tokens as a
-tensor-core product (h split in two 16-bit parts: about 16 mantissa bits), reading each Bᵀ block once for all.
+tf32) over the grid (tile, K split x rank tile, projection); masked rows move no bytes. The expand is two
+launches over the grid (tile, column range), each program returning at once on the other's tiles, so that each
+compiles to its own register count (at decode, the programs an SM holds are what hides their load latency):
+`expand_rows_kernel` runs a one-token tile (most tiles at decode) as a row, whose h is a rank-length vector (its
+product with a Bᵀ block is a broadcast-multiply-sum in fp32 over rank steps of 16; its slot vectors are contiguous
+loads through one pointer each); `expand_tiles_kernel` runs a tile of several tokens as a tensor-core product (h
+split in two 16-bit parts: about 16 mantissa bits), reading each Bᵀ block once for all of them.
 """
 
 from __future__ import annotations
@@ -259,90 +261,62 @@ def _expand_tile_chunk(z_rows, col_a, col_b, row_ok, n_out, h0, h_ptr, bt_ptr, p
 
 
 @triton.jit
-def _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, num_slots, start, end, c_lo, c_hi,
-                 rank, hoff, rot, bt_ptr, num_tokens, h_width,
-                 SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr, HBT: tl.constexpr,
-                 PREC: tl.constexpr):
-    """The expand of a tile of several tokens (prefill, a popular adapter, a shared VeRA group)."""
-    pos = start + tl.arange(0, BM)
-    row_ok = pos < end
-    tok = tl.load(sorted_ptr + pos, mask=row_ok, other=0)
-    srow = (p * num_slots + tl.load(sorted_slots_ptr + pos, mask=row_ok, other=0)) * NF
-    flags = tl.load(tab_ptr + srow + F_FLAGS, mask=row_ok, other=0)
-    m, m_live = _ptr(tab_ptr, srow + F_M, tl.float32), (flags & HAS_M) != 0
-    o, o_live = _ptr(tab_ptr, srow + F_O, tl.float32), (flags & HAS_O) != 0
-    o2, o2_live = _ptr(tab_ptr, srow + F_O2, tl.float32), (flags & HAS_O2) != 0
-    c, c_live = _ptr(tab_ptr, srow + F_C, tl.float32), (flags & HAS_C) != 0
-    v, v_live = _ptr(tab_ptr, srow + F_V, tl.float32), (flags & HAS_V) != 0
-    h0 = _h_tile(h_ptr, m, m_live, pos, row_ok, 0, rank, hoff, num_tokens, h_width, SPLIT_K, BR)
-    z_rows = z_ptr + tok.to(tl.int64) * n_out
-    # Each chunk in sub-chunks of HBT column pairs: smaller [BM, HBT] tiles need fewer registers, and the
-    # kernel's register count (so how many programs an SM holds) is the larger of this path's and the row path's.
-    if rot > 0:
-        for chunk in range(c_lo, c_hi):
-            for sub in range(0, HB, HBT):
-                q = chunk * HB + sub + tl.arange(0, HBT)
-                col_a = (q // (rot // 2)) * rot + q % (rot // 2)
-                _expand_tile_chunk(z_rows, col_a, col_a + rot // 2, row_ok, n_out, h0, h_ptr, bt_ptr, pos, rank,
-                                   hoff, num_tokens, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live,
-                                   SPLIT_K, BR, PREC)
-    else:
-        for chunk in range(c_lo, c_hi):
-            for sub in range(0, HB, HBT):
-                col_a = chunk * 2 * HB + sub + tl.arange(0, HBT)
-                _expand_tile_chunk(z_rows, col_a, col_a + HB, row_ok, n_out, h0, h_ptr, bt_ptr, pos, rank, hoff,
-                                   num_tokens, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live,
-                                   SPLIT_K, BR, PREC)
+def _group_of_program(z0_ptr, z1_ptr, z2_ptr, out0, out1, out2, tab_ptr, tile_group_ptr, tile_start_ptr,
+                      tile_end_ptr, tile, pid_n, num_slots, cols_per_prog, BM: tl.constexpr, P: tl.constexpr):
+    """Which tile, projection and column program this is: (g, start, end, z_ptr, n_out, prog, p, grow), g < 0 if
+    the program has nothing to do (an unused tile, or a group that does not touch this projection's output).
 
-
-@triton.jit
-def expand_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr, tile_start_ptr,
-                  tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2, chunks_per_prog,
-                  P: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr,
-                  HBT: tl.constexpr, PREC: tl.constexpr):
-    """Program (tile, n-range): z[t, cols] ← epilogue(z) + v ⊙ (B (m ⊙ h)) in place for the tile's tokens t over
-    `chunks_per_prog` chunks of 2·HB columns of one projection. A chunk's columns are HB pairs
-    (j, j + g/2) of RoAd groups of g (without rotation: the chunk's two contiguous halves), so rot_g(z) only
-    reads columns the program owns: in place is safe. A tile of one token (most tiles at decode) runs as a row:
-    rank-length h, slot vectors through one pointer each, no padded rows holding registers; a tile of several
-    runs them together on tensor cores, reading each Bᵀ block once for all of them."""
-    tile, pid_n = tl.program_id(0), tl.program_id(1)
-    g = tl.load(tile_group_ptr + tile)
-    if g < 0:  # an unused tile: the grid is sized for the worst case, fixed for CUDA-graph capture
-        return
-    # One launch serves P projections: programs of projection 0, then 1, then 2. Runtime values in every branch
-    # (pid_n * 0, not 0): both sides of a runtime `if` must have one type.
+    One launch serves P projections: programs of projection 0, then 1, then 2. Runtime values in every branch
+    (pid_n * 0, not 0): both sides of a runtime `if` must have one type."""
+    g = tl.load(tile_group_ptr + tile)  # −1: an unused tile (the grid is sized for the worst case, fixed for graphs)
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.minimum(start + BM, tl.load(tile_end_ptr + tile))
     z_ptr, n_out, prog, p = z0_ptr, out0 + pid_n * 0, pid_n, pid_n * 0
-    progs0 = tl.cdiv(tl.cdiv(out0, 2 * HB), chunks_per_prog)
-    progs1 = tl.cdiv(tl.cdiv(out1, 2 * HB), chunks_per_prog)
+    progs0 = tl.cdiv(out0, cols_per_prog)
+    progs1 = tl.cdiv(out1, cols_per_prog)
     if P > 1:
         if pid_n >= progs0:
             z_ptr, n_out, prog, p = z1_ptr, out1 + pid_n * 0, pid_n - progs0, pid_n * 0 + 1
     if P > 2:
         if pid_n >= progs0 + progs1:
             z_ptr, n_out, prog, p = z2_ptr, out2 + pid_n * 0, pid_n - progs0 - progs1, pid_n * 0 + 2
-    grow = (p * num_slots + g) * NF
-    if tl.load(tab_ptr + grow + F_ACTIVE) == 0:  # no member of the group touches this projection's output
+    grow = (p * num_slots + tl.maximum(g, 0)) * NF
+    if g >= 0:
+        if tl.load(tab_ptr + grow + F_ACTIVE) == 0:  # no member of the group touches this projection's output
+            g = g * 0 - 1
+    return g, start, end, z_ptr, n_out, prog, p, grow
+
+
+@triton.jit
+def expand_rows_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr,
+                       tile_start_ptr, tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2,
+                       chunks_per_prog, P: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr,
+                       BR: tl.constexpr, HB: tl.constexpr):
+    """Program (tile, n-range) of a one-token tile (most tiles at decode; `expand_tiles_kernel` takes the others):
+    z[t, cols] ← epilogue(z) + v ⊙ (B (m ⊙ h)) in place over `chunks_per_prog` chunks of 2·HB columns of one
+    projection. A chunk's columns are HB pairs (j, j + g/2) of RoAd groups of g (without rotation: the chunk's two
+    contiguous halves), so rot_g(z) only reads columns the program owns: in place is safe. The token's h is a
+    rank-length vector, its product with each Bᵀ block a broadcast-multiply-sum in fp32 over rank steps of BR, so a
+    wide rank elsewhere in the pool costs this token nothing; slot vectors are read through one pointer each."""
+    tile, pid_n = tl.program_id(0), tl.program_id(1)
+    g, start, end, z_ptr, n_out, prog, p, grow = _group_of_program(
+        z0_ptr, z1_ptr, z2_ptr, out0, out1, out2, tab_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr, tile, pid_n,
+        num_slots, chunks_per_prog * 2 * HB, BM, P)
+    if g < 0 or end - start != 1:
         return
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.minimum(start + BM, tl.load(tile_end_ptr + tile))
     rank = tl.load(tab_ptr + grow + F_RANK).to(tl.int32)
     hoff = tl.load(tab_ptr + grow + F_BHOFF).to(tl.int32)
     rot = tl.load(tab_ptr + grow + F_ROT).to(tl.int32)
     bt_ptr = _ptr(tab_ptr, grow + F_BT, z0_ptr.dtype.element_ty)
     c_lo = prog * chunks_per_prog
     c_hi = tl.minimum(c_lo + chunks_per_prog, tl.cdiv(n_out, 2 * HB))
-    if end - start > 1:
-        _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, num_slots, start, end, c_lo, c_hi,
-                     rank, hoff, rot, bt_ptr, num_tokens, h_width, SPLIT_K, BM, BR, HB, HBT, PREC)
-        return
     z_row = z_ptr + tl.load(sorted_ptr + start).to(tl.int64) * n_out
     srow = (p * num_slots + tl.load(sorted_slots_ptr + start)) * NF
     flags = tl.load(tab_ptr + srow + F_FLAGS)
     m, o, o2 = _ptr(tab_ptr, srow + F_M, tl.float32), _ptr(tab_ptr, srow + F_O, tl.float32), \
         _ptr(tab_ptr, srow + F_O2, tl.float32)
     c, v = _ptr(tab_ptr, srow + F_C, tl.float32), _ptr(tab_ptr, srow + F_V, tl.float32)
-    # The first rank tile's h is loaded once (ranks <= BR need no other); larger ranks reload theirs per chunk.
+    # The first rank step's h is loaded once (ranks <= BR need no other); larger ranks reload theirs per chunk.
     h0 = _h_row(h_ptr, m, flags, start, 0, rank, hoff, num_tokens, h_width, SPLIT_K, BR)
     # Two copies of the chunk loop: columns from a runtime group size have no known contiguity (Triton would
     # then move them one element at a time); plain halves keep 16-byte accesses.
@@ -357,3 +331,68 @@ def expand_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sort
             col_a = chunk * 2 * HB + tl.arange(0, HB)
             _expand_chunk(z_row, col_a, col_a + HB, n_out, h0, h_ptr, bt_ptr, start, rank, hoff, num_tokens,
                           h_width, flags, m, o, o2, c, v, SPLIT_K, BR)
+
+
+@triton.jit
+def expand_tiles_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr,
+                        tile_start_ptr, tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2,
+                        multi_tiles_ptr, num_multi_ptr, chunks_per_item, P: tl.constexpr, SPLIT_K: tl.constexpr,
+                        BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr):
+    """The tiles of several tokens (prefill, a popular adapter, a shared VeRA group): the semantics of
+    `expand_rows_kernel` for all of a tile's rows at once, on tensor cores, reading each Bᵀ block once for all of
+    them, over rank steps of BR. Persistent: a fixed number of programs walks the items (multi-token tile,
+    `chunks_per_item` chunks of 2·HB columns of one projection) of this step (`LoraMeta.multi_tiles`), so a step
+    without any (most decode steps) costs one short launch, not a grid of programs that all return; an item's
+    setup (its rows, slots, vector pointers, first h) is paid once for its chunks."""
+    cols = chunks_per_item * 2 * HB
+    items = tl.cdiv(out0, cols)
+    if P > 1:
+        items += tl.cdiv(out1, cols)
+    if P > 2:
+        items += tl.cdiv(out2, cols)
+    for item in range(tl.program_id(0), tl.load(num_multi_ptr) * items, tl.num_programs(0)):
+        tile = tl.load(multi_tiles_ptr + item // items)
+        g, start, end, z_ptr, n_out, prog, p, grow = _group_of_program(
+            z0_ptr, z1_ptr, z2_ptr, out0, out1, out2, tab_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr, tile,
+            item % items, num_slots, cols, BM, P)
+        if g >= 0:
+            c_lo = prog * chunks_per_item
+            c_hi = tl.minimum(c_lo + chunks_per_item, tl.cdiv(n_out, 2 * HB))
+            _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, num_slots, start, end, c_lo,
+                         c_hi, grow, num_tokens, h_width, SPLIT_K, BM, BR, HB, PREC)
+
+
+@triton.jit
+def _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, num_slots, start, end, c_lo, c_hi,
+                 grow, num_tokens, h_width, SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
+                 HB: tl.constexpr, PREC: tl.constexpr):
+    """One item of `expand_tiles_kernel`: chunks [c_lo, c_hi) of a multi-token tile."""
+    rank = tl.load(tab_ptr + grow + F_RANK).to(tl.int32)
+    hoff = tl.load(tab_ptr + grow + F_BHOFF).to(tl.int32)
+    rot = tl.load(tab_ptr + grow + F_ROT).to(tl.int32)
+    bt_ptr = _ptr(tab_ptr, grow + F_BT, z_ptr.dtype.element_ty)
+    pos = start + tl.arange(0, BM)
+    row_ok = pos < end
+    tok = tl.load(sorted_ptr + pos, mask=row_ok, other=0)
+    srow = (p * num_slots + tl.load(sorted_slots_ptr + pos, mask=row_ok, other=0)) * NF
+    flags = tl.load(tab_ptr + srow + F_FLAGS, mask=row_ok, other=0)
+    m, m_live = _ptr(tab_ptr, srow + F_M, tl.float32), (flags & HAS_M) != 0
+    o, o_live = _ptr(tab_ptr, srow + F_O, tl.float32), (flags & HAS_O) != 0
+    o2, o2_live = _ptr(tab_ptr, srow + F_O2, tl.float32), (flags & HAS_O2) != 0
+    c, c_live = _ptr(tab_ptr, srow + F_C, tl.float32), (flags & HAS_C) != 0
+    v, v_live = _ptr(tab_ptr, srow + F_V, tl.float32), (flags & HAS_V) != 0
+    h0 = _h_tile(h_ptr, m, m_live, pos, row_ok, 0, rank, hoff, num_tokens, h_width, SPLIT_K, BR)
+    z_rows = z_ptr + tok.to(tl.int64) * n_out
+    if rot > 0:  # two copies, as in expand_rows_kernel
+        for chunk in range(c_lo, c_hi):
+            q = chunk * HB + tl.arange(0, HB)
+            col_a = (q // (rot // 2)) * rot + q % (rot // 2)
+            _expand_tile_chunk(z_rows, col_a, col_a + rot // 2, row_ok, n_out, h0, h_ptr, bt_ptr, pos, rank, hoff,
+                               num_tokens, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live,
+                               SPLIT_K, BR, PREC)
+    else:
+        for chunk in range(c_lo, c_hi):
+            col_a = chunk * 2 * HB + tl.arange(0, HB)
+            _expand_tile_chunk(z_rows, col_a, col_a + HB, row_ok, n_out, h0, h_ptr, bt_ptr, pos, rank, hoff,
+                               num_tokens, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live,
+                               SPLIT_K, BR, PREC)

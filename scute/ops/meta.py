@@ -33,6 +33,8 @@ class LoraMeta:
         (indexed by the group's representative slot; 0 for other slots).
     tile_group [NT], tile_start [NT], tile_end [NT]: tile j covers sorted positions
         ``[tile_start[j], min(tile_start[j] + BLOCK_M, tile_end[j]))`` of group ``tile_group[j]``; −1 = no tile.
+    multi_tiles [NT], num_multi [1]: the tiles of two tokens or more, in order, then −1; how many there are
+        (the multi-token expand loops over exactly these: at decode usually none).
     """
 
     token_slots: Tensor
@@ -43,6 +45,8 @@ class LoraMeta:
     tile_group: Tensor
     tile_start: Tensor
     tile_end: Tensor
+    multi_tiles: Tensor
+    num_multi: Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +56,7 @@ class LoraMeta:
     def empty(num_tokens: int, num_slots: int, device: torch.device | str) -> LoraMeta:
         """Preallocated buffers, to be filled in place by ``build_lora_meta(..., out=meta)``."""
         nt = max_tiles(num_tokens, num_slots)
-        sizes = (num_tokens, num_tokens, num_tokens, num_slots, num_slots, nt, nt, nt)
+        sizes = (num_tokens, num_tokens, num_tokens, num_slots, num_slots, nt, nt, nt, nt, 1)
         return LoraMeta(*(torch.empty(n, dtype=torch.int32, device=device) for n in sizes))
 
 
@@ -63,7 +67,8 @@ def build_lora_meta(token_slots: Tensor, slot_group: Tensor, out: LoraMeta | Non
         key[t] = slot_group[token_slots[t]] if token_slots[t] >= 0 else M        (base tokens sort last)
         sorted_idx = stable argsort(key);  num_tokens_per_slot[g] = #{t : key[t] = g}
         slot_start = exclusive cumsum(num_tokens_per_slot)
-        tiles: for each g in increasing order, ceil(count_g / BLOCK_M) tiles of consecutive sorted positions.
+        tiles: for each g in increasing order, ceil(count_g / BLOCK_M) tiles of consecutive sorted positions;
+        multi_tiles: the indices of the tiles holding two tokens or more, compacted.
 
     Shapes: token_slots [T] int (values in [-1, M)), slot_group [M] int; returns `LoraMeta` (see there),
     written into `out` if given (same T and M).
@@ -81,8 +86,12 @@ def build_lora_meta(token_slots: Tensor, slot_group: Tensor, out: LoraMeta | Non
     g = torch.searchsorted(tiles_end, j, right=True)  # the group whose tile range holds tile j (M: none)
     gc = g.clamp(max=num_slots - 1)
     tile_start = starts[gc] + (j - (tiles_end[gc] - ntiles[gc])) * BLOCK_M
+    tile_end = starts[gc] + counts[gc]
+    multi = (g < num_slots) & (torch.minimum(tile_start + BLOCK_M, tile_end) - tile_start >= 2)
+    at = torch.where(multi, torch.cumsum(multi, 0) - 1, j.shape[0])  # non-multi tiles go to a spare last entry
+    multi_tiles = torch.full((j.shape[0] + 1,), -1, dtype=torch.long, device=ts.device).scatter_(0, at, j)
     meta = LoraMeta(ts, sorted_idx, ts[sorted_idx], counts[:num_slots], starts[:num_slots],
-                    torch.where(g < num_slots, gc, -1), tile_start, starts[gc] + counts[gc])
+                    torch.where(g < num_slots, gc, -1), tile_start, tile_end, multi_tiles[:-1], multi.sum()[None])
     if out is None:
         return LoraMeta(*(getattr(meta, f.name).to(torch.int32) for f in fields(LoraMeta)))
     for f in fields(LoraMeta):

@@ -15,6 +15,7 @@ and no host sync, so the whole call can be captured in a CUDA graph; the fake im
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -25,17 +26,22 @@ from scute.ops.meta import BLOCK_M, LoraMeta
 from scute.ops.pool import SlotPool
 
 BLOCK_K = 128  # shrink K tile
-HALF_N = 128  # expand chunk = 2·HALF_N output columns (HALF_N column pairs) at rank tile 16; a larger rank tile
-# narrows it (a chunk's Bᵀ block stays 16 x 2·HALF_N elements: the registers of one broadcast-multiply-sum)
-TILE_HALF_N = 128  # the expand's multi-token tiles run each chunk in sub-chunks of this many column pairs
-# (bench/kernel_regs.py: 16 would bring the kernel from 255 registers + spills to 128, 32 to 161, on sm_90)
+HALF_N = 64  # one-token tiles: expand chunk = 2·HALF_N output columns (HALF_N column pairs), rank steps of 16
+TILE_HALF_N = 128  # multi-token tiles: chunk = 2·TILE_HALF_N columns at rank tile 16 or 32; a larger rank tile
+# narrows it (the Bᵀ block of a rank step stays 32 x 2·TILE_HALF_N elements)
+ROW_BLOCK_R = 16  # rank step of one-token tiles, whatever the pool's largest rank
 MAX_BLOCK_R = 64  # rank tile: the pool's largest rank rounded up to a power of two in [16, 64]; larger ranks
-# get several rank tiles (the shrink's grid, the expand's loop)
+# get several rank tiles (the shrink's grid, the multi-token expand's loop)
 TARGET_PROGRAMS = 1024  # the shrink's split-K aims at this many programs (~8 per SM on an H200)...
 MAX_SPLIT_K = 16  # ...the expand sums the partials in one 3-D load of SPLIT_K x BLOCK_M x BLOCK_R
 TARGET_EXPAND_PROGRAMS = 4096  # the expand gives each program enough chunks to bring its grid down to this
 # Triton launch options (module constants: the bench tunes them).
-SHRINK_WARPS, EXPAND_WARPS, SHRINK_STAGES, EXPAND_STAGES = 4, 4, 3, 1
+# The one-token expand runs one warp per program: its rank-axis sum then stays inside the warp (with 4 warps it
+# crossed them through shared memory and a barrier). Measured on the H200, LoRA B=64/64, one grouped layer:
+# 184 µs at 4 warps (HALF_N 128), 86 at 2, 60 at 1 warp (HALF_N 64; bench/results/profile_ops_h200.log).
+SHRINK_WARPS, EXPAND_WARPS, TILE_WARPS, SHRINK_STAGES, EXPAND_STAGES, TILE_STAGES = 4, 1, 4, 3, 1, 1
+TILE_PROGRAMS_PER_SM = 2  # the multi-token expand is persistent: this many programs per SM walk its items...
+TILE_CHUNKS_PER_ITEM = 4  # ...of this many chunks each (an item's setup is a chain of ~6 dependent loads)
 
 
 def _kernels():
@@ -55,17 +61,26 @@ def rank_tiles(max_rank: int) -> int:
 
 
 def choose_split_k(in_features: int, programs: int, block_k: int = BLOCK_K) -> int:
-    """Split-K factor of the shrink, given its `programs` per split (tiles x rank tiles x projections): at decode
-    one adapter's A is read by a handful of programs unless K is split. A power of two, fixed by the shapes."""
+    """Split-K factor of the shrink, given its `programs` per split (tiles x projections: a wide rank's extra rank
+    tiles add programs of their own, and must not cut every other group's split): at decode one adapter's A is
+    read by a handful of programs unless K is split. A power of two, fixed by the shapes."""
     want = min(max(1, TARGET_PROGRAMS // max(programs, 1)), MAX_SPLIT_K, triton_cdiv(in_features, block_k))
     return 1 << (want.bit_length() - 1)  # a power of two: the expand sums the splits with one tl.arange
 
 
 def choose_chunks_per_prog(num_tiles: int, out_features: Sequence[int], half_n: int = HALF_N) -> int:
-    """Column chunks per expand program: each program pays a setup (table, rows, h) of several dependent
-    loads, so it streams several chunks once the grid would exceed TARGET_EXPAND_PROGRAMS."""
+    """Column chunks per program of the one-token expand: each program pays a setup (table, rows, h) of several
+    dependent loads, so it streams several chunks once the grid would exceed TARGET_EXPAND_PROGRAMS."""
     chunks = sum(triton_cdiv(o, 2 * half_n) for o in out_features)
     return max(1, triton_cdiv(num_tiles * chunks, TARGET_EXPAND_PROGRAMS))
+
+
+@functools.cache
+def persistent_programs(device: torch.device) -> int:
+    """Programs of a persistent launch on `device` (a few per SM; 4 in the CPU interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return TILE_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -142,8 +157,8 @@ def _(x, table, sorted_idx, tile_group, tile_start, tile_end, num_proj, h_width,
 
 @torch.library.custom_op("scute::expand_", mutates_args=("zs",))
 def expand_(zs: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, sorted_idx: Tensor,
-            tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, max_rank: int, half_n: int,
-            chunks_per_prog: int) -> None:
+            tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, multi_tiles: Tensor, num_multi: Tensor,
+            max_rank: int, half_n: int, chunks_per_prog: int, tile_half_n: int) -> None:
     """Epilogue and low-rank delta, in place on each projection's base output.
 
     Semantics (token t with slot a ≥ 0, projection p, group g of a; z = zs[p][t] before the call):
@@ -152,25 +167,31 @@ def expand_(zs: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, so
     (slot −1) are not touched. Reference: `scute.ops.reference.epilogue_ref`.
 
     Shapes: zs = P ≤ 3 tensors [T, out_p] (contiguous, one dtype), h from `shrink` ([S, T, W] float32; with no
-    low-rank slot in the pool any [1, T, 1] tensor), sorted_slots [T] int32 (`LoraMeta`: the slot of each sorted
-    position), the rest as in `shrink`; a program covers `chunks_per_prog`
-    chunks of 2·half_n columns of one projection.
+    low-rank slot in the pool any [1, T, 1] tensor), sorted_slots [T] int32, multi_tiles [NT], num_multi [1]
+    (`LoraMeta`), the rest as in `shrink`. Two launches: a program per (one-token tile, `chunks_per_prog` chunks
+    of 2·half_n columns of one projection), then a persistent walk of the (multi-token tile, TILE_CHUNKS_PER_ITEM
+    chunks of 2·tile_half_n columns) items.
     """
     num_tokens = zs[0].shape[0]
     if num_tokens == 0:
         return
     outs = [z.shape[1] for z in zs] + [0] * (3 - len(zs))
-    z3 = list(zs) + [zs[0]] * (3 - len(zs))
-    progs = sum(triton_cdiv(triton_cdiv(n, 2 * half_n), chunks_per_prog) for n in outs)
-    _kernels().expand_kernel[(tile_group.shape[0], progs)](
-        *z3, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, num_tokens, table.shape[1],
-        h.shape[2], *outs, chunks_per_prog, P=len(zs), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=block_r(max_rank),
-        HB=half_n, HBT=min(half_n, TILE_HALF_N), PREC=_precision(zs[0]), num_warps=EXPAND_WARPS,
-        num_stages=EXPAND_STAGES)
+    args = (*zs, *[zs[0]] * (3 - len(zs)), h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end,
+            num_tokens, table.shape[1], h.shape[2], *outs)
+    progs = sum(triton_cdiv(n, 2 * half_n * chunks_per_prog) for n in outs)
+    _kernels().expand_rows_kernel[(tile_group.shape[0], progs)](
+        *args, chunks_per_prog, P=len(zs), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=ROW_BLOCK_R, HB=half_n,
+        num_warps=EXPAND_WARPS, num_stages=EXPAND_STAGES)
+    if num_tokens > 1:  # a shape, not data: fixed for a captured graph
+        _kernels().expand_tiles_kernel[(persistent_programs(zs[0].device),)](
+            *args, multi_tiles, num_multi, TILE_CHUNKS_PER_ITEM, P=len(zs), SPLIT_K=h.shape[0], BM=BLOCK_M,
+            BR=block_r(max_rank),
+            HB=tile_half_n, PREC=_precision(zs[0]), num_warps=TILE_WARPS, num_stages=TILE_STAGES)
 
 
 @expand_.register_fake
-def _(zs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, max_rank, half_n, chunks_per_prog):
+def _(zs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, multi_tiles, num_multi, max_rank,
+      half_n, chunks_per_prog, tile_half_n):
     return None
 
 
@@ -190,16 +211,15 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     if not pool.has_expand:
         return zs
     if pool.has_lowrank:
-        programs = meta.tile_group.shape[0] * rank_tiles(pool.max_rank) * pool.num_proj
-        split_k = choose_split_k(x.shape[1], programs, block_k)
+        split_k = choose_split_k(x.shape[1], meta.tile_group.shape[0] * pool.num_proj, block_k)
         h = shrink(x, pool.table, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end,
                    pool.num_proj, pool.h_width, pool.max_rank, split_k, block_k)
     else:  # epilogue-only pool (IA3, RoAd): the expand reads no h
         h = x.new_empty((1, 1, 1), dtype=torch.float32)
-    half_n = max(16, half_n * 16 // block_r(pool.max_rank))
+    tile_half_n = max(16, min(half_n, TILE_HALF_N) * 32 // max(block_r(pool.max_rank), 32))
     chunks = choose_chunks_per_prog(meta.tile_group.shape[0], pool.out_features, half_n)
     expand_(zs, h, pool.table, meta.sorted_slots, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end,
-            pool.max_rank, half_n, chunks)
+            meta.multi_tiles, meta.num_multi, pool.max_rank, half_n, chunks, tile_half_n)
     return zs
 
 

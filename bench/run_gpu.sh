@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device session's checks and measurements of the six-slot op, logs under $OUT (default ./out/gpu).
+# Usage: bash bench/run_gpu.sh [tests] [profile] [bench] [sweep]   (default: tests profile sweep)
+set -u
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+steps=${*:-tests profile sweep}
+for step in $steps; do
+  start=$(date +%s)
+  case $step in
+    tests) timeout 300 python3 -m pytest -q -x tests/test_ops_triton.py tests/test_ops_gpu.py tests/test_linear_groups.py \
+             > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log" ;;
+    engine) timeout 300 python3 -m pytest -q tests/test_engine_gpu.py tests/test_methods_extra.py \
+             tests/test_engine_attention.py > "$OUT/engine.log" 2>&1; tail -3 "$OUT/engine.log" ;;
+    profile) timeout 200 python3 bench/profile_ops.py > "$OUT/profile.log" 2>&1; grep -v "^expand\|^shrink\|^input" "$OUT/profile.log" | tail -40 ;;
+    bench) timeout 400 python3 bench/bench_ops.py --out "$OUT/bench_ops.json" > "$OUT/bench.log" 2>&1; tail -25 "$OUT/bench.log" ;;
+    sweep) timeout 500 python3 bench/bench_ops.py --sweep --out "$OUT/bench_ops.json" > "$OUT/bench.log" 2>&1
+           python3 - "$OUT/bench_ops.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for row in r.get("sweep", []):
+    if "error" in row or row["variant"] == "base":
+        continue
+    cfg = {k: row[k] for k in ("half_n", "tile_half_n", "warps", "tile_chunks", "tile_programs", "tile_warps")}
+    print(f"{row['batch']:>4} {row['adapters']:>3} {row['variant']:<13} {row['us']:8.1f} {row['delta_us'] or 0:8.1f} {cfg}")
+print("chosen", r["config"])
+PY
+           tail -25 "$OUT/bench.log" ;;
+  esac
+  echo "[$step: $(( $(date +%s) - start )) s]"
+done
