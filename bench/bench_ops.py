@@ -134,7 +134,8 @@ def scute_fn(layer: Layer, pools: dict, xs: dict, ts: torch.Tensor, cfg: dict):
     def fn():
         for names, pool in pools.items():
             scute_linears_triton(xs[INPUT[names[0]]], [layer.w[p] for p in names], [None] * len(names), pool,
-                                 metas[pool.group_key], half_n=cfg["half_n"], block_k=cfg["block_k"])
+                                 metas[pool.group_key], half_n=cfg["half_n"], block_k=cfg["block_k"],
+                                 tile_half_n=cfg["tile_half_n"])
     return fn
 
 
@@ -275,14 +276,13 @@ def bars(rows: list[dict]) -> dict:
 
 DEFAULT = dict(half_n=triton_ops.HALF_N, tile_half_n=triton_ops.TILE_HALF_N, block_k=triton_ops.BLOCK_K,
                target_programs=triton_ops.TARGET_PROGRAMS, target_expand=triton_ops.TARGET_EXPAND_PROGRAMS,
-               warps=triton_ops.EXPAND_WARPS, tile_chunks=triton_ops.TILE_CHUNKS_PER_ITEM,
+               warps=triton_ops.EXPAND_WARPS, tile_items=triton_ops.TILE_ITEMS_PER_PROGRAM,
                tile_programs=triton_ops.TILE_PROGRAMS_PER_SM, tile_warps=triton_ops.TILE_WARPS,
                stages=(triton_ops.SHRINK_STAGES, triton_ops.EXPAND_STAGES, triton_ops.TILE_STAGES))
-SWEEP = [dict(DEFAULT, tile_chunks=1),
-         dict(DEFAULT, tile_chunks=16),
-         dict(DEFAULT, tile_programs=4),
+SWEEP = [dict(DEFAULT, tile_items=1),
+         dict(DEFAULT, tile_items=16),
          dict(DEFAULT, tile_half_n=64),
-         dict(DEFAULT, tile_warps=8)]
+         dict(DEFAULT, tile_programs=4)]
 
 
 def apply(cfg: dict) -> None:
@@ -291,7 +291,7 @@ def apply(cfg: dict) -> None:
     triton_ops.EXPAND_WARPS = cfg["warps"]  # the one-token expand's
     triton_ops.SHRINK_STAGES, triton_ops.EXPAND_STAGES, triton_ops.TILE_STAGES = cfg["stages"]
     triton_ops.TILE_HALF_N = cfg["tile_half_n"]
-    triton_ops.TILE_CHUNKS_PER_ITEM, triton_ops.TILE_PROGRAMS_PER_SM = cfg["tile_chunks"], cfg["tile_programs"]
+    triton_ops.TILE_ITEMS_PER_PROGRAM, triton_ops.TILE_PROGRAMS_PER_SM = cfg["tile_items"], cfg["tile_programs"]
     triton_ops.TILE_WARPS = cfg["tile_warps"]
     triton_ops.persistent_programs.cache_clear()
 

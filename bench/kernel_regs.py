@@ -38,7 +38,7 @@ def compile_stats(fn, args: dict, constexprs: dict, num_warps: int = 4, num_stag
     """Compile `fn` for sm_90 as a launch on the bench's shapes would (pointers 16-byte aligned, sizes multiples
     of 16: Triton specialises both) and return its registers, spill bytes and global load/store widths."""
     signature = {**args, **{k: "constexpr" for k in constexprs}}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args) if name not in ("chunks_per_prog", "chunks_per_item")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args) if name not in ("chunks_per_prog", "target_items")}
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     ptx = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -60,7 +60,7 @@ def compile_stats(fn, args: dict, constexprs: dict, num_warps: int = 4, num_stag
 def main() -> None:
     rows = []
     tile_args = {**{k: v for k, v in EXPAND_ARGS.items() if k != "chunks_per_prog"}, "multi_tiles_ptr": "*i32",
-                 "num_multi_ptr": "*i32", "chunks_per_item": "i32"}
+                 "num_multi_ptr": "*i32", "target_items": "i32"}
     for hb, warps in [(128, 4), (128, 2), (64, 2), (64, 1), (128, 1), (256, 2)]:
         cst = dict(P=3, SPLIT_K=4, BM=16, BR=16, HB=hb)
         rows.append((f"expand rows HB={hb} warps={warps}",

@@ -88,7 +88,7 @@ def run_triton(x, weights, biases, slots_per_proj, ts, dtype, **kw):
     pool.update(slots_per_proj)
     meta = build_lora_meta(ts, pool.slot_group)
     return scute_linears_triton(x, weights, biases, pool, meta, half_n=kw.get("half_n", HALF_N),
-                                block_k=kw.get("block_k", BLOCK_K))
+                                block_k=kw.get("block_k", BLOCK_K), tile_half_n=kw.get("tile_half_n", HALF_N))
 
 
 def check(y, x, w, b, slots, ts, tol):
@@ -152,12 +152,12 @@ def test_row_and_tile_chunks_differ(popularity, monkeypatch):
     tiles: 2·16, one chunk per persistent item), RoAd pairs included: each launch must cover every column of its
     own tiles."""
     monkeypatch.setattr(triton_ops, "TILE_HALF_N", 16)
-    monkeypatch.setattr(triton_ops, "TILE_CHUNKS_PER_ITEM", 1)
+    monkeypatch.setattr(triton_ops, "TILE_ITEMS_PER_PROGRAM", 1 << 20)
     gen, w, b = _case(torch.float32, seed=31)
     slots = mixed_slots(torch.float32, gen)
     ts = token_slots(popularity, 33, len(slots), generator=gen).to(DEVICE)
     x = torch.randn(33, IN, generator=gen).to(DEVICE)
-    (y,) = run_triton(x, [w], [b], [slots], ts, torch.float32, half_n=32)
+    (y,) = run_triton(x, [w], [b], [slots], ts, torch.float32, half_n=32, tile_half_n=None)
     check(y, x, w, b, slots, ts, FP32_TOL)
 
 

@@ -175,7 +175,7 @@ def _epilogue(z, partner, sign, delta, cols, mask, flags, o, o2, c, v):
 @triton.jit
 def _expand_chunk(z_row, col_a, col_b, n_out, h0, h_ptr, bt_ptr, i, rank, hoff, num_tokens, h_width,
                   flags, m, o, o2, c, v, SPLIT_K: tl.constexpr, BR: tl.constexpr):
-    """One token's chunk: columns col_a and their rotation partners col_b (see `expand_kernel`)."""
+    """One token's chunk: columns col_a and their rotation partners col_b (see `expand_rows_kernel`)."""
     mask_a = col_a < n_out
     mask_b = col_b < n_out
     z_a = tl.load(z_row + col_a, mask=mask_a, other=0.0).to(tl.float32)
@@ -336,21 +336,30 @@ def expand_rows_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr,
 @triton.jit
 def expand_tiles_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr,
                         tile_start_ptr, tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2,
-                        multi_tiles_ptr, num_multi_ptr, chunks_per_item, P: tl.constexpr, SPLIT_K: tl.constexpr,
+                        multi_tiles_ptr, num_multi_ptr, target_items, P: tl.constexpr, SPLIT_K: tl.constexpr,
                         BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr):
     """The tiles of several tokens (prefill, a popular adapter, a shared VeRA group): the semantics of
     `expand_rows_kernel` for all of a tile's rows at once, on tensor cores, reading each Bᵀ block once for all of
-    them, over rank steps of BR. Persistent: a fixed number of programs walks the items (multi-token tile,
-    `chunks_per_item` chunks of 2·HB columns of one projection) of this step (`LoraMeta.multi_tiles`), so a step
-    without any (most decode steps) costs one short launch, not a grid of programs that all return; an item's
-    setup (its rows, slots, vector pointers, first h) is paid once for its chunks."""
+    them, over rank steps of BR. Persistent: a fixed number of programs walks the items (multi-token tile, a run
+    of chunks of 2·HB columns of one projection) of this step (`LoraMeta.multi_tiles`), so a step without any
+    (most decode steps) costs one short launch, not a grid of programs that all return. An item's setup (its rows,
+    slots, vector pointers, first h) is paid once for its chunks; the run length is set here, from this step's
+    number of multi-token tiles, to give about `target_items` items (a few per program): long runs for a prefill
+    of many tiles, single chunks (the most parallelism) for a few."""
+    num_multi = tl.load(num_multi_ptr)
+    chunks = tl.cdiv(out0, 2 * HB)
+    if P > 1:
+        chunks += tl.cdiv(out1, 2 * HB)
+    if P > 2:
+        chunks += tl.cdiv(out2, 2 * HB)
+    chunks_per_item = tl.maximum(tl.cdiv(num_multi * chunks, target_items), 1)
     cols = chunks_per_item * 2 * HB
     items = tl.cdiv(out0, cols)
     if P > 1:
         items += tl.cdiv(out1, cols)
     if P > 2:
         items += tl.cdiv(out2, cols)
-    for item in range(tl.program_id(0), tl.load(num_multi_ptr) * items, tl.num_programs(0)):
+    for item in range(tl.program_id(0), num_multi * items, tl.num_programs(0)):
         tile = tl.load(multi_tiles_ptr + item // items)
         g, start, end, z_ptr, n_out, prog, p, grow = _group_of_program(
             z0_ptr, z1_ptr, z2_ptr, out0, out1, out2, tab_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr, tile,

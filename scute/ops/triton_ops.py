@@ -34,14 +34,15 @@ MAX_BLOCK_R = 64  # rank tile: the pool's largest rank rounded up to a power of 
 # get several rank tiles (the shrink's grid, the multi-token expand's loop)
 TARGET_PROGRAMS = 1024  # the shrink's split-K aims at this many programs (~8 per SM on an H200)...
 MAX_SPLIT_K = 16  # ...the expand sums the partials in one 3-D load of SPLIT_K x BLOCK_M x BLOCK_R
-TARGET_EXPAND_PROGRAMS = 4096  # the expand gives each program enough chunks to bring its grid down to this
+TARGET_EXPAND_PROGRAMS = 4096  # the one-token expand gives each program enough chunks to bring its grid to this
 # Triton launch options (module constants: the bench tunes them).
 # The one-token expand runs one warp per program: its rank-axis sum then stays inside the warp (with 4 warps it
 # crossed them through shared memory and a barrier). Measured on the H200, LoRA B=64/64, one grouped layer:
 # 184 µs at 4 warps (HALF_N 128), 86 at 2, 60 at 1 warp (HALF_N 64; bench/results/profile_ops_h200.log).
 SHRINK_WARPS, EXPAND_WARPS, TILE_WARPS, SHRINK_STAGES, EXPAND_STAGES, TILE_STAGES = 4, 1, 4, 3, 1, 1
 TILE_PROGRAMS_PER_SM = 2  # the multi-token expand is persistent: this many programs per SM walk its items...
-TILE_CHUNKS_PER_ITEM = 4  # ...of this many chunks each (an item's setup is a chain of ~6 dependent loads)
+TILE_ITEMS_PER_PROGRAM = 4  # ...about this many each (an item's setup is a chain of ~6 dependent loads, so a
+# prefill of many tiles gives each item a run of chunks; a few tiles, one chunk per item)
 
 
 def _kernels():
@@ -169,8 +170,8 @@ def expand_(zs: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, so
     Shapes: zs = P ≤ 3 tensors [T, out_p] (contiguous, one dtype), h from `shrink` ([S, T, W] float32; with no
     low-rank slot in the pool any [1, T, 1] tensor), sorted_slots [T] int32, multi_tiles [NT], num_multi [1]
     (`LoraMeta`), the rest as in `shrink`. Two launches: a program per (one-token tile, `chunks_per_prog` chunks
-    of 2·half_n columns of one projection), then a persistent walk of the (multi-token tile, TILE_CHUNKS_PER_ITEM
-    chunks of 2·tile_half_n columns) items.
+    of 2·half_n columns of one projection), then a persistent walk of the (multi-token tile, run of chunks of
+    2·tile_half_n columns) items.
     """
     num_tokens = zs[0].shape[0]
     if num_tokens == 0:
@@ -184,8 +185,8 @@ def expand_(zs: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, so
         num_warps=EXPAND_WARPS, num_stages=EXPAND_STAGES)
     if num_tokens > 1:  # a shape, not data: fixed for a captured graph
         _kernels().expand_tiles_kernel[(persistent_programs(zs[0].device),)](
-            *args, multi_tiles, num_multi, TILE_CHUNKS_PER_ITEM, P=len(zs), SPLIT_K=h.shape[0], BM=BLOCK_M,
-            BR=block_r(max_rank),
+            *args, multi_tiles, num_multi, TILE_ITEMS_PER_PROGRAM * persistent_programs(zs[0].device), P=len(zs),
+            SPLIT_K=h.shape[0], BM=BLOCK_M, BR=block_r(max_rank),
             HB=tile_half_n, PREC=_precision(zs[0]), num_warps=TILE_WARPS, num_stages=TILE_STAGES)
 
 
@@ -197,7 +198,8 @@ def _(zs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, 
 
 # ---------------------------------------------------------------------------------------------- one layer call
 def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], pool: SlotPool,
-                         meta: LoraMeta, half_n: int = HALF_N, block_k: int = BLOCK_K) -> list[Tensor]:
+                         meta: LoraMeta, half_n: int = HALF_N, block_k: int = BLOCK_K,
+                         tile_half_n: int | None = None) -> list[Tensor]:
     """``P`` adapted projections of one input (q/k/v, gate/up, or one layer): the normal form of every token.
 
     Semantics: ys[p] = scute_linear_ref(x, weights[p], biases[p], slots[p], token_slots) for the slots the pool
@@ -216,7 +218,7 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
                    pool.num_proj, pool.h_width, pool.max_rank, split_k, block_k)
     else:  # epilogue-only pool (IA3, RoAd): the expand reads no h
         h = x.new_empty((1, 1, 1), dtype=torch.float32)
-    tile_half_n = max(16, min(half_n, TILE_HALF_N) * 32 // max(block_r(pool.max_rank), 32))
+    tile_half_n = max(16, (tile_half_n or TILE_HALF_N) * 32 // max(block_r(pool.max_rank), 32))
     chunks = choose_chunks_per_prog(meta.tile_group.shape[0], pool.out_features, half_n)
     expand_(zs, h, pool.table, meta.sorted_slots, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end,
             meta.multi_tiles, meta.num_multi, pool.max_rank, half_n, chunks, tile_half_n)
