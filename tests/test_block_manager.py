@@ -9,8 +9,9 @@ from scute.engine.request import Request
 from scute.sampling_params import SamplingParams
 
 
-def request(tokens, identity=None, rid="r") -> Request:
-    adapter = None if identity is None else SimpleNamespace(identity=identity, name=identity)
+def request(tokens, identity=None, rid="r", invocation=None) -> Request:
+    adapter = None if identity is None else SimpleNamespace(identity=identity, name=identity,
+                                                            invocation_tokens=invocation)
     return Request(rid, None, tokens, SamplingParams(), adapter, None, 0)
 
 
@@ -78,3 +79,21 @@ def test_prefix_caching_off():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     run(bm, request(list(range(9)), rid="a"))
     assert run(bm, request(list(range(9)), rid="b")) == []
+
+
+def test_alora_prefix_chains_from_the_base_root():
+    """An aLoRA's blocks before its invocation tokens hash as the base model's (they were computed by it); from
+    the block the adapter starts in on, the chain is the adapter's, and differs from base and plain-LoRA chains."""
+    bm = BlockManager(num_blocks=32, block_size=4)
+    tokens = list(range(20, 30)) + [7, 9] + list(range(40, 50))  # invocation [7, 9] at 10: inside block 2
+    base, plain = request(tokens, rid="b"), request(tokens, "L", rid="p")
+    alora = request(tokens, "L", rid="a", invocation=(7, 9))
+    missing = request(list(range(20, 42)), "L", rid="m", invocation=(7, 9))  # never invoked: the base throughout
+    missing_base = request(list(range(20, 42)), rid="mb")
+    for r in (base, plain, alora, missing, missing_base):
+        bm._update_hashes(r)
+    assert alora.adapter_start == 10 and missing.token_adapter_slot(10 ** 6) == -1
+    assert alora.block_hashes[:2] == base.block_hashes[:2] != plain.block_hashes[:2]
+    assert all(a not in (b, p) for a, b, p in zip(alora.block_hashes[2:], base.block_hashes[2:],
+                                                   plain.block_hashes[2:]))
+    assert missing.block_hashes == missing_base.block_hashes

@@ -10,11 +10,11 @@ import shutil
 
 import pytest
 import torch
-from peft import PeftModel
+from peft import LoraConfig, PeftModel
 
 from scute import AdapterRequest, Engine, SamplingParams
 from tests.helpers import FIVE_METHODS as CONFIGS
-from tests.helpers import make_adapter, tiny_model
+from tests.helpers import ALL_LINEAR, make_adapter, tiny_model
 
 METHODS = list(CONFIGS)
 NEW_TOKENS = 8
@@ -232,3 +232,61 @@ def test_adapters_for_a_gpu_model_convert_on_cpu(oracle):
             for key, x in slots.tensors().items():
                 y = b.layers[name].tensors()[key]
                 assert y.device.type == "cpu" and torch.equal(x, y), (method, name, key)
+
+
+# ---------------------------------------------------------------------------------------------- aLoRA
+INVOCATION = [7, 9, 11]
+
+
+def _invoke(prompt: list[int], *at: int) -> list[int]:
+    """`prompt` with the aLoRA invocation tokens written at each position of `at`."""
+    out = list(prompt)
+    for a in at:
+        out[a:a + len(INVOCATION)] = INVOCATION
+    return out
+
+
+@pytest.fixture(scope="module")
+def alora(oracle, tmp_path_factory):
+    """An aLoRA adapter (PEFT `alora_invocation_tokens`) and, for the mutation check, the same tensors as a
+    plain LoRA."""
+    root = tmp_path_factory.mktemp("alora")
+    for name, invocation in (("alora", INVOCATION), ("alora_ungated", None)):
+        oracle.paths[name] = str(root / name)
+        make_adapter(oracle.paths[name], LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR,
+                                                    alora_invocation_tokens=invocation, task_type="CAUSAL_LM"),
+                     seed=31)
+    return oracle.paths["alora"]
+
+
+def test_alora_matches_peft(oracle, alora):
+    """aLoRA applies its LoRA from the start of the last occurrence of its invocation tokens in the prompt on,
+    generated tokens included, and nowhere if they do not occur: greedy tokens equal PEFT's aLoRA `generate`,
+    next to base requests in one batch. The gate matters: the same tensors applied to every token (a plain
+    LoRA) give other tokens."""
+    raw = _prompts([30, 30, 30, 30, 12], seed=9)
+    prompts = [_invoke(raw[0], 0), _invoke(raw[1], 14), _invoke(raw[2], 3, 20), _invoke(raw[3], 27), raw[4]]
+    assert INVOCATION[0] not in raw[4]  # no invocation: the base model throughout
+    engine = oracle.engine(block_size=4)
+    outputs = engine.generate(prompts * 2, GREEDY, [alora] * 5 + [None] * 5, use_tqdm=False)
+    check(oracle, outputs, prompts * 2, ["alora"] * 5 + [None] * 5)
+    gated = [o.outputs[0].token_ids for o in outputs[:5]]
+    assert gated[4] == outputs[9].outputs[0].token_ids
+    assert any(g != o.outputs[0].token_ids for g, o in zip(gated[:4], outputs[5:9]))  # the adapter acts
+    assert any(g != oracle.reference("alora_ungated", p) for g, p in zip(gated[:4], prompts))  # the gate acts
+
+
+def test_alora_prefix_shares_the_base_kv_cache(oracle, alora):
+    """The tokens before an aLoRA's invocation run on the base model: a base request's cached blocks serve them
+    (and the blocks the adapter touches are never served to a base request)."""
+    shared = _prompts([24], seed=11)[0]
+    assert INVOCATION[0] not in shared
+    engine = oracle.engine(block_size=4)
+    [base] = engine.generate([shared + [5]], GREEDY, [None], use_tqdm=False)
+    prompt = _invoke(shared + _prompts([6], seed=12)[0], 24)
+    [out] = engine.generate([prompt], GREEDY, [alora], use_tqdm=False)
+    check(oracle, [base, out], [shared + [5], prompt], [None, "alora"])
+    assert out.num_cached_tokens == 24
+    [again] = engine.generate([prompt], GREEDY, [None], use_tqdm=False)  # the same tokens, on the base model
+    check(oracle, [again], [prompt], [None])
+    assert again.num_cached_tokens == 24  # not 28: the block holding the invocation was computed by the aLoRA

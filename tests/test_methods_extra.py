@@ -15,13 +15,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 
 import pytest
 import torch
 from peft import (
     AdaLoraConfig,
     BOFTConfig,
+    C3AConfig,
     DeloraConfig,
     FourierFTConfig,
     GloraConfig,
@@ -47,6 +47,8 @@ from peft.tuners.lora.config import BdLoraConfig, MontecloraConfig, VeloraConfig
 from scute.adapters import AdapterError, convert_checkpoint, load_adapter, read_checkpoint, supported_methods
 from scute.adapters.checkpoint import linear_modules
 from scute.adapters.lora_variants import alora_active
+from scute.compat.convert import convert_adapter
+from scute.compat.evaluate import SlotModel
 from scute.engine.context import ForwardContext, forward_context
 from scute.model.hf import place_adapter, swap_linears
 from tests.helpers import ALL_LINEAR, capture_layers, check_layers, effect_err, make_adapter, rel_err, tiny_model
@@ -98,6 +100,31 @@ def fourierft_fp64(dtype):
         yield
     finally:
         FourierFTLayer.get_delta_weight = saved
+
+
+@contextlib.contextmanager
+def c3a_fp64(dtype):
+    """PEFT's C3A forward with its float32 casts removed (its own block-circular convolution, in float64): the
+    float64 reference. PEFT's own path is float32 whatever the model dtype."""
+    if dtype != torch.float64:
+        yield
+        return
+    from peft.tuners.c3a.layer import C3ALinear
+    from peft.tuners.c3a.utils import BlockCircularConvolution
+
+    def forward(self, x, *args, **kwargs):
+        result = self.base_layer(x, *args, **kwargs)
+        for name in self.active_adapters:
+            if name in self.c3a_kernel.keys():
+                result = result + BlockCircularConvolution.apply(x, self.c3a_kernel[name].double()) / x.size(-1)
+        return result
+
+    saved = C3ALinear.forward
+    C3ALinear.forward = forward
+    try:
+        yield
+    finally:
+        C3ALinear.forward = saved
 
 
 def assert_matches_peft(path, config, family="llama", dtype=torch.float64, build_ctx=contextlib.nullcontext,
@@ -172,6 +199,9 @@ CASES = {
     "osf_rank": (lambda: OSFConfig(init_weights=False, effective_rank=20, target_modules=T4), {}),
     "randlora": (lambda: RandLoraConfig(r=5, randlora_alpha=7, target_modules=ALL_LINEAR), {"families": BOTH}),
     "hira_dense": (lambda: HiraConfig(r=3, target_modules=T4), {"dense": True}),
+    # blocks of 16 (32 on up_proj): the widths are 64, 96 and 32 (v_proj)
+    "c3a_dense": (lambda: C3AConfig(block_size=16, block_size_pattern={"up_proj": 32}, target_modules=T4),
+                  {"dense": True, "run_ctx": c3a_fp64, "families": BOTH}),
     "glora_vector": (lambda: GloraConfig(r=4, config_A_B="vector", config_C="lora", config_D_E="vector",
                                          target_modules=ALL_LINEAR), {"families": BOTH}),
     "glora_constant": (lambda: GloraConfig(r=4, config_A_B="constant", config_C="vector", config_D_E="constant",
@@ -238,7 +268,8 @@ def test_hira_refused_without_dense(tmp_path):
     (GloraConfig(r=4, target_modules=["q_proj"]), r"W0 ⊙ Xd Xu.*dense=True"),
     (MissConfig(r=8, init_weights="bat", target_modules=["q_proj"]), r"every output block.*dense=True"),
     (PveraConfig(r=8, sample_at_inference=True, target_modules=["q_proj"]), "random noise at every forward"),
-], ids=["glora_lora", "miss_bat", "pvera_sampling"])
+    (C3AConfig(block_size=16, target_modules=["q_proj"]), r"block-circulant.*dense=True"),
+], ids=["glora_lora", "miss_bat", "pvera_sampling", "c3a"])
 def test_refused_without_dense(config, message, tmp_path):
     make_adapter(str(tmp_path), config)
     with pytest.raises(AdapterError, match=message):
@@ -258,9 +289,10 @@ def test_lily_refused(tmp_path):
     assert "LILY" not in supported_methods() and "HIRA" in supported_methods()  # HiRA: served with dense=True
 
 
-def test_alora_refused_and_gate_matches_peft(tmp_path):
-    """aLoRA is refused at load (applying it to every token would be wrong); with the gate `alora_active` on the
-    token slots, its LoRA tensors reproduce PEFT's aLoRA exactly: what an engine must do to serve it."""
+def test_alora_gate_matches_peft(tmp_path):
+    """aLoRA loads as its LoRA tensors plus the gate (`Adapter.invocation_tokens`); with the gate `alora_active`
+    on the token slots (what the engine does per request) it reproduces PEFT's aLoRA exactly, and applied to
+    every token it does not, so the paths that run an adapter on every token refuse it."""
     invocation = [5, 6]
     config = LoraConfig(r=4, lora_alpha=8, target_modules=T4, alora_invocation_tokens=invocation,
                         task_type="CAUSAL_LM")
@@ -271,23 +303,19 @@ def test_alora_refused_and_gate_matches_peft(tmp_path):
     with torch.no_grad():
         expected = peft_model(ids).logits
     model = tiny_model("llama", torch.float64)
-    with pytest.raises(AdapterError, match="alora_invocation_tokens is set: aLoRA applies its LoRA only"):
-        load_adapter(tmp_path / "alora", model)
-
-    plain = tmp_path / "plain"
-    shutil.copytree(tmp_path / "alora", plain)
-    with open(plain / "adapter_config.json") as f:
-        cfg = json.load(f)
-    cfg["alora_invocation_tokens"] = None
-    with open(plain / "adapter_config.json", "w") as f:
-        json.dump(cfg, f)
+    adapter = load_adapter(tmp_path / "alora", model)
+    assert adapter.invocation_tokens == (5, 6)
     linears = swap_linears(model, max_adapters=1)
-    place_adapter(linears, 0, load_adapter(plain, model))
+    place_adapter(linears, 0, adapter)
     gate = torch.tensor([alora_active(row.tolist(), invocation) for row in ids])
     assert gate.sum(1).tolist() == [5, 3, 0]
     logits = run(model, None, ids, token_slots=torch.where(gate, 0, -1).flatten())
     assert rel_err(logits, expected) <= 1e-10
-    assert rel_err(run(model, [0, 0, 0], ids), expected) > 1e-3  # ungated: wrong, as the refusal says
+    assert rel_err(run(model, [0, 0, 0], ids), expected) > 1e-3  # ungated: wrong
+    with pytest.raises(ValueError, match="applies only from its invocation tokens on"):
+        SlotModel(tiny_model("llama", torch.float64), max_adapters=1).place(0, adapter)
+    with pytest.raises(ValueError, match="an aLoRA adapter is already a LoRA"):
+        convert_adapter(adapter, model, rank=2)
 
 
 MIXED = {  # the five core methods and one of each added method, on the biased base (qwen2)

@@ -42,7 +42,7 @@ _ids = iter(range(10**6))
 
 
 def add(s: Scheduler, n: int, adapter: str | None = None) -> Request:
-    ad = None if adapter is None else SimpleNamespace(identity=adapter, name=adapter)
+    ad = None if adapter is None else SimpleNamespace(identity=adapter, name=adapter, invocation_tokens=None)
     req = Request(f"r{next(_ids)}", None, list(range(n)), SamplingParams(), ad, adapter, 0)
     s.add_request(req)
     return req

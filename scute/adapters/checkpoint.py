@@ -353,6 +353,12 @@ class Adapter:
     def num_bytes(self) -> int:
         return sum(s.num_bytes() for s in self.layers.values())
 
+    @property
+    def invocation_tokens(self) -> tuple[int, ...] | None:
+        """aLoRA's invocation tokens (the adapter applies from their last occurrence in a prompt on), else None."""
+        tokens = self.config.get("alora_invocation_tokens")
+        return tuple(int(t) for t in tokens) if tokens else None
+
 
 def load_adapter(
     path: str | os.PathLike, model: nn.Module, name: str | None = None, allow_pickle: bool = False,

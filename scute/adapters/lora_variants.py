@@ -8,8 +8,15 @@ Plain LoRA at inference (the normal form of `lora.py` applies unchanged):
   name) or B [out, r/nb] (`target_modules_bd_b`) stored as nb blocks: expanded here with
   ``block_diag(*W.chunk(nb, 0))``, which is what PEFT multiplies by.
 
-Refused, with the reason (serving them as plain LoRA would be silently wrong): aLoRA, KaSA, Arrow, QALoRA,
-layer replication — see `REFUSED`. For aLoRA, `alora_active` gives the per-token gate an engine must apply.
+Plain LoRA tensors with a per-token gate:
+* aLoRA (`alora_invocation_tokens`): the LoRA applies only from the start of the last occurrence of the
+  invocation tokens in the prompt on (and to every generated token); never if they do not occur. The tensors
+  load as plain LoRA and `Adapter.invocation_tokens` carries the gate, which the engine applies per token
+  (`alora_start`; the tokens before it run, and share their KV cache, with the base model). Paths that run an
+  adapter on every token (`SlotModel`, `scute convert`) refuse aLoRA adapters.
+
+Refused, with the reason (serving them as plain LoRA would be silently wrong): KaSA, Arrow, QALoRA, layer
+replication — see `REFUSED`.
 """
 
 from __future__ import annotations
@@ -30,11 +37,6 @@ TRAINING_ONLY_KEYS = (
 )
 
 REFUSED = {
-    "alora_invocation_tokens": (
-        "aLoRA applies its LoRA only to the tokens from the last invocation sequence on (a per-token gate); "
-        "Scute's loader does not attach that gate to requests yet, and applying the LoRA to every token would "
-        "be silently wrong"
-    ),
     "kasa_config": (
         "KaSA replaces the base weight by its truncated SVD at init: exact serving needs a dense correction of "
         "the base, which Scute does not build"
@@ -67,10 +69,16 @@ def lora_factors(layer: LayerCheckpoint, r: int) -> tuple[Tensor, Tensor]:
     return A, B
 
 
-def alora_active(input_ids: Sequence[int], invocation_tokens: Sequence[int]) -> list[bool]:
-    """aLoRA's gate for one sequence: True from the start of the last occurrence of the invocation tokens on,
-    all False if they do not occur (PEFT's `calculate_alora_offsets`)."""
+def alora_start(input_ids: Sequence[int], invocation_tokens: Sequence[int]) -> int | None:
+    """aLoRA's gate for one prompt: the position of the first token the LoRA applies to (the start of the last
+    occurrence of the invocation tokens; every later token, generated ones included, is adapted too), or None if
+    they do not occur (then no token is: PEFT's `calculate_alora_offsets`)."""
     ids, inv = list(input_ids), list(invocation_tokens)
     starts = [s for s in range(len(ids) - len(inv) + 1) if ids[s:s + len(inv)] == inv]
-    start = starts[-1] if starts else len(ids)
-    return [t >= start for t in range(len(ids))]
+    return starts[-1] if starts else None
+
+
+def alora_active(input_ids: Sequence[int], invocation_tokens: Sequence[int]) -> list[bool]:
+    """aLoRA's gate for each token of one sequence (see `alora_start`)."""
+    start = alora_start(input_ids, invocation_tokens)
+    return [start is not None and t >= start for t in range(len(input_ids))]

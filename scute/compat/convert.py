@@ -178,6 +178,9 @@ def convert_adapter(adapter: Adapter, model: nn.Module, rank: int, bias_policy: 
         raise ValueError(f"rank must be at least 1, got {rank}")
     if bias_policy not in BIAS_POLICIES:
         raise ValueError(f"bias policy {bias_policy!r}: use one of {', '.join(BIAS_POLICIES)}")
+    if adapter.invocation_tokens is not None:
+        raise ValueError(f"{adapter.path}: an aLoRA adapter is already a LoRA (its gate, the invocation tokens, "
+                         "is not part of a LoRA conversion): serve it as it is")
     modules = dict(model.named_modules())
     layers = {}
     for name, slots in adapter.layers.items():

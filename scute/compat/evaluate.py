@@ -51,6 +51,9 @@ class SlotModel:
         self.max_adapters = len(next(iter(self.linears.values())).slots)
 
     def place(self, index: int, adapter: Adapter | None) -> None:
+        if adapter is not None and adapter.invocation_tokens is not None:
+            raise ValueError(f"{adapter.name}: an aLoRA adapter applies only from its invocation tokens on; "
+                             "SlotModel runs an adapter on every token (serve it with the Engine)")
         place_adapter(self.linears, index, adapter)
 
     @torch.no_grad()

@@ -59,10 +59,20 @@ class BlockManager:
 
     # ------------------------------------------------------------------ prefix cache
     def _update_hashes(self, req: Request) -> None:
-        """Extend the request's hash chain over its full blocks (prompt and output tokens)."""
+        """Extend the request's hash chain over its full blocks (prompt and output tokens). A block whose
+        tokens all precede the adapter's start (an aLoRA's prefix) was computed by the base model: it chains
+        from the base root, so base requests and other aLoRAs share it; the first block the adapter touches
+        mixes the adapter's root into the chain."""
         bs = self.block_size
         for i in range(len(req.block_hashes), req.num_tokens // bs):
-            parent = req.block_hashes[-1] if req.block_hashes else root_hash(req.adapter_identity)
+            adapted = req.adapter_start < (i + 1) * bs
+            root = root_hash(req.adapter_identity if adapted else None)
+            if not req.block_hashes:
+                parent = root
+            elif adapted and req.adapter_start >= i * bs:  # the adapter starts inside this block
+                parent = hashlib.sha256(req.block_hashes[-1] + root).digest()
+            else:
+                parent = req.block_hashes[-1]
             req.block_hashes.append(chain_hash(parent, req.all_token_ids[i * bs:(i + 1) * bs]))
 
     def get_computed_blocks(self, req: Request) -> list[int]:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import enum
+import sys
 from dataclasses import dataclass
 
 import torch
 
 from scute.adapters.checkpoint import Adapter
+from scute.adapters.lora_variants import alora_start
 from scute.sampling_params import SamplingParams
+
+NEVER = sys.maxsize  # `Request.adapter_start` of an aLoRA whose invocation tokens are not in the prompt
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,11 @@ class Request:
         self.num_hashed_blocks = 0  # leading blocks of block_table registered in the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.adapter_slot = -1  # slot in the ScuteLinear layers while running (-1 = base model)
+        # Position of the first token the adapter applies to: 0, or for an aLoRA the start of its invocation
+        # tokens' last occurrence in the prompt (never, if they do not occur); earlier tokens run on the base.
+        inv = None if adapter is None else adapter.invocation_tokens
+        start = 0 if inv is None else alora_start(self.prompt_token_ids, inv)
+        self.adapter_start = NEVER if start is None else start
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -88,6 +97,10 @@ class Request:
     @property
     def adapter_identity(self) -> str | None:
         return None if self.adapter is None else self.adapter.identity
+
+    def token_adapter_slot(self, position: int) -> int:
+        """The adapter slot of the token at `position` (−1: the base model)."""
+        return self.adapter_slot if position >= self.adapter_start else -1
 
     @property
     def is_finished(self) -> bool:
