@@ -30,6 +30,7 @@ from peft import (
     IA3Config,
     LilyConfig,
     OSFConfig,
+    PeanutConfig,
     RandLoraConfig,
     LoHaConfig,
     LoKrConfig,
@@ -199,6 +200,10 @@ CASES = {
     "osf_rank": (lambda: OSFConfig(init_weights=False, effective_rank=20, target_modules=T4), {}),
     "randlora": (lambda: RandLoraConfig(r=5, randlora_alpha=7, target_modules=ALL_LINEAR), {"families": BOTH}),
     "hira_dense": (lambda: HiraConfig(r=3, target_modules=T4), {"dense": True}),
+    # A computed from W0 at load through the residual tweaker net (depth 0: A, B only)
+    "peanut": (lambda: PeanutConfig(r=4, depth=2, act_fn="gelu", scaling=0.7, target_modules=ALL_LINEAR),
+               {"families": BOTH}),
+    "peanut_depth0": (lambda: PeanutConfig(r=3, depth=0, target_modules=T4), {}),
     # blocks of 16 (32 on up_proj): the widths are 64, 96 and 32 (v_proj)
     "c3a_dense": (lambda: C3AConfig(block_size=16, block_size_pattern={"up_proj": 32}, target_modules=T4),
                   {"dense": True, "run_ctx": c3a_fp64, "families": BOTH}),
