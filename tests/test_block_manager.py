@@ -92,7 +92,9 @@ def test_alora_prefix_chains_from_the_base_root():
     missing_base = request(list(range(20, 42)), rid="mb")
     for r in (base, plain, alora, missing, missing_base):
         bm._update_hashes(r)
-    assert alora.adapter_start == 10 and missing.token_adapter_slot(10 ** 6) == -1
+    alora.adapter_slot = missing.adapter_slot = 3
+    assert alora.token_adapter_slots(8, 4) == [-1, -1, 3, 3] and alora.token_adapter_slots(12, 2) == [3, 3]
+    assert alora.token_adapter_slots(0, 3) == [-1] * 3 and missing.token_adapter_slots(10 ** 6, 2) == [-1, -1]
     assert alora.block_hashes[:2] == base.block_hashes[:2] != plain.block_hashes[:2]
     assert all(a not in (b, p) for a, b, p in zip(alora.block_hashes[2:], base.block_hashes[2:],
                                                    plain.block_hashes[2:]))

@@ -86,7 +86,7 @@ class ModelRunner:
             input_ids += req.all_token_ids[start:start + num_new]
             positions += range(start, start + num_new)
             slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + num_new)]
-            token_slots += [req.token_adapter_slot(p) for p in range(start, start + num_new)]
+            token_slots += req.token_adapter_slots(start, num_new)
             query_start_loc.append(query_start_loc[-1] + num_new)
             seq_lens.append(start + num_new)
             block_tables.append(table)
@@ -105,7 +105,7 @@ class ModelRunner:
         )
         ctx = ForwardContext(
             token_adapter_slots=host_to_device(token_slots, torch.int64, self.device, buf["token_slots"]),
-            sample_adapter_slots=host_to_device([r.token_adapter_slot(r.num_tokens - 1) for r in sampling],
+            sample_adapter_slots=host_to_device([r.token_adapter_slots(r.num_tokens - 1, 1)[0] for r in sampling],
                                                 torch.int64, self.device, buf["sample_slots"]),
             attn=meta,
         )

@@ -98,9 +98,10 @@ class Request:
     def adapter_identity(self) -> str | None:
         return None if self.adapter is None else self.adapter.identity
 
-    def token_adapter_slot(self, position: int) -> int:
-        """The adapter slot of the token at `position` (−1: the base model)."""
-        return self.adapter_slot if position >= self.adapter_start else -1
+    def token_adapter_slots(self, start: int, num: int) -> list[int]:
+        """The adapter slots of the tokens at positions [start, start + num) (−1: the base model)."""
+        before = min(max(self.adapter_start - start, 0), num)
+        return [-1] * before + [self.adapter_slot] * (num - before)
 
     @property
     def is_finished(self) -> bool:
