@@ -40,6 +40,7 @@ from peft import (
     PeftModel,
     PveraConfig,
     RoadConfig,
+    ShiraConfig,
     VBLoRAConfig,
     VeraConfig,
 )
@@ -204,6 +205,7 @@ CASES = {
     "peanut": (lambda: PeanutConfig(r=4, depth=2, act_fn="gelu", scaling=0.7, target_modules=ALL_LINEAR),
                {"families": BOTH}),
     "peanut_depth0": (lambda: PeanutConfig(r=3, depth=0, target_modules=T4), {}),
+    "shira_dense": (lambda: ShiraConfig(r=2, target_modules=ALL_LINEAR), {"dense": True, "families": BOTH}),
     # blocks of 16 (32 on up_proj): the widths are 64, 96 and 32 (v_proj)
     "c3a_dense": (lambda: C3AConfig(block_size=16, block_size_pattern={"up_proj": 32}, target_modules=T4),
                   {"dense": True, "run_ctx": c3a_fp64, "families": BOTH}),
@@ -274,7 +276,8 @@ def test_hira_refused_without_dense(tmp_path):
     (MissConfig(r=8, init_weights="bat", target_modules=["q_proj"]), r"every output block.*dense=True"),
     (PveraConfig(r=8, sample_at_inference=True, target_modules=["q_proj"]), "random noise at every forward"),
     (C3AConfig(block_size=16, target_modules=["q_proj"]), r"block-circulant.*dense=True"),
-], ids=["glora_lora", "miss_bat", "pvera_sampling", "c3a"])
+    (ShiraConfig(r=2, target_modules=["q_proj"]), r"sparse matrix.*dense=True"),
+], ids=["glora_lora", "miss_bat", "pvera_sampling", "c3a", "shira"])
 def test_refused_without_dense(config, message, tmp_path):
     make_adapter(str(tmp_path), config)
     with pytest.raises(AdapterError, match=message):
