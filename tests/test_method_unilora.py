@@ -1,0 +1,87 @@
+"""Uni-LoRA against PEFT: per layer (unfolded and folded) and whole model, float64 (≤ 1e-10) and float32
+(≤ 1e-5), llama and qwen2, from checkpoints saved with save_indices=True; the index regeneration against PEFT's
+buffers; the default save_indices=False, which the loader cannot serve yet.
+
+θ is randomized by `make_adapter`; the saved scales are perturbed too (they are 1/√count, nearly constant), so
+a converter that recomputed them instead of reading them would fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from peft import UniLoraConfig, get_peft_model
+from peft.tuners.unilora.layer import UniLoraLayer
+
+import scute.adapters.unilora  # noqa: F401  (registers UNILORA until the registry imports it)
+from scute.adapters import AdapterError, load_adapter
+from scute.adapters.unilora import regenerate_indices
+from tests import helpers
+from tests.helpers import ALL_LINEAR, make_adapter, tiny_model
+from tests.test_methods_extra import BOTH, T4, assert_matches_peft
+
+
+@contextlib.contextmanager
+def perturbed_scales():
+    """`make_adapter` also perturbs UniLoRA's saved scales."""
+    original = helpers.randomize_adapter
+
+    def randomize(peft_model, seed=1):
+        original(peft_model, seed)
+        g = torch.Generator().manual_seed(seed + 100)
+        with torch.no_grad():
+            for name, b in peft_model.named_buffers():
+                if ".unilora_scales_" in name:
+                    b.mul_(1 + 0.5 * torch.randn(b.shape, generator=g, dtype=torch.float64).to(b.dtype))
+
+    helpers.randomize_adapter = randomize
+    try:
+        yield
+    finally:
+        helpers.randomize_adapter = original
+
+
+CONFIGS = {
+    "r4_d64": lambda: UniLoraConfig(r=4, theta_d_length=64, save_indices=True, target_modules=T4),
+    # D = 3·1856 = 5568 entries over d = 5000: counts 1 or 2
+    "r3_all_linear": lambda: UniLoraConfig(r=3, theta_d_length=5000, proj_seed=3, save_indices=True,
+                                           target_modules=ALL_LINEAR),
+    # heavy collisions: 7 values for 8·(2·128 + 2·96) entries
+    "r8_d7": lambda: UniLoraConfig(r=8, theta_d_length=7, save_indices=True, target_modules=["q_proj", "v_proj"]),
+    "bias_all": lambda: UniLoraConfig(r=4, theta_d_length=128, bias="all", save_indices=True,
+                                      target_modules=["q_proj", "down_proj"]),
+}
+GRID = [(c, f, d) for c in CONFIGS for f in BOTH for d in (torch.float64, torch.float32)]
+
+
+@pytest.mark.parametrize("case,family,dtype", GRID, ids=[f"{c}-{f}-{str(d)[-7:]}" for c, f, d in GRID])
+def test_unilora_matches_peft(case, family, dtype, tmp_path):
+    worst = assert_matches_peft(tmp_path, CONFIGS[case](), family, dtype, build_ctx=perturbed_scales)
+    print(f"{case} {family} {dtype}: worst {worst:.2e}")
+    assert worst <= (1e-10 if dtype == torch.float64 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("config", [
+    UniLoraConfig(r=4, theta_d_length=64, target_modules=T4),
+    UniLoraConfig(r=3, theta_d_length=5000, proj_seed=3, target_modules=ALL_LINEAR),
+], ids=["r4_d64", "r3_all_linear"])
+def test_unilora_regenerated_indices_match_peft(config, dtype):
+    """`regenerate_indices` from the layers' shapes in model order reproduces PEFT's indices and scales exactly."""
+    peft_model = get_peft_model(tiny_model("llama", dtype), config)
+    layers = [m for m in peft_model.modules() if isinstance(m, UniLoraLayer)]
+    shapes = [(m.out_features, m.in_features) for m in layers]
+    got = regenerate_indices(shapes, config.r, config.theta_d_length, config.proj_seed)
+    for m, (ia, ib, sa, sb) in zip(layers, got, strict=True):
+        assert torch.equal(ia, m.unilora_indices_A["default"]) and torch.equal(ib, m.unilora_indices_B["default"])
+        assert torch.equal(sa.to(dtype), m.unilora_scales_A["default"])
+        assert torch.equal(sb.to(dtype), m.unilora_scales_B["default"])
+
+
+def test_unilora_without_saved_indices_refused(tmp_path):
+    """PEFT's default (save_indices=False) saves θ alone: the loader finds no tensor for the targeted layers."""
+    make_adapter(str(tmp_path), UniLoraConfig(r=4, theta_d_length=64, target_modules=T4))
+    with pytest.raises(AdapterError, match="the config targets .* but the file has no tensors for it"):
+        load_adapter(tmp_path, tiny_model())
