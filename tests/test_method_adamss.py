@@ -1,0 +1,104 @@
+"""AdaMSS against PEFT: per layer (unfolded and folded) and whole model, float64 (≤ 1e-10) and float32 (≤ 1e-5),
+llama and qwen2 (biased q/k/v: the bias column of newB); against PEFT reloading the checkpoint (which recomputes
+the row partition from W0, as Scute does) with a perturbed newB; and the refusals.
+
+PEFT needs scikit-learn to build an AdaMSS adapter (KMeans), and so does Scute to recompute its partition.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("sklearn")
+
+from peft import AdamssConfig, PeftModel
+from safetensors.torch import load_file, save_file
+
+import scute.adapters.adamss  # noqa: F401  (registers ADAMSS until the registry imports it)
+from scute.adapters import AdapterError, load_adapter
+from scute.adapters.registry import NOT_SERVED
+from tests.helpers import ALL_LINEAR, make_adapter, tiny_model
+from tests.test_methods_extra import BOTH, T4, assert_matches_peft
+
+# Registered above, so no longer "not served" (test_checkpoint_errors checks the two sets are disjoint); a no-op
+# once the registry imports adamss and drops it from NOT_SERVED.
+NOT_SERVED.pop("ADAMSS", None)
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+DTYPES = [torch.float64, torch.float32]
+
+# name -> (config factory, families)
+CASES = {
+    # Σr_i = 4·2 = 8 ≤ R = 16: A = Â N_x, B = B̂
+    "k4_r2": (lambda: AdamssConfig(r=16, num_subspaces=4, subspace_rank=2, target_modules=ALL_LINEAR), BOTH),
+    # PEFT's defaults (r=100 clamps to min(out, in'): R = 32 on k/v, 64/65 elsewhere; K=5, r_i=1)
+    "defaults": (lambda: AdamssConfig(target_modules=T4), BOTH),
+    # Σr_i = 6·3 = 18 > R = 8: A = N_x, B = B̂ Â; random_seed changes the partition
+    "rank_R": (lambda: AdamssConfig(r=8, num_subspaces=6, subspace_rank=3, random_seed=7,
+                                    target_modules=T4 + ["k_proj"]), BOTH),
+    # dynamic ranks (r_i ≤ 3 from the subspaces' spectra) and ASA (training only)
+    "dynamic_asa": (lambda: AdamssConfig(r=24, num_subspaces=3, subspace_rank=3, use_dynamic_rank=True,
+                                         svd_threshold=0.3, use_asa=True, asa_target_subspaces=4,
+                                         target_modules=ALL_LINEAR), ("qwen2",)),
+}
+GRID = [(c, f, d) for c, (_, fams) in CASES.items() for f in fams for d in DTYPES]
+
+
+@pytest.mark.parametrize("case,family,dtype", GRID, ids=[f"{c}-{f}-{str(d)[-7:]}" for c, f, d in GRID])
+def test_adamss_matches_peft(case, family, dtype, tmp_path):
+    worst = assert_matches_peft(tmp_path, CASES[case][0](), family, dtype)
+    assert worst <= TOL[dtype]
+
+
+def _scatter_indices(peft_model) -> dict[str, torch.Tensor]:
+    return {n: m.scatter_index["default"] for n, m in peft_model.named_modules()
+            if getattr(m, "scatter_index", None)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_adamss_reloaded_checkpoint(dtype, tmp_path):
+    """The reference is PEFT loading the saved checkpoint (its partition recomputed at load), with newB perturbed
+    in the file (a random projection, bias column included), so that its exact value is what is tested."""
+    config = AdamssConfig(r=16, num_subspaces=4, subspace_rank=2, target_modules=ALL_LINEAR)
+
+    def reload(path):
+        file = f"{path}/adapter_model.safetensors"
+        tensors = load_file(file)
+        g = torch.Generator().manual_seed(3)
+        for key, x in tensors.items():
+            if key.endswith("adamss_newB"):
+                tensors[key] = x + 0.3 * torch.randn(x.shape, generator=g, dtype=torch.float64).to(x.dtype)
+        save_file(tensors, file)
+        model = PeftModel.from_pretrained(tiny_model("qwen2", dtype), path).eval()
+        scatter = _scatter_indices(model)
+        # the partitions are not trivial (a converter ignoring them would fail) and match the in-memory model's
+        assert any(not torch.equal(s, torch.arange(len(s))) for s in scatter.values())
+        assert all(torch.equal(s, built[n]) for n, s in scatter.items())
+        return model
+
+    built = _scatter_indices(make_adapter(str(tmp_path), config, "qwen2", dtype))
+    worst = assert_matches_peft(tmp_path, config, "qwen2", dtype, reference=reload)
+    assert worst <= TOL[dtype]
+
+
+def test_adamss_other_base_refused(tmp_path):
+    """Another base (another W0: another partition, whose row counts differ from the saved ones) is refused."""
+    make_adapter(str(tmp_path), AdamssConfig(r=16, num_subspaces=4, subspace_rank=2, target_modules=["q_proj"]))
+    with pytest.raises(AdapterError, match=r"subspaces recomputed from the base weight.*PEFT recomputes it"):
+        load_adapter(tmp_path, tiny_model(seed=5))
+
+
+def test_adamss_needs_sklearn(tmp_path, monkeypatch):
+    make_adapter(str(tmp_path), AdamssConfig(r=16, num_subspaces=4, subspace_rank=2, target_modules=["q_proj"]))
+    monkeypatch.setitem(__import__("sys").modules, "sklearn.cluster", None)
+    with pytest.raises(AdapterError, match="install scikit-learn"):
+        load_adapter(tmp_path, tiny_model())
+
+
+def test_adamss_missing_subspace_refused(tmp_path):
+    make_adapter(str(tmp_path), AdamssConfig(r=16, num_subspaces=4, subspace_rank=2, target_modules=["q_proj"]))
+    file = f"{tmp_path}/adapter_model.safetensors"
+    save_file({k: v for k, v in load_file(file).items() if not k.endswith("adamss_B.1")}, file)
+    with pytest.raises(AdapterError, match="some are missing"):
+        load_adapter(tmp_path, tiny_model())
