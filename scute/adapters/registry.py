@@ -49,8 +49,7 @@ NOT_SERVED = {
     "XLORA": "it gates its LoRAs by the hidden states of an extra forward pass: no static form per token",
     **dict.fromkeys(("WAVEFT", "SUPERTUNING", "FROD"),
                     _LATER.format("a dense or sparse per-adapter weight change (FRoD replaces the weight)")),
-    **dict.fromkeys(("ADAMSS", "TINYLORA", "UNILORA", "POLY", "PSOFT"),
-                    _LATER.format("a plain LoRA")),
+    **dict.fromkeys(("POLY", "PSOFT"), _LATER.format("a plain LoRA")),
 }
 
 
@@ -88,7 +87,6 @@ def supported_methods() -> list[str]:
 
 def _load_builtin_methods() -> None:
     # Imported lazily: the method files import this module to register themselves.
-    from scute.adapters import adalora, boft, c3a, delora, dense, fourierft, glora, gralora, hra, ia3  # noqa: F401
-    from scute.adapters import loha  # noqa: F401
-    from scute.adapters import lokr, lora, miss, oft, osf, peanut, pvera, randlora, road, shira  # noqa: F401
-    from scute.adapters import vblora, vera  # noqa: F401
+    from scute.adapters import adalora, adamss, boft, c3a, delora, dense, fourierft, glora, gralora  # noqa: F401
+    from scute.adapters import hra, ia3, loha, lokr, lora, miss, oft, osf, peanut, pvera, randlora  # noqa: F401
+    from scute.adapters import road, shira, tinylora, unilora, vblora, vera  # noqa: F401
