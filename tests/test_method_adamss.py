@@ -15,15 +15,9 @@ pytest.importorskip("sklearn")
 from peft import AdamssConfig, PeftModel
 from safetensors.torch import load_file, save_file
 
-import scute.adapters.adamss  # noqa: F401  (registers ADAMSS until the registry imports it)
 from scute.adapters import AdapterError, load_adapter
-from scute.adapters.registry import NOT_SERVED
 from tests.helpers import ALL_LINEAR, make_adapter, tiny_model
 from tests.test_methods_extra import BOTH, T4, assert_matches_peft
-
-# Registered above, so no longer "not served" (test_checkpoint_errors checks the two sets are disjoint); a no-op
-# once the registry imports adamss and drops it from NOT_SERVED.
-NOT_SERVED.pop("ADAMSS", None)
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 DTYPES = [torch.float64, torch.float32]

@@ -14,7 +14,7 @@ import pytest
 import torch
 from peft import GraloraConfig, LoraConfig
 
-import scute.adapters.gralora  # registers the converter (until the registry imports it itself)
+import scute.adapters.gralora
 from scute.adapters import AdapterError, convert_checkpoint, load_adapter, read_checkpoint, supported_methods
 from scute.adapters.checkpoint import linear_modules
 from scute.adapters.registry import get_method
@@ -45,8 +45,8 @@ def test_gralora_matches_peft(case, family, dtype, tmp_path):
     print(f"\nworst {case}-{family}-{dtype}: {worst:.2e}")
 
 
-def test_gralora_registered_despite_not_served():
-    """The registry looks up registered converters before its NOT_SERVED reasons: importing the module serves it."""
+def test_gralora_registered():
+    """The registry serves GraLoRA through `scute.adapters.gralora`."""
     assert get_method("GRALORA").convert is scute.adapters.gralora.convert_gralora
     assert "GRALORA" in supported_methods()
 

@@ -23,7 +23,6 @@ import pytest
 import torch
 from peft import PeftModel, PsoftConfig
 
-import scute.adapters.psoft  # noqa: F401  (registers PSOFT until the registry imports it)
 from scute.adapters import AdapterError, convert_checkpoint, load_adapter, read_checkpoint
 from scute.adapters.checkpoint import linear_modules
 from tests import helpers

@@ -15,7 +15,6 @@ import torch
 from peft import TinyLoraConfig
 from safetensors.torch import load_file, save_file
 
-import scute.adapters.tinylora  # noqa: F401  (registers TINYLORA until the registry imports it)
 from scute.adapters import AdapterError, load_adapter
 from tests import helpers
 from tests.helpers import ALL_LINEAR, make_adapter, tiny_model

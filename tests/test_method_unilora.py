@@ -15,7 +15,6 @@ import torch
 from peft import UniLoraConfig, get_peft_model
 from peft.tuners.unilora.layer import UniLoraLayer
 
-import scute.adapters.unilora  # noqa: F401  (registers UNILORA until the registry imports it)
 from scute.adapters import AdapterError, load_adapter
 from scute.adapters.unilora import regenerate_indices
 from tests import helpers

@@ -49,7 +49,7 @@ NOT_SERVED = {
     "XLORA": "it gates its LoRAs by the hidden states of an extra forward pass: no static form per token",
     **dict.fromkeys(("WAVEFT", "SUPERTUNING", "FROD"),
                     _LATER.format("a dense or sparse per-adapter weight change (FRoD replaces the weight)")),
-    **dict.fromkeys(("POLY", "PSOFT"), _LATER.format("a plain LoRA")),
+    "POLY": _LATER.format("a plain LoRA per task id"),
 }
 
 
@@ -88,5 +88,5 @@ def supported_methods() -> list[str]:
 def _load_builtin_methods() -> None:
     # Imported lazily: the method files import this module to register themselves.
     from scute.adapters import adalora, adamss, boft, c3a, delora, dense, fourierft, glora, gralora  # noqa: F401
-    from scute.adapters import hra, ia3, loha, lokr, lora, miss, oft, osf, peanut, pvera, randlora  # noqa: F401
+    from scute.adapters import hra, ia3, loha, lokr, lora, miss, oft, osf, peanut, psoft, pvera, randlora  # noqa: F401
     from scute.adapters import road, shira, tinylora, unilora, vblora, vera  # noqa: F401
