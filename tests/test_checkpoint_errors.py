@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from peft import LoraConfig, OFTConfig
+from peft import LoraConfig, OFTConfig, PeanutConfig
 from safetensors.torch import load_file, save_file
 
 from scute.adapters import AdapterError, load_adapter, read_checkpoint
@@ -177,3 +177,14 @@ def test_not_served_table_names_real_unserved_types():
     from scute.adapters.registry import NOT_SERVED
 
     assert set(NOT_SERVED) <= {p.value for p in PeftType} and not set(NOT_SERVED) & set(supported_methods())
+
+
+def test_numbered_key_families(tmp_path):
+    """A ``*`` key name (PEANuT's ``peanut_encoders.*.weight``) takes any one segment, whatever the depth, and
+    nothing more: an extra numbered tensor the config does not use, or a two-segment one, is refused by name."""
+    make_adapter(str(tmp_path), PeanutConfig(r=2, depth=3, target_modules=["q_proj"]))
+    assert len(load_adapter(tmp_path, tiny_model()).layers) == 2
+    edit_tensors(tmp_path, lambda t: t.update({f"{Q0}.peanut_encoders.7.weight": torch.zeros(2, 2)}))
+    assert "unexpected tensor 'peanut_encoders.7.weight'" in load_error(tmp_path)
+    edit_tensors(tmp_path, lambda t: t.update({f"{Q0}.peanut_encoders.1.x.weight": torch.zeros(2, 2)}))
+    assert "not a PEANUT tensor" in load_error(tmp_path)

@@ -36,8 +36,6 @@ from scute.adapters.checkpoint import LayerCheckpoint
 from scute.adapters.registry import register_method
 from scute.adapters.slots import Slots
 
-MAX_SUBSPACES = 256  # keys registered per layer (adamss_A.0 ...); PEFT's defaults use 5
-KEYS = ("adamss_newB",) + tuple(f"adamss_{p}.{i}" for p in "AB" for i in range(MAX_SUBSPACES))
 KMEANS_SEED = 123456789  # PEFT's fixed KMeans random_state
 KMEANS_ITERS = 10
 
@@ -63,14 +61,14 @@ def subspace_labels(layer: LayerCheckpoint, rank: int, seed: int, k: int) -> Ten
     return torch.from_numpy(kmeans.fit_predict(points)).long()
 
 
-@register_method("ADAMSS", keys=KEYS)
+@register_method("ADAMSS", keys=("adamss_newB", "adamss_A.*", "adamss_B.*"))
 def convert_adamss(layer: LayerCheckpoint) -> Slots:
     i, o, cfg = layer.in_features, layer.out_features, layer.config
     biased = layer.bias is not None
     width = i + biased
     rank = min(int(cfg["r"]), o, width)
     newb = layer.tensor("adamss_newB", (rank, width))
-    k = sum(1 for n in range(MAX_SUBSPACES) if layer.has(f"adamss_A.{n}"))
+    k = sum(1 for key in layer.tensors if key.startswith("adamss_A."))
     if k == 0 or any(not layer.has(f"adamss_{p}.{n}") for p in "AB" for n in range(k)):
         raise layer.error(f"AdaMSS subspaces must be saved as adamss_A.0..{max(k, 1) - 1} and adamss_B.0..: "
                           "some are missing")

@@ -261,7 +261,7 @@ def convert_checkpoint(
         if bias is not None and tuple(bias.shape) != (shapes[name][0],):
             raise ckpt.error(f"trained bias has shape {tuple(bias.shape)}, layer needs ({shapes[name][0]},)", name)
         layer = LayerCheckpoint(name, ckpt.config, base, bias, tensors, ckpt, globals_, shapes, shared, dense=dense)
-        if set(tensors) & set(method.keys):
+        if tensors:  # method tensors (the group holds nothing else once the bias is taken out)
             try:
                 slots = method.convert(layer)
             except AdapterError:
@@ -276,13 +276,20 @@ def convert_checkpoint(
     return out
 
 
+def _names_pattern(names: tuple[str, ...]) -> str:
+    """A regex alternation of key names, where ``*`` stands for one dotted segment (``adamss_A.*``)."""
+    return "|".join(re.escape(n).replace(r"\*", r"[^.]+") for n in names) or "(?!)"
+
+
 def _group_keys(ckpt: AdapterCheckpoint, method: Method, modules: Mapping[str, nn.Module]):
-    """Split checkpoint keys into per-module tensors (suffix -> tensor) and global tensors."""
-    suffixes = sorted(method.keys + ("base_layer.bias", "bias"), key=len, reverse=True)
+    """Split checkpoint keys into per-module tensors (suffix -> tensor) and global tensors (name -> tensor)."""
+    # module.suffix with the shortest module, i.e. the longest suffix ("base_layer.bias" before "bias")
+    layer_key = re.compile(rf"(.+?)\.({_names_pattern(method.keys + ('base_layer.bias', 'bias'))})")
+    global_key = re.compile(_names_pattern(method.global_keys))
     groups: dict[str, dict[str, Tensor]] = {}
     globals_: dict[str, Tensor] = {}
     for key, x in ckpt.tensors.items():
-        if key.startswith(GLOBAL_PREFIX) and key[len(GLOBAL_PREFIX):] in method.global_keys:
+        if key.startswith(GLOBAL_PREFIX) and global_key.fullmatch(key[len(GLOBAL_PREFIX):]):
             globals_[key[len(GLOBAL_PREFIX):]] = x
             continue
         rel = key[len(LAYER_PREFIX):] if key.startswith(LAYER_PREFIX) else key
@@ -291,10 +298,10 @@ def _group_keys(ckpt: AdapterCheckpoint, method: Method, modules: Mapping[str, n
                 f"tensor {key!r} is a fully trained module copy (modules_to_save / trainable tokens): Scute serves "
                 "adapters of linear layers only; merge it into the base model instead"
             )
-        suffix = next((s for s in suffixes if rel.endswith("." + s)), None)
-        if suffix is None:
+        match = layer_key.fullmatch(rel)
+        if match is None:
             raise ckpt.error(f"unexpected tensor {key!r}: not a {ckpt.peft_type} tensor")
-        module = rel[: -len(suffix) - 1]
+        module, suffix = match.groups()
         if module not in modules:
             if suffix == "bias":
                 raise ckpt.error(

@@ -29,8 +29,6 @@ is the one the adapter was trained on (the case served here, and tested by reloa
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 from torch import Tensor
 
@@ -39,18 +37,6 @@ from scute.adapters.dense import full_rank_slots, require_dense
 from scute.adapters.registry import register_method
 from scute.adapters.slots import Slots
 
-# The registry matches model-level keys exactly, and FRoD names them by module category: the categories of the
-# decoder module names in common use (attention / MLP / MoE-expert projections). A checkpoint with another
-# category is refused by the loader as an unexpected tensor.
-_PARENTS = ("self_attn", "attn", "attention", "self_attention", "mlp", "feed_forward", "ffn", "block_sparse_moe",
-            "shared_expert", "shared_experts", "cross_attn", "linear_attn", "mixer")
-_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "out_proj", "gate_proj", "up_proj", "down_proj",
-           "gate_up_proj", "fc1", "fc2", "dense", "query_key_value", "dense_h_to_4h", "dense_4h_to_h", "w1", "w2",
-           "w3", "wq", "wk", "wv", "wo", "Wqkv", "c_attn", "c_proj", "c_fc", "query", "key", "value", "in_proj",
-           "x_proj", "dt_proj", "gate", "lm_head")
-CATEGORIES = tuple(dict.fromkeys([f"{p}_{leaf}" for p, leaf in itertools.product(_PARENTS, _LEAVES)]
-                                 + list(_LEAVES) + ["attention_output", "output_dense"]))
-GLOBAL_KEYS = tuple(f"{kind}.{c}" for c in CATEGORIES for kind in ("frod_V", "frod_s_indices", "frod_s_size"))
 
 
 def category(name: str) -> str:
@@ -80,7 +66,8 @@ def frod_u(w0: Tensor, v: Tensor, dtype: torch.dtype) -> Tensor:
     return u.to(torch.float32).to(dtype)
 
 
-@register_method("FROD", keys=("frod_lambda_l", "frod_lambda_s_values"), global_keys=GLOBAL_KEYS)
+@register_method("FROD", keys=("frod_lambda_l", "frod_lambda_s_values"),
+                 global_keys=("frod_V.*", "frod_s_indices.*", "frod_s_size.*"))
 def convert_frod(layer: LayerCheckpoint) -> Slots:
     require_dense(layer, "FRoD replaces the weight by U (S + diag λ) Vᵀ (U, V full [in, in] bases, S sparse): its "
                          "delta from W0 is full rank, no low-rank form")
@@ -90,9 +77,6 @@ def convert_frod(layer: LayerCheckpoint) -> Slots:
                           "adapter with save_projection=True")
     i = layer.in_features
     cat = category(layer.name)
-    if cat not in CATEGORIES:
-        raise layer.error(f"FRoD category {cat!r} of this module is not one Scute reads "
-                          f"(base_model.frod_V.{cat} would be refused)")
     V = layer.global_tensor(f"frod_V.{cat}")
     if tuple(V.shape) != (i, i):
         raise layer.error(f"base_model.frod_V.{cat} has shape {tuple(V.shape)}, the layer needs ({i}, {i})")

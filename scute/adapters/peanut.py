@@ -17,19 +17,15 @@ from scute.adapters.checkpoint import LayerCheckpoint
 from scute.adapters.registry import register_method
 from scute.adapters.slots import Slots
 
-MAX_DEPTH = 64  # encoder/decoder pairs a checkpoint may hold (their keys must be listed to be recognised)
-
-
-@register_method("PEANUT", keys=("peanut_A.weight", "peanut_B.weight",
-                                 *(f"peanut_{part}.{i}.weight" for part in ("encoders", "decoders")
-                                   for i in range(MAX_DEPTH))))
+@register_method("PEANUT", keys=("peanut_A.weight", "peanut_B.weight", "peanut_encoders.*.weight",
+                                 "peanut_decoders.*.weight"))
 def convert_peanut(layer: LayerCheckpoint) -> Slots:
     i, o = layer.in_features, layer.out_features
     depth, act = int(layer.config.get("depth", 0)), layer.config.get("act_fn", "relu")
     if act not in ACT2FN:
         raise layer.error(f"act_fn {act!r} is not a transformers activation")
-    if not 0 <= depth <= MAX_DEPTH:
-        raise layer.error(f"depth {depth}: Scute reads at most {MAX_DEPTH} encoder/decoder pairs")
+    if depth < 0:
+        raise layer.error(f"depth {depth}: must be 0 or more")
     f = ACT2FN[act]
     r = layer.tensor("peanut_A.weight").shape[0]
     a = layer.tensor("peanut_A.weight", (r, o))

@@ -7,9 +7,10 @@ Adding a method is one file::
         ...
 
 `keys` are the per-layer tensor names the method saves (after the module path), `global_keys` the
-model-level ones (saved as ``base_model.<key>``, e.g. VeRA's shared projections). The loader groups a
-checkpoint's tensors by module with them, checks that every tensor is used, and hands each adapted layer to
-the converter as a `LayerCheckpoint` (see `scute.adapters.checkpoint`).
+model-level ones (saved as ``base_model.<key>``, e.g. VeRA's shared projections); a ``*`` in a name stands for
+one dotted segment, for numbered or named families (``adamss_A.*``, FRoD's ``frod_V.*`` per module category).
+The loader groups a checkpoint's tensors by module with them, checks that every tensor is used, and hands each
+adapted layer to the converter as a `LayerCheckpoint` (see `scute.adapters.checkpoint`).
 """
 
 from __future__ import annotations
@@ -47,8 +48,7 @@ NOT_SERVED = {
     "TRAINABLE_TOKENS": _MERGE.format("embedding rows"),
     "SHADOW": "it is not an adapter of linear layers",
     "XLORA": "it gates its LoRAs by the hidden states of an extra forward pass: no static form per token",
-    **dict.fromkeys(("WAVEFT", "SUPERTUNING", "FROD"),
-                    _LATER.format("a dense or sparse per-adapter weight change (FRoD replaces the weight)")),
+    **dict.fromkeys(("WAVEFT", "SUPERTUNING"), _LATER.format("a dense or sparse per-adapter weight change")),
     "POLY": _LATER.format("a plain LoRA per task id"),
 }
 
@@ -87,6 +87,6 @@ def supported_methods() -> list[str]:
 
 def _load_builtin_methods() -> None:
     # Imported lazily: the method files import this module to register themselves.
-    from scute.adapters import adalora, adamss, boft, c3a, delora, dense, fourierft, glora, gralora  # noqa: F401
+    from scute.adapters import adalora, adamss, boft, c3a, delora, dense, fourierft, frod, glora, gralora  # noqa: F401
     from scute.adapters import hra, ia3, loha, lokr, lora, miss, oft, osf, peanut, psoft, pvera, randlora  # noqa: F401
     from scute.adapters import road, shira, tinylora, unilora, vblora, vera  # noqa: F401

@@ -35,8 +35,6 @@ from scute.adapters.registry import register_method
 from scute.adapters.slots import Slots
 
 # v is saved as numbered model-level tensors base_model.tinylora_v.<group>; the registry takes a fixed tuple
-MAX_GROUPS = 4096
-V_KEYS = tuple(f"tinylora_v.{g}" for g in range(MAX_GROUPS))
 
 
 def _layer_order(layer: LayerCheckpoint) -> dict[str, int]:
@@ -71,7 +69,7 @@ def projection(seed: int, u: int, r: int) -> Tensor:
     return torch.normal(mean=0.0, std=1.0 / (r ** 0.5), size=(u, r, r), generator=g)
 
 
-@register_method("TINYLORA", keys=("tinylora_A", "tinylora_B", "tinylora_P"), global_keys=V_KEYS)
+@register_method("TINYLORA", keys=("tinylora_A", "tinylora_B", "tinylora_P"), global_keys=("tinylora_v.*",))
 def convert_tinylora(layer: LayerCheckpoint) -> Slots:
     cfg, i, o = layer.config, layer.in_features, layer.out_features
     if cfg.get("save_projection") is False or not layer.has("tinylora_P"):
@@ -93,10 +91,8 @@ def convert_tinylora(layer: LayerCheckpoint) -> Slots:
                           "from the one PEFT trained on, so the layer's shared vector v cannot be identified")
     weight_tying = float(cfg.get("weight_tying", 0.0))
     g, n_groups = group_of(k, n, weight_tying)
-    if n_groups > MAX_GROUPS:
-        raise layer.error(f"{n_groups} weight-tying groups: Scute reads at most {MAX_GROUPS} tinylora_v vectors")
     if "tinylora_v_count" not in layer.shared:
-        layer.shared["tinylora_v_count"] = sum(key in layer.globals for key in V_KEYS)
+        layer.shared["tinylora_v_count"] = sum(key.startswith("tinylora_v.") for key in layer.globals)
     present = layer.shared["tinylora_v_count"]
     if present != n_groups:
         raise layer.error(f"the file has {present} tinylora_v vectors, but {n} target layers with "
