@@ -20,14 +20,10 @@ import pytest
 import torch
 from peft import PeftModel, WaveFTConfig
 
-import scute.adapters.waveft  # noqa: F401  (registers WAVEFT until the registry imports it)
 from scute.adapters import AdapterError, load_adapter
-from scute.adapters.registry import NOT_SERVED
 from scute.adapters.waveft import daubechies
 from tests.helpers import ALL_LINEAR, make_adapter, tiny_model
 from tests.test_methods_extra import BOTH, T4, assert_matches_peft
-
-NOT_SERVED.pop("WAVEFT", None)
 
 
 @contextlib.contextmanager
