@@ -6,7 +6,9 @@ PEFT's default inits are zero or identity (LoRA B = 0, OFT R = I, IA3 l = 1) and
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable
 
 import torch
 from peft import IA3Config, LoraConfig, OFTConfig, VeraConfig, get_peft_model
@@ -65,6 +67,29 @@ def randomize_adapter(peft_model, seed: int = 1) -> None:
                 p.add_(0.1 * noise)
             else:
                 p.copy_(0.2 * noise)
+
+
+@contextlib.contextmanager
+def perturbed_buffers(scale: Callable[[str], float]):
+    """While active, `make_adapter` also multiplies each saved buffer (frozen, so `randomize_adapter` leaves it
+    as PEFT built it) by ``1 + scale(name)·noise`` (scale 0: untouched): for methods whose saved buffers shape the
+    forward, so that a converter recomputing them instead of reading them fails."""
+    global randomize_adapter
+    original = randomize_adapter
+
+    def randomize(peft_model, seed: int = 1) -> None:
+        original(peft_model, seed)
+        g = torch.Generator().manual_seed(seed + 100)
+        with torch.no_grad():
+            for name, b in peft_model.named_buffers():
+                if s := scale(name):
+                    b.mul_(1 + s * torch.randn(b.shape, generator=g, dtype=torch.float64).to(b.dtype))
+
+    randomize_adapter = randomize
+    try:
+        yield
+    finally:
+        randomize_adapter = original
 
 
 def make_adapter(path: str, config, family: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 1,

@@ -8,7 +8,6 @@ a converter that recomputed them instead of reading them would fail.
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -17,29 +16,13 @@ from peft.tuners.unilora.layer import UniLoraLayer
 
 from scute.adapters import AdapterError, load_adapter
 from scute.adapters.unilora import regenerate_indices
-from tests import helpers
-from tests.helpers import ALL_LINEAR, make_adapter, tiny_model
+from tests.helpers import ALL_LINEAR, make_adapter, perturbed_buffers, tiny_model
 from tests.test_methods_extra import BOTH, T4, assert_matches_peft
 
 
-@contextlib.contextmanager
-def perturbed_scales():
-    """`make_adapter` also perturbs UniLoRA's saved scales."""
-    original = helpers.randomize_adapter
-
-    def randomize(peft_model, seed=1):
-        original(peft_model, seed)
-        g = torch.Generator().manual_seed(seed + 100)
-        with torch.no_grad():
-            for name, b in peft_model.named_buffers():
-                if ".unilora_scales_" in name:
-                    b.mul_(1 + 0.5 * torch.randn(b.shape, generator=g, dtype=torch.float64).to(b.dtype))
-
-    helpers.randomize_adapter = randomize
-    try:
-        yield
-    finally:
-        helpers.randomize_adapter = original
+def unilora_scales(name: str) -> float:
+    """UniLoRA's saved scales."""
+    return 0.5 if ".unilora_scales_" in name else 0.0
 
 
 CONFIGS = {
@@ -57,7 +40,8 @@ GRID = [(c, f, d) for c in CONFIGS for f in BOTH for d in (torch.float64, torch.
 
 @pytest.mark.parametrize("case,family,dtype", GRID, ids=[f"{c}-{f}-{str(d)[-7:]}" for c, f, d in GRID])
 def test_unilora_matches_peft(case, family, dtype, tmp_path):
-    worst = assert_matches_peft(tmp_path, CONFIGS[case](), family, dtype, build_ctx=perturbed_scales)
+    worst = assert_matches_peft(tmp_path, CONFIGS[case](), family, dtype,
+                                build_ctx=lambda: perturbed_buffers(unilora_scales))
     print(f"{case} {family} {dtype}: worst {worst:.2e}")
     assert worst <= (1e-10 if dtype == torch.float64 else 1e-5)
 
