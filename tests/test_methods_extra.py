@@ -41,6 +41,7 @@ from peft import (
     PveraConfig,
     RoadConfig,
     ShiraConfig,
+    SupertuningConfig,
     VBLoRAConfig,
     VeraConfig,
 )
@@ -206,6 +207,10 @@ CASES = {
                {"families": BOTH}),
     "peanut_depth0": (lambda: PeanutConfig(r=3, depth=0, target_modules=T4), {}),
     "shira_dense": (lambda: ShiraConfig(r=2, target_modules=ALL_LINEAR), {"dense": True, "families": BOTH}),
+    # the sparse support alone (r unset), and with the Supra LoRA on top
+    "supertuning_dense": (lambda: SupertuningConfig(sparsity=0.95, target_modules=ALL_LINEAR),
+                          {"dense": True, "families": BOTH}),
+    "supra_dense": (lambda: SupertuningConfig(sparsity=0.9, r=3, lora_alpha=5, target_modules=T4), {"dense": True}),
     # blocks of 16 (32 on up_proj): the widths are 64, 96 and 32 (v_proj)
     "c3a_dense": (lambda: C3AConfig(block_size=16, block_size_pattern={"up_proj": 32}, target_modules=T4),
                   {"dense": True, "run_ctx": c3a_fp64, "families": BOTH}),
@@ -271,13 +276,21 @@ def test_hira_refused_without_dense(tmp_path):
         load_adapter(tmp_path, tiny_model())
 
 
+def test_supertuning_without_saved_indices_refused(tmp_path):
+    """Without its saved support positions (save_precomputed_indices=False) Super-Tuning is refused, saying why."""
+    make_adapter(str(tmp_path), SupertuningConfig(save_precomputed_indices=False, target_modules=["q_proj"]))
+    with pytest.raises(AdapterError, match="save_precomputed_indices=False"):
+        load_adapter(tmp_path, tiny_model(), dense=True)
+
+
 @pytest.mark.parametrize("config,message", [
     (GloraConfig(r=4, target_modules=["q_proj"]), r"W0 ⊙ Xd Xu.*dense=True"),
     (MissConfig(r=8, init_weights="bat", target_modules=["q_proj"]), r"every output block.*dense=True"),
     (PveraConfig(r=8, sample_at_inference=True, target_modules=["q_proj"]), "random noise at every forward"),
     (C3AConfig(block_size=16, target_modules=["q_proj"]), r"block-circulant.*dense=True"),
     (ShiraConfig(r=2, target_modules=["q_proj"]), r"sparse matrix.*dense=True"),
-], ids=["glora_lora", "miss_bat", "pvera_sampling", "c3a", "shira"])
+    (SupertuningConfig(target_modules=["q_proj"]), r"sparse support.*dense=True"),
+], ids=["glora_lora", "miss_bat", "pvera_sampling", "c3a", "shira", "supertuning"])
 def test_refused_without_dense(config, message, tmp_path):
     make_adapter(str(tmp_path), config)
     with pytest.raises(AdapterError, match=message):

@@ -48,7 +48,6 @@ NOT_SERVED = {
     "TRAINABLE_TOKENS": _MERGE.format("embedding rows"),
     "SHADOW": "it is not an adapter of linear layers",
     "XLORA": "it gates its LoRAs by the hidden states of an extra forward pass: no static form per token",
-    "SUPERTUNING": _LATER.format("a dense or sparse per-adapter weight change"),
     "POLY": _LATER.format("a plain LoRA per task id"),
 }
 
@@ -89,4 +88,4 @@ def _load_builtin_methods() -> None:
     # Imported lazily: the method files import this module to register themselves.
     from scute.adapters import adalora, adamss, boft, c3a, delora, dense, fourierft, frod, glora, gralora  # noqa: F401
     from scute.adapters import hra, ia3, loha, lokr, lora, miss, oft, osf, peanut, psoft, pvera, randlora  # noqa: F401
-    from scute.adapters import road, shira, tinylora, unilora, vblora, vera, waveft  # noqa: F401
+    from scute.adapters import road, shira, supertuning, tinylora, unilora, vblora, vera, waveft  # noqa: F401
