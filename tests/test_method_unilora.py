@@ -1,6 +1,6 @@
 """Uni-LoRA against PEFT: per layer (unfolded and folded) and whole model, float64 (≤ 1e-10) and float32
-(≤ 1e-5), llama and qwen2, from checkpoints saved with save_indices=True; the index regeneration against PEFT's
-buffers; the default save_indices=False, which the loader cannot serve yet.
+(≤ 1e-5), llama and qwen2, from checkpoints saved with save_indices=True, and with PEFT's default
+save_indices=False (θ alone: every layer's indices rebuilt); the index regeneration against PEFT's buffers.
 
 θ is randomized by `make_adapter`; the saved scales are perturbed too (they are 1/√count, nearly constant), so
 a converter that recomputed them instead of reading them would fail.
@@ -8,13 +8,12 @@ a converter that recomputed them instead of reading them would fail.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-from peft import UniLoraConfig, get_peft_model
+from peft import PeftModel, UniLoraConfig, get_peft_model
 from peft.tuners.unilora.layer import UniLoraLayer
+from safetensors.torch import load_file
 
-from scute.adapters import AdapterError, load_adapter
 from scute.adapters.unilora import regenerate_indices
 from tests.helpers import ALL_LINEAR, make_adapter, perturbed_buffers, tiny_model
 from tests.test_methods_extra import BOTH, T4, assert_matches_peft
@@ -63,8 +62,25 @@ def test_unilora_regenerated_indices_match_peft(config, dtype):
         assert torch.equal(sb.to(dtype), m.unilora_scales_B["default"])
 
 
-def test_unilora_without_saved_indices_refused(tmp_path):
-    """PEFT's default (save_indices=False) saves θ alone: the loader finds no tensor for the targeted layers."""
-    make_adapter(str(tmp_path), UniLoraConfig(r=4, theta_d_length=64, target_modules=T4))
-    with pytest.raises(AdapterError, match="the config targets .* but the file has no tensors for it"):
-        load_adapter(tmp_path, tiny_model())
+UNSAVED = {  # PEFT's default save_indices=False: the file holds θ (and trained biases) only
+    "default": lambda: UniLoraConfig(r=4, theta_d_length=64, target_modules=T4),
+    "all_linear_bias": lambda: UniLoraConfig(r=3, theta_d_length=500, proj_seed=5, bias="all",
+                                             target_modules=ALL_LINEAR),
+}
+UNSAVED_GRID = [(c, f, d) for c in UNSAVED for f in BOTH for d in (torch.float64, torch.float32)]
+
+
+@pytest.mark.parametrize("case,family,dtype", UNSAVED_GRID,
+                         ids=[f"{c}-{f}-{str(d)[-7:]}" for c, f, d in UNSAVED_GRID])
+def test_unilora_without_saved_indices_matches_peft(case, family, dtype, tmp_path):
+    """Every targeted layer's indices and scales rebuilt from the base model's layer order (against PEFT
+    reloading the file, which rebuilds them too)."""
+    assert not any("unilora_indices" in k for k in _saved_keys(tmp_path, UNSAVED[case](), family, dtype))
+    worst = assert_matches_peft(tmp_path, UNSAVED[case](), family, dtype,
+                                reference=lambda path: PeftModel.from_pretrained(tiny_model(family, dtype), path))
+    assert worst <= (1e-10 if dtype == torch.float64 else 1e-5)
+
+
+def _saved_keys(path, config, family, dtype) -> list[str]:
+    make_adapter(str(path / "probe"), config, family, dtype)
+    return list(load_file(str(path / "probe" / "adapter_model.safetensors")))

@@ -157,7 +157,7 @@ class LayerCheckpoint:
     tensors: dict[str, Tensor]
     checkpoint: AdapterCheckpoint
     globals: dict[str, Tensor]
-    layer_shapes: dict[str, tuple[int, int]]  # (out, in) of every layer this adapter adapts
+    layer_shapes: dict[str, tuple[int, int]]  # (out, in) of every layer this adapter adapts, in model order
     shared: dict = field(default_factory=dict)  # per-adapter cache for values shared by its layers
     used: set[str] = field(default_factory=set)
     dense: bool = False  # the user allows an exact dense per-adapter ΔW where no low-rank form exists
@@ -246,11 +246,13 @@ def convert_checkpoint(
         if x.is_floating_point() and not torch.isfinite(x).all():
             raise ckpt.error(f"tensor {key!r} has NaN or Inf values")
     expected = {n for n in modules if is_targeted(ckpt.config, n)}
-    if missing := sorted(expected - set(groups)):
-        raise ckpt.error(f"the config targets {missing[0]} but the file has no tensors for it "
-                         f"({len(missing)} such modules)")
+    if missing := sorted(expected - set(groups), key=list(modules).index):
+        if not method.tensorless_targets:
+            raise ckpt.error(f"the config targets {missing[0]} but the file has no tensors for it "
+                             f"({len(missing)} such modules)")
+        groups.update({n: {} for n in missing})
     shared: dict = {}
-    shapes = {n: tuple(modules[n].weight.shape) for n in groups}
+    shapes = {n: tuple(modules[n].weight.shape) for n in sorted(groups, key=list(modules).index)}
     out: dict[str, Slots] = {}
     for name in sorted(groups, key=list(modules).index):  # model order: the first problem reported is the first
         tensors, base = groups[name], modules[name]
@@ -261,7 +263,7 @@ def convert_checkpoint(
         if bias is not None and tuple(bias.shape) != (shapes[name][0],):
             raise ckpt.error(f"trained bias has shape {tuple(bias.shape)}, layer needs ({shapes[name][0]},)", name)
         layer = LayerCheckpoint(name, ckpt.config, base, bias, tensors, ckpt, globals_, shapes, shared, dense=dense)
-        if tensors:  # method tensors (the group holds nothing else once the bias is taken out)
+        if tensors or (method.tensorless_targets and name in expected):  # method tensors, or derived from globals
             try:
                 slots = method.convert(layer)
             except AdapterError:

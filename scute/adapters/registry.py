@@ -33,6 +33,7 @@ class Method:
     keys: tuple[str, ...]
     global_keys: tuple[str, ...] = ()
     served: bool = True  # False: registered only to refuse its checkpoints with the reason (Lily)
+    tensorless_targets: bool = False  # a targeted layer may have no tensor (all derived from the global ones)
 
 
 _METHODS: dict[str, Method] = {}
@@ -53,15 +54,18 @@ NOT_SERVED = {
 
 
 def register_method(
-    peft_type: str, *, keys: tuple[str, ...], global_keys: tuple[str, ...] = (), served: bool = True
+    peft_type: str, *, keys: tuple[str, ...], global_keys: tuple[str, ...] = (), served: bool = True,
+    tensorless_targets: bool = False,
 ) -> Callable[[Converter], Converter]:
     """Register `convert` as the converter of PEFT checkpoints whose `peft_type` is `peft_type`; ``served=False``
-    for a method whose converter always refuses (with the reason): it is then not listed as supported."""
+    for a method whose converter always refuses (with the reason): it is then not listed as supported.
+    ``tensorless_targets``: the converter is also called for targeted layers the file has no tensor for (a
+    method that can derive a layer from its global tensors: UniLoRA saved without its indices)."""
 
     def wrap(convert: Converter) -> Converter:
         if peft_type in _METHODS:
             raise ValueError(f"a converter for peft_type {peft_type!r} is already registered")
-        _METHODS[peft_type] = Method(peft_type, convert, tuple(keys), tuple(global_keys), served)
+        _METHODS[peft_type] = Method(peft_type, convert, tuple(keys), tuple(global_keys), served, tensorless_targets)
         return convert
 
     return wrap

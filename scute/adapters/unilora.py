@@ -13,12 +13,10 @@ per layer A then B, numpy's PCG64 seeded with proj_seed) and ``S = 1/√count(in
 Normal form: an exact rank-r LoRA, ``A = θ[I_A] ⊙ S_A`` and ``B = θ[I_B] ⊙ S_B`` materialized per adapter at load
 (the gathers are exact; the product is PEFT's own elementwise one). s, m, v, T, U are empty; nothing is shared.
 
-Served from checkpoints saved with `save_indices=True`. With `save_indices=False` (PEFT's default) the file holds
-θ alone, no tensor per layer: Scute's loader requires per-layer tensors for every targeted module and refuses such
-a file before any converter runs ("the config targets … but the file has no tensors for it"). Serving it needs the
-loader to hand the converter the targeted layers without tensors, in model order; `regenerate_indices` (tested
-against PEFT's buffers) is the rest of that path. Should the loader call this converter for a layer without its
-indices, it refuses with the reason.
+With `save_indices=True` the indices and scales are read from the file. With `save_indices=False` (PEFT's
+default) the file holds θ alone: the method is registered with ``tensorless_targets``, so the loader calls the
+converter for every targeted layer anyway, and `regenerate_indices` rebuilds all of them once per adapter from
+the targeted layers' shapes in the base model's order, as PEFT does at load.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from scute.adapters.checkpoint import LayerCheckpoint
+from scute.adapters.checkpoint import LayerCheckpoint, is_targeted
 from scute.adapters.registry import register_method
 from scute.adapters.slots import Slots
 
@@ -74,20 +72,31 @@ def _indices(layer: LayerCheckpoint, key: str, shape: tuple[int, int], d: int) -
     return idx.long()
 
 
-@register_method("UNILORA", keys=KEYS, global_keys=("unilora_theta_d",))
+def _regenerated(layer: LayerCheckpoint, r: int, d: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """This layer's (I_A, I_B, S_A, S_B), rebuilt with every targeted layer's (once per adapter)."""
+    if "unilora_indices" not in layer.shared:
+        names = [n for n in layer.layer_shapes if is_targeted(layer.config, n)]
+        seed = int(layer.config.get("proj_seed", 42))
+        layer.shared["unilora_indices"] = dict(zip(names, regenerate_indices(
+            [layer.layer_shapes[n] for n in names], r, d, seed), strict=True))
+    return layer.shared["unilora_indices"][layer.name]
+
+
+@register_method("UNILORA", keys=KEYS, global_keys=("unilora_theta_d",), tensorless_targets=True)
 def convert_unilora(layer: LayerCheckpoint) -> Slots:
     cfg, i, o = layer.config, layer.in_features, layer.out_features
-    if not cfg.get("save_indices") and not any(layer.has(k) for k in KEYS):
-        raise layer.error("save_indices=False is set: the file holds only unilora_theta_d, and this layer's indices "
-                          "depend on every adapted layer in the base model's order; re-save with save_indices=True")
     r = int(cfg.get("r", 4))
     theta = layer.global_tensor("unilora_theta_d")
     d = theta.shape[0]
     if theta.dim() != 1 or d != int(cfg.get("theta_d_length", d)):
         raise layer.error(f"unilora_theta_d has shape {tuple(theta.shape)}, config theta_d_length="
                           f"{cfg.get('theta_d_length')} needs ({cfg.get('theta_d_length')},)")
-    ia = _indices(layer, "unilora_indices_A", (r, i), d)
-    ib = _indices(layer, "unilora_indices_B", (o, r), d)
-    sa = layer.tensor("unilora_scales_A", (r, i))
-    sb = layer.tensor("unilora_scales_B", (o, r))
+    if any(layer.has(k) for k in KEYS):
+        ia = _indices(layer, "unilora_indices_A", (r, i), d)
+        ib = _indices(layer, "unilora_indices_B", (o, r), d)
+        sa = layer.tensor("unilora_scales_A", (r, i))
+        sb = layer.tensor("unilora_scales_B", (o, r))
+    else:  # saved without its indices (save_indices=False): rebuilt as PEFT rebuilds them
+        ia, ib, sa, sb = _regenerated(layer, r, d)
+        sa, sb = sa.to(layer.dtype), sb.to(layer.dtype)
     return Slots(i, o, A=theta[ia] * sa, B=theta[ib] * sb)
