@@ -24,8 +24,6 @@ from tests import helpers
 from tests.helpers import ALL_LINEAR, make_adapter, tiny_model
 from tests.test_methods_extra import QKV, T4, assert_matches_peft
 
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
-
 
 @contextlib.contextmanager
 def frod_perturbed():
@@ -83,10 +81,8 @@ CASES = {  # name -> (config, family, build_ctx, reference)
 @pytest.mark.parametrize("case", list(CASES))
 def test_frod_matches_peft(case, dtype, tmp_path):
     config, family, build_ctx, reference = CASES[case]
-    worst = assert_matches_peft(tmp_path, config(), family, dtype, build_ctx=build_ctx, dense=True,
-                                reference=reload(family, dtype) if reference else None)
-    print(f"frod {case} {family} {dtype}: worst {worst:.3g}")
-    assert worst <= TOL[dtype]
+    assert_matches_peft(tmp_path, config(), family, dtype, build_ctx=build_ctx, dense=True,
+                        reference=reload(family, dtype) if reference else None)
 
 
 def test_frod_u_as_peft_recomputes_it():

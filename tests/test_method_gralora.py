@@ -20,7 +20,7 @@ from scute.adapters.checkpoint import linear_modules
 from scute.adapters.registry import get_method
 from scute.model.hf import place_adapter, swap_linears
 from tests.helpers import ALL_LINEAR, effect_err, make_adapter, rel_err, tiny_model
-from tests.test_methods_extra import BOTH, QKV, T4, TOL, assert_matches_peft, run
+from tests.test_methods_extra import BOTH, QKV, T4, TOL, assert_matches_peft, peft_grid, run
 
 CASES = {
     "k2_r4": (lambda: GraloraConfig(r=4, gralora_k=2, alpha=8, target_modules=T4), BOTH),
@@ -35,14 +35,11 @@ CASES = {
     "k2_r4_bias": (lambda: GraloraConfig(r=4, gralora_k=2, hybrid_r=2, bias="gralora_only", target_modules=QKV),
                    ("qwen2",)),
 }
-GRID = [(c, f, d) for c, (_, fams) in CASES.items() for f in fams for d in (torch.float64, torch.float32)]
 
 
-@pytest.mark.parametrize("case,family,dtype", GRID, ids=[f"{c}-{f}-{str(d)[-7:]}" for c, f, d in GRID])
+@peft_grid({c: fams for c, (_, fams) in CASES.items()})
 def test_gralora_matches_peft(case, family, dtype, tmp_path):
-    worst = assert_matches_peft(tmp_path, CASES[case][0](), family, dtype)
-    assert worst <= TOL[dtype]["rel"]
-    print(f"\nworst {case}-{family}-{dtype}: {worst:.2e}")
+    assert_matches_peft(tmp_path, CASES[case][0](), family, dtype)
 
 
 def test_gralora_registered():

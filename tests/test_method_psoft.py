@@ -27,7 +27,7 @@ from scute.adapters import AdapterError, convert_checkpoint, load_adapter, read_
 from scute.adapters.checkpoint import linear_modules
 from tests import helpers
 from tests.helpers import ALL_LINEAR, make_adapter, tiny_model
-from tests.test_methods_extra import BOTH, T4, assert_matches_peft
+from tests.test_methods_extra import BOTH, T4, assert_matches_peft, peft_grid
 
 
 @contextlib.contextmanager
@@ -95,17 +95,12 @@ CASES = {
     "lowrank": (lambda: PsoftConfig(r=4, psoft_svd="lowrank", psoft_svd_lowrank_niter=3, random_seed=7,
                                     target_modules=T4 + ["k_proj"]), BOTH),
 }
-PARAMS = [(c, f) for c, (_, families) in CASES.items() for f in families]
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("case,family", PARAMS, ids=[f"{c}-{f}" for c, f in PARAMS])
+@peft_grid({c: fams for c, (_, fams) in CASES.items()})
 def test_psoft_matches_peft(case, family, dtype, tmp_path):
-    config = CASES[case][0]()
-    worst = assert_matches_peft(tmp_path, config, family, dtype, build_ctx=psoft_build,
-                                reference=reload(family, dtype))
-    print(f"{case} {family} {dtype}: worst rel err {worst:.2e}")
-    assert worst <= (1e-10 if dtype == torch.float64 else 1e-5)
+    assert_matches_peft(tmp_path, CASES[case][0](), family, dtype, build_ctx=psoft_build,
+                        reference=reload(family, dtype))
 
 
 def test_psoft_delta_is_peft_delta_and_not_sign_invariant(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from scute.adapters import AdapterError, load_adapter
 from tests.helpers import ALL_LINEAR, make_adapter, perturbed_buffers, tiny_model
-from tests.test_methods_extra import BOTH, T4, assert_matches_peft
+from tests.test_methods_extra import BOTH, T4, assert_matches_peft, peft_grid
 
 
 def tinylora_buffers(name: str) -> float:
@@ -37,15 +37,11 @@ CONFIGS = {
     # bias="all": trained biases of every layer, adapted or not (k_proj only has a bias in the file)
     "bias_all": lambda: TinyLoraConfig(r=2, u=4, bias="all", target_modules=["q_proj", "v_proj", "down_proj"]),
 }
-GRID = [(c, f, d) for c in CONFIGS for f in BOTH for d in (torch.float64, torch.float32)]
 
 
-@pytest.mark.parametrize("case,family,dtype", GRID, ids=[f"{c}-{f}-{str(d)[-7:]}" for c, f, d in GRID])
+@peft_grid(dict.fromkeys(CONFIGS, BOTH))
 def test_tinylora_matches_peft(case, family, dtype, tmp_path):
-    worst = assert_matches_peft(tmp_path, CONFIGS[case](), family, dtype,
-                                build_ctx=lambda: perturbed_buffers(tinylora_buffers))
-    print(f"{case} {family} {dtype}: worst {worst:.2e}")
-    assert worst <= (1e-10 if dtype == torch.float64 else 1e-5)
+    assert_matches_peft(tmp_path, CONFIGS[case](), family, dtype, build_ctx=lambda: perturbed_buffers(tinylora_buffers))
 
 
 def test_tinylora_shares_the_svd_factor(tmp_path):

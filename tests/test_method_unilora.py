@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from scute.adapters.unilora import regenerate_indices
 from tests.helpers import ALL_LINEAR, make_adapter, perturbed_buffers, tiny_model
-from tests.test_methods_extra import BOTH, T4, assert_matches_peft
+from tests.test_methods_extra import BOTH, T4, assert_matches_peft, peft_grid
 
 
 def unilora_scales(name: str) -> float:
@@ -34,15 +34,11 @@ CONFIGS = {
     "bias_all": lambda: UniLoraConfig(r=4, theta_d_length=128, bias="all", save_indices=True,
                                       target_modules=["q_proj", "down_proj"]),
 }
-GRID = [(c, f, d) for c in CONFIGS for f in BOTH for d in (torch.float64, torch.float32)]
 
 
-@pytest.mark.parametrize("case,family,dtype", GRID, ids=[f"{c}-{f}-{str(d)[-7:]}" for c, f, d in GRID])
+@peft_grid(dict.fromkeys(CONFIGS, BOTH))
 def test_unilora_matches_peft(case, family, dtype, tmp_path):
-    worst = assert_matches_peft(tmp_path, CONFIGS[case](), family, dtype,
-                                build_ctx=lambda: perturbed_buffers(unilora_scales))
-    print(f"{case} {family} {dtype}: worst {worst:.2e}")
-    assert worst <= (1e-10 if dtype == torch.float64 else 1e-5)
+    assert_matches_peft(tmp_path, CONFIGS[case](), family, dtype, build_ctx=lambda: perturbed_buffers(unilora_scales))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
@@ -67,18 +63,15 @@ UNSAVED = {  # PEFT's default save_indices=False: the file holds θ (and trained
     "all_linear_bias": lambda: UniLoraConfig(r=3, theta_d_length=500, proj_seed=5, bias="all",
                                              target_modules=ALL_LINEAR),
 }
-UNSAVED_GRID = [(c, f, d) for c in UNSAVED for f in BOTH for d in (torch.float64, torch.float32)]
 
 
-@pytest.mark.parametrize("case,family,dtype", UNSAVED_GRID,
-                         ids=[f"{c}-{f}-{str(d)[-7:]}" for c, f, d in UNSAVED_GRID])
+@peft_grid(dict.fromkeys(UNSAVED, BOTH))
 def test_unilora_without_saved_indices_matches_peft(case, family, dtype, tmp_path):
     """Every targeted layer's indices and scales rebuilt from the base model's layer order (against PEFT
     reloading the file, which rebuilds them too)."""
     assert not any("unilora_indices" in k for k in _saved_keys(tmp_path, UNSAVED[case](), family, dtype))
-    worst = assert_matches_peft(tmp_path, UNSAVED[case](), family, dtype,
-                                reference=lambda path: PeftModel.from_pretrained(tiny_model(family, dtype), path))
-    assert worst <= (1e-10 if dtype == torch.float64 else 1e-5)
+    assert_matches_peft(tmp_path, UNSAVED[case](), family, dtype,
+                        reference=lambda path: PeftModel.from_pretrained(tiny_model(family, dtype), path))
 
 
 def _saved_keys(path, config, family, dtype) -> list[str]:

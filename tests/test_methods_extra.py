@@ -130,6 +130,12 @@ def c3a_fp64(dtype):
         C3ALinear.forward = saved
 
 
+def peft_grid(families: dict[str, tuple[str, ...]]):
+    """`parametrize("case,family,dtype")` over each case's model families, in float64 and float32."""
+    grid = [(c, f, d) for c, fams in families.items() for f in fams for d in (torch.float64, torch.float32)]
+    return pytest.mark.parametrize("case,family,dtype", grid, ids=[f"{c}-{f}-{str(d)[-7:]}" for c, f, d in grid])
+
+
 def assert_matches_peft(path, config, family="llama", dtype=torch.float64, build_ctx=contextlib.nullcontext,
                         run_ctx=None, dense=False, reference=None) -> float:
     """Save a randomized PEFT adapter at `path`, then check Scute against PEFT per layer (unfolded and folded,

@@ -66,11 +66,10 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(req.block_hashes), req.num_tokens // bs):
             adapted = req.adapter_start < (i + 1) * bs
-            root = root_hash(req.adapter_identity if adapted else None)
             if not req.block_hashes:
-                parent = root
+                parent = root_hash(req.adapter_identity if adapted else None)
             elif adapted and req.adapter_start >= i * bs:  # the adapter starts inside this block
-                parent = hashlib.sha256(req.block_hashes[-1] + root).digest()
+                parent = hashlib.sha256(req.block_hashes[-1] + root_hash(req.adapter_identity)).digest()
             else:
                 parent = req.block_hashes[-1]
             req.block_hashes.append(chain_hash(parent, req.all_token_ids[i * bs:(i + 1) * bs]))
