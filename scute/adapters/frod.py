@@ -38,7 +38,6 @@ from scute.adapters.registry import register_method
 from scute.adapters.slots import Slots
 
 
-
 def category(name: str) -> str:
     """The basis-sharing category of module `name` as FRoD names it: the last path part after a block index,
     else the last two joined by ``_`` (BERT's ``attention.output.dense``: ``attention_output``)."""
