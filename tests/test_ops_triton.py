@@ -202,6 +202,23 @@ def test_epilogue_only_pool():
     check(y, x, w, b, slots, ts, FP32_TOL)
 
 
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_partials_reduced_once(split, monkeypatch):
+    """The shrink splits K (the last split to arrive sums the partials in order into h): every popularity law,
+    and the arrival counters are back to zero after the call (the next call relies on it)."""
+    monkeypatch.setattr(triton_ops, "TARGET_PROGRAMS", 1 << 20)
+    monkeypatch.setattr(triton_ops, "MAX_SPLIT_K", split)
+    gen, w, b = _case(torch.float32, seed=41)
+    slots = mixed_slots(torch.float32, gen)
+    assert triton_ops.choose_split_k(IN, 1, IN // split) == split
+    for law in ("distinct", "identical", "skewed"):
+        ts = token_slots(law, 33, len(slots), generator=gen).to(DEVICE)
+        x = torch.randn(33, IN, generator=gen).to(DEVICE)
+        (y,) = run_triton(x, [w], [b], [slots], ts, torch.float32, block_k=IN // split)
+        check(y, x, w, b, slots, ts, FP32_TOL)
+    assert all(int(c.abs().sum()) == 0 for c in triton_ops._COUNTERS.values())
+
+
 @pytest.mark.parametrize("expand_programs", [1024, 1])
 def test_three_projections_one_launch(expand_programs, monkeypatch):
     """q/k/v-style grouping: one pre-pass, one shrink, one expand for three outputs; VeRA's shared A (same in

@@ -100,11 +100,15 @@ def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, slots_ptr, num_tokens, in_fea
 
 # ---------------------------------------------------------------------------------------------- shrink
 @triton.jit
-def shrink_kernel(x_ptr, h_ptr, tab_ptr, sorted_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr,
-                  num_tokens, in_features, num_slots, h_width, k_per_split,
-                  RT: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+def shrink_kernel(x_ptr, h_part_ptr, h_ptr, count_ptr, tab_ptr, sorted_ptr, tile_group_ptr, tile_start_ptr,
+                  tile_end_ptr, num_tokens, in_features, num_slots, h_width, k_per_split,
+                  SPLIT_K: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+                  PREC: tl.constexpr):
     """Program (tile, split x rank tile, projection p): h_part[split, rows, hoff + r] = x[rows, K_split] @
-    A_p[r, K_split]ᵀ for the BR rank rows r of its rank tile (programs past the group's rank return at once)."""
+    A_p[r, K_split]ᵀ for the BR rank rows r of its rank tile (programs past the group's rank return at once).
+    The last of the SPLIT_K programs of a (tile, rank tile, projection) to finish sums the partials in split
+    order into h[rows, hoff + r] (an arrival counter, reset by that program: deterministic, and the expands read
+    one h per token instead of SPLIT_K). With SPLIT_K = 1 the program writes h directly."""
     tile, pid, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     split, r0 = pid // RT, (pid % RT) * BR
     g = tl.load(tile_group_ptr + tile)
@@ -130,8 +134,21 @@ def shrink_kernel(x_ptr, h_ptr, tab_ptr, sorted_ptr, tile_group_ptr, tile_start_
         xk = tl.load(x_rows[:, None] + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         at = tl.load(a_ptr + r[None, :] * in_features + k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
         acc = tl.dot(xk, at, acc, input_precision=PREC)
-    h_rows = h_ptr + (split * num_tokens + pos).to(tl.int64) * h_width + hoff
-    tl.store(h_rows[:, None] + r[None, :], acc, mask=row_ok[:, None] & r_ok[None, :])
+    cols = hoff + r
+    mask = row_ok[:, None] & r_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(h_ptr + pos.to(tl.int64)[:, None] * h_width + cols[None, :], acc, mask=mask)
+    else:
+        part = h_part_ptr + (split * num_tokens + pos).to(tl.int64)[:, None] * h_width + cols[None, :]
+        tl.store(part, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the arrival is counted (release below)
+        counter = count_ptr + (tile * RT + pid % RT) * tl.num_programs(2) + p
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:  # the last split to arrive reduces
+            s = tl.arange(0, SPLIT_K)
+            rows = (s[:, None] * num_tokens + pos[None, :]).to(tl.int64) * h_width
+            parts = tl.load(h_part_ptr + rows[:, :, None] + cols[None, None, :], mask=mask[None, :, :], other=0.0)
+            tl.store(h_ptr + pos.to(tl.int64)[:, None] * h_width + cols[None, :], tl.sum(parts, axis=0), mask=mask)
+            tl.atomic_xchg(counter, 0)  # ready for the next call
 
 
 # ---------------------------------------------------------------------------------------------- expand

@@ -132,19 +132,34 @@ def shrink(x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group: Tensor, til
 
     Shapes: x [T, in], table (see `input_transform`), sorted_idx [T], tile_* [NT] int32 (`LoraMeta`);
     max_rank ≥ every rank in the table (sizes the grid's rank tiles).
-    Returns h [split_k, T, h_width] float32, indexed by *sorted* position.
+    Returns h [1, T, h_width] float32, indexed by *sorted* position (the split partials summed in split order).
     """
     num_tokens, in_features = x.shape
-    h = x.new_empty((split_k, num_tokens, h_width), dtype=torch.float32)
+    h = x.new_empty((1, num_tokens, h_width), dtype=torch.float32)
     if num_tokens == 0:
         return h
     k_per_split = triton_cdiv(triton_cdiv(in_features, split_k), block_k) * block_k
     rt = rank_tiles(max_rank)
-    _kernels().shrink_kernel[(tile_group.shape[0], split_k * rt, num_proj)](
-        x, h, table, sorted_idx, tile_group, tile_start, tile_end, num_tokens, in_features, table.shape[1],
-        h_width, k_per_split, RT=rt, BM=BLOCK_M, BR=block_r(max_rank), BK=block_k, PREC=_precision(x),
-        num_warps=SHRINK_WARPS, num_stages=SHRINK_STAGES)
+    grid = (tile_group.shape[0], split_k * rt, num_proj)
+    h_part = x.new_empty((split_k, num_tokens, h_width), dtype=torch.float32) if split_k > 1 else h
+    _kernels().shrink_kernel[grid](
+        x, h_part, h, arrival_counters(x.device, grid[0] * rt * num_proj), table, sorted_idx, tile_group,
+        tile_start, tile_end, num_tokens, in_features, table.shape[1], h_width, k_per_split, SPLIT_K=split_k, RT=rt,
+        BM=BLOCK_M, BR=block_r(max_rank), BK=block_k, PREC=_precision(x), num_warps=SHRINK_WARPS,
+        num_stages=SHRINK_STAGES)
     return h
+
+
+_COUNTERS: dict[torch.device, Tensor] = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> Tensor:
+    """`n` int32 zeros the shrink's split programs count their arrivals in (each reset by the last arrival, so
+    one buffer per device serves every call; grown, never shrunk, while no call is in flight)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
 
 
 def _precision(x: Tensor) -> str:
@@ -153,7 +168,7 @@ def _precision(x: Tensor) -> str:
 
 @shrink.register_fake
 def _(x, table, sorted_idx, tile_group, tile_start, tile_end, num_proj, h_width, max_rank, split_k, block_k):
-    return x.new_empty((split_k, x.shape[0], h_width), dtype=torch.float32)
+    return x.new_empty((1, x.shape[0], h_width), dtype=torch.float32)
 
 
 @torch.library.custom_op("scute::expand_", mutates_args=("zs",))
