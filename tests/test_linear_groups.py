@@ -69,12 +69,12 @@ def calls(monkeypatch):
 
     def counted_shrink(*args, **kw):
         record["shrink"] += 1
-        return shrink(*args, **kw)
+        return shrink_(*args, **kw)
 
-    op, op_one, shrink = linear_mod.scute_linears_triton, linear_mod.scute_linear_triton, triton_ops.shrink
+    op, op_one, shrink_ = linear_mod.scute_linears_triton, linear_mod.scute_linear_triton, triton_ops.shrink_
     monkeypatch.setattr(linear_mod, "scute_linears_triton", grouped)
     monkeypatch.setattr(linear_mod, "scute_linear_triton", alone)
-    monkeypatch.setattr(triton_ops, "shrink", counted_shrink)
+    monkeypatch.setattr(triton_ops, "shrink_", counted_shrink)
     return record
 
 

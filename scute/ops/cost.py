@@ -4,7 +4,7 @@ A layer call (``P`` projections of one input, see `scute.ops.triton_ops`) moves,
 
 * base: each weight ``W_p`` (and bias) once, the input read and the base output written once per GEMM;
 * adapters: each *active* group's live tensors once — A (once even when several projections or several adapters
-  share it), Bᵀ per projection, each active slot's vectors (``o, o2, c, v, m, t``, float32) and T blocks;
+  share it), B per projection, each active slot's vectors (``o, o2, c, v, m, t``, float32) and T blocks;
 * extra activation passes: the pre-pass (read x, write x' per projection), the shrink (read the adapter tokens'
   x, write the split-K partials of h, sum them once into h), the expand (read h, read and write the adapter
   tokens' rows of z).

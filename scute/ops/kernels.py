@@ -9,9 +9,10 @@ tf32) over the grid (tile, K split x rank tile, projection); masked rows move no
 launches over the grid (tile, column range), each program returning at once on the other's tiles, so that each
 compiles to its own register count (at decode, the programs an SM holds are what hides their load latency):
 `expand_rows_kernel` runs a one-token tile (most tiles at decode) as a row, whose h is a rank-length vector (its
-product with a Bᵀ block is a broadcast-multiply-sum in fp32 over rank steps of 16; its slot vectors are contiguous
-loads through one pointer each); `expand_tiles_kernel` runs a tile of several tokens as a tensor-core product (h
-split in two 16-bit parts: about 16 mantissa bits), reading each Bᵀ block once for all of them.
+product with a block of B rows is a multiply-sum along each row's contiguous rank values, in fp32, over rank steps
+of 16; its slot vectors are contiguous loads through one pointer each); `expand_tiles_kernel` runs a tile of
+several tokens as a tensor-core product (h split in two 16-bit parts: about 16 mantissa bits), reading each B
+block once for all of them. The shrink reduces its K splits once, so the expands read one h row per token.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from scute.ops import pool as _pool
 F_A = tl.constexpr(_pool.F_A)
 F_ARANK = tl.constexpr(_pool.F_ARANK)
 F_AHOFF = tl.constexpr(_pool.F_AHOFF)
-F_BT = tl.constexpr(_pool.F_BT)
+F_B = tl.constexpr(_pool.F_B)
+F_BLD = tl.constexpr(_pool.F_BLD)
 F_RANK = tl.constexpr(_pool.F_RANK)
 F_BHOFF = tl.constexpr(_pool.F_BHOFF)
 F_ROT = tl.constexpr(_pool.F_ROT)
@@ -159,22 +161,27 @@ def _has(flags, bit: tl.constexpr, like):
 
 
 @triton.jit
-def _h_row(h_ptr, m, flags, i, r0, rank, hoff, num_tokens, h_width, SPLIT_K: tl.constexpr, BR: tl.constexpr):
-    """m ⊙ h of sorted row i for rank rows [r0, r0 + BR): the shrink's SPLIT_K partials in one 2-D load, summed."""
+def _h_row(h_ptr, m, flags, i, r0, rank, hoff, h_width, BR: tl.constexpr):
+    """m ⊙ h of sorted row i for rank rows [r0, r0 + BR) (zero past the rank)."""
     r = r0 + tl.arange(0, BR)
-    s = tl.arange(0, SPLIT_K)
-    rows = (s * num_tokens + i).to(tl.int64) * h_width + hoff
-    h = tl.sum(tl.load(h_ptr + rows[:, None] + r[None, :], mask=(r < rank)[None, :], other=0.0), axis=0)
+    h = tl.load(h_ptr + i.to(tl.int64) * h_width + hoff + r, mask=r < rank, other=0.0)
     return h * tl.load(m + r, mask=(r < rank) & _has(flags, HAS_M, r), other=1.0)
 
 
 @triton.jit
-def _row_delta(h, bt_ptr, r0, rank, n_out, cols, BR: tl.constexpr):
-    """h [BR] (fp32) @ Bᵀ[r0:r0+BR, cols]: [len(cols)] fp32, exact fp32 products."""
+def _b_block(b_ptr, ldb, r0, n_out, cols, BR: tl.constexpr):
+    """B[cols, r0 : r0 + BR] ([len(cols), BR] in B's dtype). B keeps PEFT's [out, r] layout with rows padded to
+    `ldb` (a multiple of 8; zeros past the rank): the rank axis is contiguous, so each column's rank values are
+    16-byte loads and the rank sum stays inside a thread (a pair of threads at most), whatever the warps."""
     r = r0 + tl.arange(0, BR)
-    mask = (r < rank)[:, None] & (cols < n_out)[None, :]
-    bt = tl.load(bt_ptr + r[:, None] * n_out + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    return tl.sum(h[:, None] * bt, axis=0)
+    mask = (cols < n_out)[:, None] & (r < ldb)[None, :]
+    return tl.load(b_ptr + cols[:, None] * ldb + r[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _row_delta(h, b_ptr, ldb, r0, n_out, cols, BR: tl.constexpr):
+    """B[cols, r0 : r0 + BR] @ h ([BR] fp32): [len(cols)] fp32, exact fp32 products."""
+    return tl.sum(_b_block(b_ptr, ldb, r0, n_out, cols, BR).to(tl.float32) * h[None, :], axis=1)
 
 
 @triton.jit
@@ -190,8 +197,8 @@ def _epilogue(z, partner, sign, delta, cols, mask, flags, o, o2, c, v):
 
 
 @triton.jit
-def _expand_chunk(z_row, col_a, col_b, n_out, h0, h_ptr, bt_ptr, i, rank, hoff, num_tokens, h_width,
-                  flags, m, o, o2, c, v, SPLIT_K: tl.constexpr, BR: tl.constexpr):
+def _expand_chunk(z_row, col_a, col_b, n_out, h0, h_ptr, b_ptr, ldb, i, rank, hoff, h_width,
+                  flags, m, o, o2, c, v, BR: tl.constexpr):
     """One token's chunk: columns col_a and their rotation partners col_b (see `expand_rows_kernel`)."""
     mask_a = col_a < n_out
     mask_b = col_b < n_out
@@ -200,12 +207,12 @@ def _expand_chunk(z_row, col_a, col_b, n_out, h0, h_ptr, bt_ptr, i, rank, hoff, 
     d_a = tl.zeros(z_a.shape, dtype=tl.float32)
     d_b = tl.zeros(z_b.shape, dtype=tl.float32)
     if rank > 0:
-        d_a = _row_delta(h0, bt_ptr, 0, rank, n_out, col_a, BR)
-        d_b = _row_delta(h0, bt_ptr, 0, rank, n_out, col_b, BR)
+        d_a = _row_delta(h0, b_ptr, ldb, 0, n_out, col_a, BR)
+        d_b = _row_delta(h0, b_ptr, ldb, 0, n_out, col_b, BR)
         for r0 in range(BR, rank, BR):
-            h = _h_row(h_ptr, m, flags, i, r0, rank, hoff, num_tokens, h_width, SPLIT_K, BR)
-            d_a += _row_delta(h, bt_ptr, r0, rank, n_out, col_a, BR)
-            d_b += _row_delta(h, bt_ptr, r0, rank, n_out, col_b, BR)
+            h = _h_row(h_ptr, m, flags, i, r0, rank, hoff, h_width, BR)
+            d_a += _row_delta(h, b_ptr, ldb, r0, n_out, col_a, BR)
+            d_b += _row_delta(h, b_ptr, ldb, r0, n_out, col_b, BR)
     y_a = _epilogue(z_a, z_b, -1.0, d_a, col_a, mask_a, flags, o, o2, c, v)
     y_b = _epilogue(z_b, z_a, 1.0, d_b, col_b, mask_b, flags, o, o2, c, v)
     tl.store(z_row + col_a, y_a.to(z_row.dtype.element_ty), mask=mask_a)
@@ -219,28 +226,23 @@ def _vec_rows(base, live, cols, mask, other):
 
 
 @triton.jit
-def _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, num_tokens, h_width,
-            SPLIT_K: tl.constexpr, BR: tl.constexpr):
-    """m ⊙ h of the tile's rows for rank rows [r0, r0 + BR): the SPLIT_K partials in one 3-D load, summed."""
+def _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, h_width, BR: tl.constexpr):
+    """m ⊙ h of the tile's rows for rank rows [r0, r0 + BR) (zero past the rank)."""
     r = r0 + tl.arange(0, BR)
-    s = tl.arange(0, SPLIT_K)
-    rows = (s[:, None] * num_tokens + pos[None, :]).to(tl.int64) * h_width + hoff
     mask = row_ok[:, None] & (r < rank)[None, :]
-    h = tl.sum(tl.load(h_ptr + rows[:, :, None] + r[None, None, :], mask=mask[None, :, :], other=0.0), axis=0)
+    h = tl.load(h_ptr + pos.to(tl.int64)[:, None] * h_width + hoff + r[None, :], mask=mask, other=0.0)
     return h * _vec_rows(m, m_live, r, mask, 1.0)
 
 
 @triton.jit
-def _tile_delta(h, bt_ptr, r0, rank, n_out, cols, BR: tl.constexpr, PREC: tl.constexpr):
-    """h [BM, BR] (fp32) @ Bᵀ[r0:r0+BR, cols] on tensor cores: [BM, len(cols)] fp32. 16-bit Bᵀ multiplies h as
-    two 16-bit parts (hi = h rounded, lo = h − hi: about 16 mantissa bits); fp32 in IEEE fp32 (no tf32)."""
-    r = r0 + tl.arange(0, BR)
-    mask = (r < rank)[:, None] & (cols < n_out)[None, :]
-    bt = tl.load(bt_ptr + r[:, None] * n_out + cols[None, :], mask=mask, other=0.0)
-    if bt_ptr.dtype.element_ty == tl.float32:
+def _tile_delta(h, b_ptr, ldb, r0, n_out, cols, BR: tl.constexpr, PREC: tl.constexpr):
+    """h [BM, BR] (fp32) @ B[cols, r0 : r0 + BR]ᵀ on tensor cores: [BM, len(cols)] fp32. 16-bit B multiplies h
+    as two 16-bit parts (hi = h rounded, lo = h − hi: about 16 mantissa bits); fp32 in IEEE fp32 (no tf32)."""
+    bt = tl.trans(_b_block(b_ptr, ldb, r0, n_out, cols, BR))
+    if b_ptr.dtype.element_ty == tl.float32:
         return tl.dot(h, bt, input_precision=PREC)
-    hi = h.to(bt_ptr.dtype.element_ty)
-    lo = (h - hi.to(tl.float32)).to(bt_ptr.dtype.element_ty)
+    hi = h.to(b_ptr.dtype.element_ty)
+    lo = (h - hi.to(tl.float32)).to(b_ptr.dtype.element_ty)
     return tl.dot(lo, bt, tl.dot(hi, bt))
 
 
@@ -254,10 +256,10 @@ def _epilogue_rows(z, partner, sign, delta, cols, mask, o, o_live, o2, o2_live, 
 
 
 @triton.jit
-def _expand_tile_chunk(z_rows, col_a, col_b, row_ok, n_out, h0, h_ptr, bt_ptr, pos, rank, hoff, num_tokens, h_width,
-                       m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live,
-                       SPLIT_K: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
-    """`_expand_chunk` for all rows of a tile at once (several tokens share each Bᵀ block: tensor cores)."""
+def _expand_tile_chunk(z_rows, col_a, col_b, row_ok, n_out, h0, h_ptr, b_ptr, ldb, pos, rank, hoff, h_width,
+                       m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live, BR: tl.constexpr,
+                       PREC: tl.constexpr):
+    """`_expand_chunk` for all rows of a tile at once (several tokens share each B block: tensor cores)."""
     mask_a = row_ok[:, None] & (col_a < n_out)[None, :]
     mask_b = row_ok[:, None] & (col_b < n_out)[None, :]
     z_a = tl.load(z_rows[:, None] + col_a[None, :], mask=mask_a, other=0.0).to(tl.float32)
@@ -265,12 +267,12 @@ def _expand_tile_chunk(z_rows, col_a, col_b, row_ok, n_out, h0, h_ptr, bt_ptr, p
     d_a = tl.zeros(z_a.shape, dtype=tl.float32)
     d_b = tl.zeros(z_b.shape, dtype=tl.float32)
     if rank > 0:
-        d_a = _tile_delta(h0, bt_ptr, 0, rank, n_out, col_a, BR, PREC)
-        d_b = _tile_delta(h0, bt_ptr, 0, rank, n_out, col_b, BR, PREC)
+        d_a = _tile_delta(h0, b_ptr, ldb, 0, n_out, col_a, BR, PREC)
+        d_b = _tile_delta(h0, b_ptr, ldb, 0, n_out, col_b, BR, PREC)
         for r0 in range(BR, rank, BR):
-            h = _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, num_tokens, h_width, SPLIT_K, BR)
-            d_a += _tile_delta(h, bt_ptr, r0, rank, n_out, col_a, BR, PREC)
-            d_b += _tile_delta(h, bt_ptr, r0, rank, n_out, col_b, BR, PREC)
+            h = _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, h_width, BR)
+            d_a += _tile_delta(h, b_ptr, ldb, r0, n_out, col_a, BR, PREC)
+            d_b += _tile_delta(h, b_ptr, ldb, r0, n_out, col_b, BR, PREC)
     y_a = _epilogue_rows(z_a, z_b, -1.0, d_a, col_a, mask_a, o, o_live, o2, o2_live, c, c_live, v, v_live)
     y_b = _epilogue_rows(z_b, z_a, 1.0, d_b, col_b, mask_b, o, o_live, o2, o2_live, c, c_live, v, v_live)
     tl.store(z_rows[:, None] + col_a[None, :], y_a.to(z_rows.dtype.element_ty), mask=mask_a)
@@ -305,16 +307,22 @@ def _group_of_program(z0_ptr, z1_ptr, z2_ptr, out0, out1, out2, tab_ptr, tile_gr
 
 
 @triton.jit
+def _b_of_group(tab_ptr, grow, ty: tl.constexpr):
+    """The group's B pointer and padded row length (a multiple of 8: `SlotPool` pads)."""
+    return _ptr(tab_ptr, grow + F_B, ty), tl.multiple_of(tl.load(tab_ptr + grow + F_BLD).to(tl.int32), 8)
+
+
+@triton.jit
 def expand_rows_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr,
-                       tile_start_ptr, tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2,
-                       chunks_per_prog, P: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr,
-                       BR: tl.constexpr, HB: tl.constexpr):
+                       tile_start_ptr, tile_end_ptr, num_slots, h_width, out0, out1, out2, chunks_per_prog,
+                       P: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr):
     """Program (tile, n-range) of a one-token tile (most tiles at decode; `expand_tiles_kernel` takes the others):
     z[t, cols] ← epilogue(z) + v ⊙ (B (m ⊙ h)) in place over `chunks_per_prog` chunks of 2·HB columns of one
     projection. A chunk's columns are HB pairs (j, j + g/2) of RoAd groups of g (without rotation: the chunk's two
     contiguous halves), so rot_g(z) only reads columns the program owns: in place is safe. The token's h is a
-    rank-length vector, its product with each Bᵀ block a broadcast-multiply-sum in fp32 over rank steps of BR, so a
-    wide rank elsewhere in the pool costs this token nothing; slot vectors are read through one pointer each."""
+    rank-length vector; its product with a block of B rows is a multiply-sum along each row's contiguous rank
+    values in fp32, over rank steps of BR, so a wide rank elsewhere in the pool costs this token nothing; slot
+    vectors are read through one pointer each."""
     tile, pid_n = tl.program_id(0), tl.program_id(1)
     g, start, end, z_ptr, n_out, prog, p, grow = _group_of_program(
         z0_ptr, z1_ptr, z2_ptr, out0, out1, out2, tab_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr, tile, pid_n,
@@ -324,7 +332,7 @@ def expand_rows_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr,
     rank = tl.load(tab_ptr + grow + F_RANK).to(tl.int32)
     hoff = tl.load(tab_ptr + grow + F_BHOFF).to(tl.int32)
     rot = tl.load(tab_ptr + grow + F_ROT).to(tl.int32)
-    bt_ptr = _ptr(tab_ptr, grow + F_BT, z0_ptr.dtype.element_ty)
+    b_ptr, ldb = _b_of_group(tab_ptr, grow, z0_ptr.dtype.element_ty)
     c_lo = prog * chunks_per_prog
     c_hi = tl.minimum(c_lo + chunks_per_prog, tl.cdiv(n_out, 2 * HB))
     z_row = z_ptr + tl.load(sorted_ptr + start).to(tl.int64) * n_out
@@ -334,29 +342,29 @@ def expand_rows_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr,
         _ptr(tab_ptr, srow + F_O2, tl.float32)
     c, v = _ptr(tab_ptr, srow + F_C, tl.float32), _ptr(tab_ptr, srow + F_V, tl.float32)
     # The first rank step's h is loaded once (ranks <= BR need no other); larger ranks reload theirs per chunk.
-    h0 = _h_row(h_ptr, m, flags, start, 0, rank, hoff, num_tokens, h_width, SPLIT_K, BR)
+    h0 = _h_row(h_ptr, m, flags, start, 0, rank, hoff, h_width, BR)
     # Two copies of the chunk loop: columns from a runtime group size have no known contiguity (Triton would
     # then move them one element at a time); plain halves keep 16-byte accesses.
     if rot > 0:
         for chunk in range(c_lo, c_hi):
             q = chunk * HB + tl.arange(0, HB)
             col_a = (q // (rot // 2)) * rot + q % (rot // 2)
-            _expand_chunk(z_row, col_a, col_a + rot // 2, n_out, h0, h_ptr, bt_ptr, start, rank, hoff, num_tokens,
-                          h_width, flags, m, o, o2, c, v, SPLIT_K, BR)
+            _expand_chunk(z_row, col_a, col_a + rot // 2, n_out, h0, h_ptr, b_ptr, ldb, start, rank, hoff, h_width,
+                          flags, m, o, o2, c, v, BR)
     else:
         for chunk in range(c_lo, c_hi):
             col_a = chunk * 2 * HB + tl.arange(0, HB)
-            _expand_chunk(z_row, col_a, col_a + HB, n_out, h0, h_ptr, bt_ptr, start, rank, hoff, num_tokens,
-                          h_width, flags, m, o, o2, c, v, SPLIT_K, BR)
+            _expand_chunk(z_row, col_a, col_a + HB, n_out, h0, h_ptr, b_ptr, ldb, start, rank, hoff, h_width,
+                          flags, m, o, o2, c, v, BR)
 
 
 @triton.jit
 def expand_tiles_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr,
-                        tile_start_ptr, tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2,
-                        multi_tiles_ptr, num_multi_ptr, target_items, P: tl.constexpr, SPLIT_K: tl.constexpr,
-                        BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr):
+                        tile_start_ptr, tile_end_ptr, num_slots, h_width, out0, out1, out2,
+                        multi_tiles_ptr, num_multi_ptr, target_items, P: tl.constexpr, BM: tl.constexpr,
+                        BR: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr):
     """The tiles of several tokens (prefill, a popular adapter, a shared VeRA group): the semantics of
-    `expand_rows_kernel` for all of a tile's rows at once, on tensor cores, reading each Bᵀ block once for all of
+    `expand_rows_kernel` for all of a tile's rows at once, on tensor cores, reading each B block once for all of
     them, over rank steps of BR. Persistent: a fixed number of programs walks the items (multi-token tile, a run
     of chunks of 2·HB columns of one projection) of this step (`LoraMeta.multi_tiles`), so a step without any
     (most decode steps) costs one short launch, not a grid of programs that all return. An item's setup (its rows,
@@ -385,18 +393,17 @@ def expand_tiles_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr
             c_lo = prog * chunks_per_item
             c_hi = tl.minimum(c_lo + chunks_per_item, tl.cdiv(n_out, 2 * HB))
             _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, num_slots, start, end, c_lo,
-                         c_hi, grow, num_tokens, h_width, SPLIT_K, BM, BR, HB, PREC)
+                         c_hi, grow, h_width, BM, BR, HB, PREC)
 
 
 @triton.jit
 def _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, num_slots, start, end, c_lo, c_hi,
-                 grow, num_tokens, h_width, SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
-                 HB: tl.constexpr, PREC: tl.constexpr):
+                 grow, h_width, BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr):
     """One item of `expand_tiles_kernel`: chunks [c_lo, c_hi) of a multi-token tile."""
     rank = tl.load(tab_ptr + grow + F_RANK).to(tl.int32)
     hoff = tl.load(tab_ptr + grow + F_BHOFF).to(tl.int32)
     rot = tl.load(tab_ptr + grow + F_ROT).to(tl.int32)
-    bt_ptr = _ptr(tab_ptr, grow + F_BT, z_ptr.dtype.element_ty)
+    b_ptr, ldb = _b_of_group(tab_ptr, grow, z_ptr.dtype.element_ty)
     pos = start + tl.arange(0, BM)
     row_ok = pos < end
     tok = tl.load(sorted_ptr + pos, mask=row_ok, other=0)
@@ -407,18 +414,16 @@ def _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, 
     o2, o2_live = _ptr(tab_ptr, srow + F_O2, tl.float32), (flags & HAS_O2) != 0
     c, c_live = _ptr(tab_ptr, srow + F_C, tl.float32), (flags & HAS_C) != 0
     v, v_live = _ptr(tab_ptr, srow + F_V, tl.float32), (flags & HAS_V) != 0
-    h0 = _h_tile(h_ptr, m, m_live, pos, row_ok, 0, rank, hoff, num_tokens, h_width, SPLIT_K, BR)
+    h0 = _h_tile(h_ptr, m, m_live, pos, row_ok, 0, rank, hoff, h_width, BR)
     z_rows = z_ptr + tok.to(tl.int64) * n_out
     if rot > 0:  # two copies, as in expand_rows_kernel
         for chunk in range(c_lo, c_hi):
             q = chunk * HB + tl.arange(0, HB)
             col_a = (q // (rot // 2)) * rot + q % (rot // 2)
-            _expand_tile_chunk(z_rows, col_a, col_a + rot // 2, row_ok, n_out, h0, h_ptr, bt_ptr, pos, rank, hoff,
-                               num_tokens, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live,
-                               SPLIT_K, BR, PREC)
+            _expand_tile_chunk(z_rows, col_a, col_a + rot // 2, row_ok, n_out, h0, h_ptr, b_ptr, ldb, pos, rank,
+                               hoff, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live, BR, PREC)
     else:
         for chunk in range(c_lo, c_hi):
             col_a = chunk * 2 * HB + tl.arange(0, HB)
-            _expand_tile_chunk(z_rows, col_a, col_a + HB, row_ok, n_out, h0, h_ptr, bt_ptr, pos, rank, hoff,
-                               num_tokens, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live,
-                               SPLIT_K, BR, PREC)
+            _expand_tile_chunk(z_rows, col_a, col_a + HB, row_ok, n_out, h0, h_ptr, b_ptr, ldb, pos, rank,
+                               hoff, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live, BR, PREC)

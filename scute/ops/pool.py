@@ -7,7 +7,8 @@ can be grouped so that one launch serves all of them) and ``num_slots`` adapter 
 * per-slot fields (row = the slot): flags, and the addresses of the vectors ``o, o2, c, v, m, t`` (float32) and
   of ``t_blocks`` (the pool's matrix dtype);
 * per-group fields (row = the group's representative slot): the low-rank matrices ``A [r, in]`` and
-  ``Bt = Bᵀ [r, out]`` (matrix dtype, contiguous), their rank, where their rank rows live in the kernels' ``h``
+  ``B [out, r]`` (matrix dtype, contiguous; rows padded with zeros to ``ldb``, a multiple of 8, so the kernels
+  read each column's rank values as 16-byte vectors: no copy when r is a multiple of 8), their rank, where their rank rows live in the kernels' ``h``
   buffer, the RoAd group size and whether the group needs the expand at all.
 
 A *group* is the unit of weight reuse: slots whose A and B are views of the same shared matrices (VeRA) form one
@@ -32,9 +33,9 @@ if TYPE_CHECKING:  # annotations only: scute.adapters imports scute.ops
     from scute.adapters.slots import Slots
 
 # Table fields (int64 each). Group fields are read at the group's representative slot, slot fields at the slot.
-(F_A, F_ARANK, F_AHOFF, F_BT, F_RANK, F_BHOFF, F_ROT, F_ACTIVE,
- F_FLAGS, F_O, F_O2, F_C, F_V, F_M, F_T, F_TB, F_TBN, F_TBB) = range(18)
-NUM_FIELDS = 18
+(F_A, F_ARANK, F_AHOFF, F_B, F_BLD, F_RANK, F_BHOFF, F_ROT, F_ACTIVE,
+ F_FLAGS, F_O, F_O2, F_C, F_V, F_M, F_T, F_TB, F_TBN, F_TBB) = range(19)
+NUM_FIELDS = 19
 # Bits of F_FLAGS: which per-slot vectors are live.
 HAS_O, HAS_O2, HAS_C, HAS_V, HAS_M, HAS_T, HAS_TB = 1, 2, 4, 8, 16, 32, 64
 _VECTORS = (("o", F_O, HAS_O), ("o2", F_O2, HAS_O2), ("c", F_C, HAS_C), ("v", F_V, HAS_V), ("m", F_M, HAS_M),
@@ -79,13 +80,14 @@ class SlotPool:
 
     # ------------------------------------------------------------------ device copies
     def _dev(self, x: Tensor, kind: str, keep: dict) -> Tensor:
-        """The pool's copy of `x` (kind 'vec': float32; 'mat': matrix dtype; 'matT': transposed), made once per
-        storage. The cache holds `x` itself, so the storage (and the key) cannot be reused while cached."""
+        """The pool's copy of `x` (kind 'vec': float32; 'mat': matrix dtype; 'matB': matrix dtype, rows padded with
+        zeros to a multiple of 8), made once per storage. The cache holds `x` itself, so the storage (and the key) cannot be reused while cached."""
         key = _storage_key(x, kind)
         hit = keep.get(key) or self._cache.get(key)  # keep first: a storage met twice in one update is copied once
         if hit is None:
-            y = x.t() if kind == "matT" else x
-            y = y.to(device=self.device, dtype=torch.float32 if kind == "vec" else self.dtype).contiguous()
+            y = x.to(device=self.device, dtype=torch.float32 if kind == "vec" else self.dtype).contiguous()
+            if kind == "matB" and y.shape[1] % 8:
+                y = torch.nn.functional.pad(y, (0, -y.shape[1] % 8))
             if y.data_ptr() % 16:  # the kernels are promised 16-byte aligned starts (vectorised loads)
                 y = y.clone()
             hit = (x, y)
@@ -157,7 +159,8 @@ class SlotPool:
             if sl.A is None:
                 continue
             r, a_key = sl.A.shape[0], _storage_key(sl.A, "mat")
-            rows[p, F_BT], rows[p, F_RANK] = self._dev(sl.B, "matT", keep).data_ptr(), r
+            b = self._dev(sl.B, "matB", keep)
+            rows[p, F_B], rows[p, F_BLD], rows[p, F_RANK] = b.data_ptr(), b.shape[1], r
             if a_key in seen:  # the same A as an earlier projection (VeRA's shared A): multiply once
                 rows[p, F_BHOFF] = seen[a_key]
                 continue
@@ -182,5 +185,5 @@ def _share_key(column: list[Slots | None]) -> tuple | None:
         elif sl.A is None or not {"A", "B"} <= sl.shared:
             return None
         else:
-            key.append((_storage_key(sl.A, "mat"), _storage_key(sl.B, "matT"), sl.rot_group))
+            key.append((_storage_key(sl.A, "mat"), _storage_key(sl.B, "matB"), sl.rot_group))
     return tuple(key)
