@@ -279,10 +279,10 @@ DEFAULT = dict(half_n=triton_ops.HALF_N, tile_half_n=triton_ops.TILE_HALF_N, blo
                warps=triton_ops.EXPAND_WARPS, tile_items=triton_ops.TILE_ITEMS_PER_PROGRAM,
                tile_programs=triton_ops.TILE_PROGRAMS_PER_SM, tile_warps=triton_ops.TILE_WARPS,
                stages=(triton_ops.SHRINK_STAGES, triton_ops.EXPAND_STAGES, triton_ops.TILE_STAGES))
-SWEEP = [dict(DEFAULT, tile_items=1),
-         dict(DEFAULT, tile_items=16),
-         dict(DEFAULT, tile_half_n=64),
-         dict(DEFAULT, tile_programs=4)]
+SWEEP = [dict(DEFAULT, half_n=64, warps=2),
+         dict(DEFAULT, half_n=128, warps=2),
+         dict(DEFAULT, half_n=128, warps=4),
+         dict(DEFAULT, half_n=32, warps=1)]
 
 
 def apply(cfg: dict) -> None:

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device session's checks and measurements of the six-slot op, logs under $OUT (default ./out/gpu).
-# Usage: bash bench/run_gpu.sh [tests] [profile] [bench] [sweep]   (default: tests profile sweep)
+# Usage: bash bench/run_gpu.sh [tests] [engine] [profile] [bench] [sweep] [ab]   (default: tests profile sweep)
+# ab: the same rows for each source tree in $AB_TREES (directories holding scute/ and bench/, e.g. made by
+#     `git archive COMMIT scute bench | tar -x -C DIR`), one after the other on one machine: an A/B of commits.
 set -u
-OUT=${OUT:-out/gpu}
+OUT=$(realpath -m "${OUT:-out/gpu}")
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 steps=${*:-tests profile sweep}
@@ -27,6 +29,12 @@ for row in r.get("sweep", []):
 print("chosen", r["config"])
 PY
            tail -25 "$OUT/bench.log" ;;
+    ab) for tree in ${AB_TREES:-}; do
+          name=$(basename "$tree")
+          (cd "$tree" && timeout 300 python3 bench/bench_ops.py --batches 1,64,256 --adapters 1,64 \
+             --variants base,lora,lora_grouped,vera,mix_grouped --out "$OUT/ab_$name.json" > "$OUT/ab_$name.log" 2>&1)
+          echo "== $name"; grep -E "^ +(1|64|256) +(1|64) " "$OUT/ab_$name.log" | head -25
+        done ;;
   esac
   echo "[$step: $(( $(date +%s) - start )) s]"
 done
