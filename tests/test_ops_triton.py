@@ -204,9 +204,8 @@ def test_epilogue_only_pool():
 
 
 @pytest.mark.parametrize("split", [2, 4])
-def test_split_partials_reduced_once(split, monkeypatch):
-    """The shrink splits K (the last split to arrive sums the partials in order into h): every popularity law,
-    and the arrival counters are back to zero after the call (the next call relies on it)."""
+def test_split_partials(split, monkeypatch):
+    """The shrink splits K (the expands sum the partials as they read h): every popularity law."""
     monkeypatch.setattr(triton_ops, "TARGET_PROGRAMS", 1 << 20)
     monkeypatch.setattr(triton_ops, "MAX_SPLIT_K", split)
     gen, w, b = _case(torch.float32, seed=41)
@@ -217,7 +216,6 @@ def test_split_partials_reduced_once(split, monkeypatch):
         x = torch.randn(33, IN, generator=gen).to(DEVICE)
         (y,) = run_triton(x, [w], [b], [slots], ts, torch.float32, block_k=IN // split)
         check(y, x, w, b, slots, ts, FP32_TOL)
-    assert all(int(c.abs().sum()) == 0 for bufs in triton_ops._COUNTERS.values() for c in bufs)
 
 
 @pytest.mark.parametrize("expand_programs", [1024, 1])

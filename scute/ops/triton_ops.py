@@ -35,7 +35,7 @@ ROW_BLOCK_R = 16  # rank step of one-token tiles, whatever the pool's largest ra
 MAX_BLOCK_R = 64  # rank tile: the pool's largest rank rounded up to a power of two in [16, 64]; larger ranks
 # get several rank tiles (the shrink's grid, the multi-token expand's loop)
 TARGET_PROGRAMS = 1024  # the shrink's split-K aims at this many programs (~8 per SM on an H200)...
-MAX_SPLIT_K = 16  # ...the last split to finish sums the partials in one 3-D load of SPLIT_K x BLOCK_M x BLOCK_R
+MAX_SPLIT_K = 16  # ...the expand sums the partials in one 3-D load of SPLIT_K x BLOCK_M x BLOCK_R
 TARGET_EXPAND_PROGRAMS = 4096  # the one-token expand gives each program enough chunks to bring its grid to this
 # Triton launch options (module constants: the bench tunes them).
 # The one-token expand runs one warp per program: its rank-axis sum then stays inside the warp (with 4 warps it
@@ -123,49 +123,34 @@ def _(x, table, token_slots, num_proj, block_b, min_block):
     return x.new_empty((num_proj, *x.shape))
 
 
-@torch.library.custom_op("scute::shrink_", mutates_args=("h", "h_part"))
-def shrink_(h: Tensor, h_part: Tensor, x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group: Tensor,
-            tile_start: Tensor, tile_end: Tensor, num_proj: int, max_rank: int, split_k: int, block_k: int) -> None:
+@torch.library.custom_op("scute::shrink_", mutates_args=("h",))
+def shrink_(h: Tensor, x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group: Tensor, tile_start: Tensor,
+            tile_end: Tensor, num_proj: int, max_rank: int, block_k: int) -> None:
     """Down projection of every token by its group's A (all projections of the pool), split over K.
 
     Semantics:
-        h[i, hoff_{p,g} : hoff_{p,g} + r_{p,g}] = A_{p,g} x[sorted_idx[i]]     for each tile's rows i (group g)
+        Σ_s h[s, i, hoff_{p,g} : hoff_{p,g} + r_{p,g}] = A_{p,g} x[sorted_idx[i]]     for each tile's rows i (group g)
     (the rank-space scale m is applied by the expand; rows of base tokens and unused columns are not written).
-    With split_k > 1 each K split writes its partial to h_part and the last to finish sums them in split order.
 
-    Shapes: h [T, h_width] float32, indexed by *sorted* position; h_part [split_k, T, h_width] float32 scratch
-    (unused, any tensor, if split_k = 1); x [T, in], table (see `input_transform`), sorted_idx [T], tile_* [NT]
-    int32 (`LoraMeta`); max_rank ≥ every rank in the table (sizes the grid's rank tiles).
+    Shapes: h [split_k, T, h_width] float32, indexed by *sorted* position; x [T, in], table (see
+    `input_transform`), sorted_idx [T], tile_* [NT] int32 (`LoraMeta`); max_rank ≥ every rank in the table
+    (sizes the grid's rank tiles).
     """
-    num_tokens, in_features = x.shape
+    split_k, num_tokens, h_width = h.shape
+    in_features = x.shape[1]
     if num_tokens == 0:
         return
     k_per_split = triton_cdiv(triton_cdiv(in_features, split_k), block_k) * block_k
     rt = rank_tiles(max_rank)
-    grid = (tile_group.shape[0], split_k * rt, num_proj)
-    _kernels().shrink_kernel[grid](
-        x, h_part if split_k > 1 else h, h, arrival_counters(x.device, grid[0] * rt * num_proj), table, sorted_idx,
-        tile_group, tile_start, tile_end, num_tokens, in_features, table.shape[1], h.shape[1], k_per_split,
-        SPLIT_K=split_k, RT=rt, BM=BLOCK_M, BR=block_r(max_rank), BK=block_k, PREC=_precision(x),
+    _kernels().shrink_kernel[(tile_group.shape[0], split_k * rt, num_proj)](
+        x, h, table, sorted_idx, tile_group, tile_start, tile_end, num_tokens, in_features, table.shape[1],
+        h_width, k_per_split, RT=rt, BM=BLOCK_M, BR=block_r(max_rank), BK=block_k, PREC=_precision(x),
         num_warps=SHRINK_WARPS, num_stages=SHRINK_STAGES)
 
 
 @shrink_.register_fake
-def _(h, h_part, x, table, sorted_idx, tile_group, tile_start, tile_end, num_proj, max_rank, split_k, block_k):
+def _(h, x, table, sorted_idx, tile_group, tile_start, tile_end, num_proj, max_rank, block_k):
     return None
-
-
-_COUNTERS: dict[torch.device, list[Tensor]] = {}
-
-
-def arrival_counters(device: torch.device, n: int) -> Tensor:
-    """At least `n` int32 zeros the shrink's split programs count their arrivals in: each counter is reset by its
-    last arrival, so one buffer per device serves every call (all shrinks of a device run in stream order). A
-    larger call gets a larger buffer; the smaller ones are kept, since captured graphs hold their addresses."""
-    bufs = _COUNTERS.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < n:
-        bufs.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
-    return bufs[-1]
 
 
 def _precision(x: Tensor) -> str:
@@ -179,12 +164,12 @@ def expand_(zs: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, so
     """Epilogue and low-rank delta, in place on each projection's base output.
 
     Semantics (token t with slot a ≥ 0, projection p, group g of a; z = zs[p][t] before the call):
-        zs[p][t] ← o ⊙ z + o2 ⊙ rot_g(z) + c + v ⊙ (B_{p,g} (m ⊙ h[i, hoff : hoff + r]))
+        zs[p][t] ← o ⊙ z + o2 ⊙ rot_g(z) + c + v ⊙ (B_{p,g} (m ⊙ Σ_s h[s, i, hoff : hoff + r]))
     with empty slots as identity / zero, computed in float32 and stored in z's dtype; rows of base tokens
     (slot −1) are not touched. Reference: `scute.ops.reference.epilogue_ref`.
 
     Shapes: zs = P ≤ 3 tensors [T, out_p] (contiguous, one dtype), h from `shrink` ([S, T, W] float32; with no
-    low-rank slot in the pool any [1, 1] tensor), sorted_slots [T] int32, multi_tiles [NT], num_multi [1]
+    low-rank slot in the pool any [1, 1, 1] tensor), sorted_slots [T] int32, multi_tiles [NT], num_multi [1]
     (`LoraMeta`), the rest as in `shrink`. Two launches: a program per (one-token tile, `chunks_per_prog` chunks
     of 2·half_n columns of one projection), then a persistent walk of the (multi-token tile, run of chunks of
     2·tile_half_n columns) items.
@@ -194,15 +179,15 @@ def expand_(zs: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, so
         return
     outs = [z.shape[1] for z in zs] + [0] * (3 - len(zs))
     args = (*zs, *[zs[0]] * (3 - len(zs)), h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end,
-            table.shape[1], h.shape[1], *outs)
+            num_tokens, table.shape[1], h.shape[2], *outs)
     progs = sum(triton_cdiv(n, 2 * half_n * chunks_per_prog) for n in outs)
     _kernels().expand_rows_kernel[(tile_group.shape[0], progs)](
-        *args, chunks_per_prog, P=len(zs), BM=BLOCK_M, BR=ROW_BLOCK_R, HB=half_n,
+        *args, chunks_per_prog, P=len(zs), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=ROW_BLOCK_R, HB=half_n,
         num_warps=EXPAND_WARPS, num_stages=EXPAND_STAGES)
     if num_tokens > 1:  # a shape, not data: fixed for a captured graph
         _kernels().expand_tiles_kernel[(persistent_programs(zs[0].device),)](
-            *args, multi_tiles, num_multi, TILE_ITEMS_PER_PROGRAM * persistent_programs(zs[0].device), P=len(zs), BM=BLOCK_M, BR=block_r(max_rank),
-            HB=tile_half_n, PREC=_precision(zs[0]), num_warps=TILE_WARPS, num_stages=TILE_STAGES)
+            *args, multi_tiles, num_multi, TILE_ITEMS_PER_PROGRAM * persistent_programs(zs[0].device), P=len(zs),
+            SPLIT_K=h.shape[0], BM=BLOCK_M, BR=block_r(max_rank), HB=tile_half_n, PREC=_precision(zs[0]), num_warps=TILE_WARPS, num_stages=TILE_STAGES)
 
 
 @expand_.register_fake
@@ -224,7 +209,7 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     xs = None
     if pool.has_input_transform:  # a pool property, not data: fixed for a captured graph (see pool.signature)
         xs = input_transform(x, pool.table, meta.token_slots, pool.num_proj, pool.block_b, pool.min_block)
-    h = x.new_empty((1, 1), dtype=torch.float32)  # epilogue-only pools (IA3, RoAd): the expand reads no h
+    h = x.new_empty((1, 1, 1), dtype=torch.float32)  # epilogue-only pools (IA3, RoAd): the expand reads no h
     # The shrink reads only x: on the GPU it runs on a side stream, beside the base GEMMs (which rarely fill every
     # SM at decode), and the expand waits for both. Its buffers are allocated here, on this stream, and used on
     # the side stream only before the join (the caching allocator's rule for cross-stream use). Under
@@ -232,13 +217,12 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     side = _side_stream(x.device) if pool.has_lowrank and not torch.compiler.is_compiling() else None
     if pool.has_lowrank:
         split_k = choose_split_k(x.shape[1], meta.tile_group.shape[0] * pool.num_proj, block_k)
-        h = x.new_empty((x.shape[0], pool.h_width), dtype=torch.float32)
-        h_part = x.new_empty((split_k, *h.shape) if split_k > 1 else (1, 1, 1), dtype=torch.float32)
+        h = x.new_empty((split_k, x.shape[0], pool.h_width), dtype=torch.float32)
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            shrink_(h, h_part, x, pool.table, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end,
-                    pool.num_proj, pool.max_rank, split_k, block_k)
+            shrink_(h, x, pool.table, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end,
+                    pool.num_proj, pool.max_rank, block_k)
     zs = [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
     if side is not None:
         torch.cuda.current_stream(x.device).wait_stream(side)
@@ -255,8 +239,7 @@ _SIDE: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The device's side stream for the shrink (one per device, so every shrink of a device stays in stream
-    order: they share the arrival counters); None off the GPU."""
+    """The device's side stream for the shrink (one per device); None off the GPU."""
     if device.type != "cuda":
         return None
     if device not in _SIDE:
