@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 
@@ -297,8 +298,9 @@ def apply(cfg: dict) -> None:
 
 
 def sweep(layer: Layer, bw: float, lat: float, default: dict) -> tuple[list[dict], dict]:
-    """Time a few rows per config; the best is the one with the least summed LoRA/mix time."""
-    rows, score = [], {}
+    """Time a few rows per config; the best has the least geometric mean, over the rows, of its time over the
+    first config's (each row counts alike: a sum of times would be decided by the largest rows)."""
+    rows, score, first = [], {}, {}
     for i, cfg in enumerate([default] + SWEEP):
         apply(cfg)
         print(f"--- sweep {cfg}", flush=True)
@@ -306,7 +308,9 @@ def sweep(layer: Layer, bw: float, lat: float, default: dict) -> tuple[list[dict
             for r in run_rows(layer, [batch], [n], ["base", "lora_grouped", "mix_grouped", "vera"], cfg, bw, lat):
                 rows.append(dict(r, **cfg))
                 if "error" not in r and r["variant"] != "base":
-                    score[i] = score.get(i, 0.0) + r["us"]
+                    key = (batch, n, r["variant"])
+                    first.setdefault(key, r["us"])
+                    score[i] = score.get(i, 0.0) + math.log(r["us"] / first[key])
     best = min(score, key=score.get)
     return rows, ([default] + SWEEP)[best]
 

@@ -29,7 +29,7 @@ EXPAND_ARGS = {"z0_ptr": "*bf16", "z1_ptr": "*bf16", "z2_ptr": "*bf16", "h_ptr":
                "sorted_slots_ptr": "*i32", "sorted_ptr": "*i32", "tile_group_ptr": "*i32", "tile_start_ptr": "*i32",
                "tile_end_ptr": "*i32", "num_tokens": "i32", "num_slots": "i32", "h_width": "i32", "out0": "i32",
                "out1": "i32", "out2": "i32", "chunks_per_prog": "i32"}
-SHRINK_ARGS = {"x_ptr": "*bf16", "h_ptr": "*fp32", "tab_ptr": "*i64",
+SHRINK_ARGS = {"x_ptr": "*bf16", "h_ptr": "*fp32", "count_ptr": "*i32", "tab_ptr": "*i64",
                "sorted_ptr": "*i32", "tile_group_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "num_tokens": "i32", "in_features": "i32",
                "num_slots": "i32", "h_width": "i32", "k_per_split": "i32"}
 
@@ -62,15 +62,15 @@ def main() -> None:
     tile_args = {**{k: v for k, v in EXPAND_ARGS.items() if k != "chunks_per_prog"}, "multi_tiles_ptr": "*i32",
                  "num_multi_ptr": "*i32", "target_items": "i32"}
     for hb, warps in [(128, 4), (128, 2), (64, 2), (64, 1), (128, 1), (256, 2)]:
-        cst = dict(P=3, SPLIT_K=4, BM=16, BR=16, HB=hb)
+        cst = dict(P=3, SPLIT_K=4, BM=16, BR=16, HB=hb, ONCE_ABOVE=16)
         rows.append((f"expand rows HB={hb} warps={warps}",
                      compile_stats(kernels.expand_rows_kernel, EXPAND_ARGS, cst, warps)))
     for hb, br, warps, stages in [(128, 16, 4, 1), (32, 64, 4, 1), (64, 64, 4, 1), (64, 64, 8, 2), (128, 16, 8, 1)]:
-        cst = dict(P=3, SPLIT_K=4, BM=16, BR=br, HB=hb, PREC="tf32")
+        cst = dict(P=3, SPLIT_K=4, BM=16, BR=br, HB=hb, PREC="tf32", ONCE_ABOVE=16)
         rows.append((f"expand tiles HB={hb} BR={br} w={warps} st={stages}",
                      compile_stats(kernels.expand_tiles_kernel, tile_args, cst, warps, stages)))
     for bk, stages in [(128, 3), (64, 2)]:
-        cst = dict(RT=1, BM=16, BR=16, BK=bk, PREC="tf32")
+        cst = dict(SPLIT_K=4, RT=1, BM=16, BR=16, BK=bk, PREC="tf32", ONCE_ABOVE=16)
         rows.append((f"shrink BK={bk} stages={stages}", compile_stats(kernels.shrink_kernel, SHRINK_ARGS, cst, 4, stages)))
     print(f"{'kernel':<40} {'regs':>5} {'spill B':>8} {'progs/SM':>9} {'vec ld':>7} {'scalar ld':>10}")
     for name, s in rows:

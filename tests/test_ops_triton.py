@@ -205,17 +205,23 @@ def test_epilogue_only_pool():
 
 @pytest.mark.parametrize("split", [2, 4])
 def test_split_partials(split, monkeypatch):
-    """The shrink splits K (the expands sum the partials as they read h): every popularity law."""
+    """The shrink splits K: the expands sum the partials of groups of one rank step (r ≤ 16), the last split to
+    arrive sums those of wider ones (r = 17, 256) into split 0. Every popularity law; the arrival counters are back
+    to zero after each call (the next call relies on it). K = 64: on the GPU a split needs 16 columns."""
     monkeypatch.setattr(triton_ops, "TARGET_PROGRAMS", 1 << 20)
     monkeypatch.setattr(triton_ops, "MAX_SPLIT_K", split)
-    gen, w, b = _case(torch.float32, seed=41)
-    slots = mixed_slots(torch.float32, gen)
-    assert triton_ops.choose_split_k(IN, 1, IN // split) == split
+    in_f = 64
+    gen = torch.Generator().manual_seed(41)
+    w = (torch.randn(OUT, in_f, generator=gen) / in_f ** 0.5).to(DEVICE)
+    b = torch.randn(OUT, generator=gen).to(DEVICE)
+    slots = mixed_slots(torch.float32, gen, in_f)
+    assert triton_ops.choose_split_k(in_f, 1, BLOCK_K) == split
     for law in ("distinct", "identical", "skewed"):
         ts = token_slots(law, 33, len(slots), generator=gen).to(DEVICE)
-        x = torch.randn(33, IN, generator=gen).to(DEVICE)
-        (y,) = run_triton(x, [w], [b], [slots], ts, torch.float32, block_k=IN // split)
+        x = torch.randn(33, in_f, generator=gen).to(DEVICE)
+        (y,) = run_triton(x, [w], [b], [slots], ts, torch.float32)
         check(y, x, w, b, slots, ts, FP32_TOL)
+        assert all(int(c.abs().sum()) == 0 for bufs in triton_ops._COUNTERS.values() for c in bufs)
 
 
 @pytest.mark.parametrize("expand_programs", [1024, 1])

@@ -12,7 +12,8 @@ compiles to its own register count (at decode, the programs an SM holds are what
 product with a block of B rows is a multiply-sum along each row's contiguous rank values, in fp32, over rank steps
 of 16; its slot vectors are contiguous loads through one pointer each); `expand_tiles_kernel` runs a tile of
 several tokens as a tensor-core product (h split in two 16-bit parts: about 16 mantissa bits), reading each B
-block once for all of them. The expands sum the shrink's K-split partials of h as they read them.
+block once for all of them. The expands sum the shrink's K-split partials of h as they read them, except for
+groups wider than one rank step, whose partials the shrink sums once.
 """
 
 from __future__ import annotations
@@ -102,11 +103,19 @@ def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, slots_ptr, num_tokens, in_fea
 
 # ---------------------------------------------------------------------------------------------- shrink
 @triton.jit
-def shrink_kernel(x_ptr, h_ptr, tab_ptr, sorted_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr,
-                  num_tokens, in_features, num_slots, h_width, k_per_split,
-                  RT: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+def shrink_kernel(x_ptr, h_ptr, count_ptr, tab_ptr, sorted_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr,
+                  num_tokens, in_features, num_slots, h_width, k_per_split, SPLIT_K: tl.constexpr,
+                  RT: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                  ONCE_ABOVE: tl.constexpr):
     """Program (tile, split x rank tile, projection p): h[split, rows, hoff + r] = x[rows, K_split] @
-    A_p[r, K_split]ᵀ for the BR rank rows r of its rank tile (programs past the group's rank return at once)."""
+    A_p[r, K_split]ᵀ for the BR rank rows r of its rank tile (programs past the group's rank return at once).
+
+    A group of rank > ONCE_ABOVE (several rank steps of the expands, which would re-read every partial for each
+    chunk of columns) has its partials summed once, in split order, into split 0 by the last of its SPLIT_K
+    programs to arrive (an arrival counter per (tile, rank tile, projection), reset by that program). Narrower
+    groups leave the partials to the expands, which sum them as they read h: measured on the H200, reducing
+    every group once cost LoRA r=16 at B=64/64 23 µs per layer (each split's tail waits on an atomic) and halved
+    VeRA r=256's time."""
     tile, pid, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     split, r0 = pid // RT, (pid % RT) * BR
     g = tl.load(tile_group_ptr + tile)
@@ -132,8 +141,19 @@ def shrink_kernel(x_ptr, h_ptr, tab_ptr, sorted_ptr, tile_group_ptr, tile_start_
         xk = tl.load(x_rows[:, None] + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         at = tl.load(a_ptr + r[None, :] * in_features + k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
         acc = tl.dot(xk, at, acc, input_precision=PREC)
+    mask = row_ok[:, None] & r_ok[None, :]
     h_rows = h_ptr + (split * num_tokens + pos).to(tl.int64) * h_width + hoff
-    tl.store(h_rows[:, None] + r[None, :], acc, mask=row_ok[:, None] & r_ok[None, :])
+    tl.store(h_rows[:, None] + r[None, :], acc, mask=mask)
+    if SPLIT_K > 1:
+        if rank > ONCE_ABOVE:
+            tl.debug_barrier()  # every thread's partial is written before the arrival is counted (release below)
+            counter = count_ptr + (tile * RT + pid % RT) * tl.num_programs(2) + p
+            if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:  # the last split to arrive sums
+                rows = (tl.arange(0, SPLIT_K)[:, None] * num_tokens + pos[None, :]).to(tl.int64) * h_width + hoff
+                parts = tl.load(h_ptr + rows[:, :, None] + r[None, None, :], mask=mask[None, :, :], other=0.0)
+                h0_rows = h_ptr + pos.to(tl.int64) * h_width + hoff
+                tl.store(h0_rows[:, None] + r[None, :], tl.sum(parts, axis=0), mask=mask)
+                tl.atomic_xchg(counter, 0)  # ready for the next call
 
 
 # ---------------------------------------------------------------------------------------------- expand
@@ -144,12 +164,15 @@ def _has(flags, bit: tl.constexpr, like):
 
 
 @triton.jit
-def _h_row(h_ptr, m, flags, i, r0, rank, hoff, num_tokens, h_width, SPLIT_K: tl.constexpr, BR: tl.constexpr):
+def _h_row(h_ptr, m, flags, i, r0, rank, hoff, num_tokens, h_width, SPLIT_K: tl.constexpr, BR: tl.constexpr,
+           ONCE_ABOVE: tl.constexpr):
     """m ⊙ h of sorted row i for rank rows [r0, r0 + BR) (zero past the rank): the shrink's SPLIT_K partials in
-    one 2-D load, summed."""
+    one 2-D load, summed (a group of rank > ONCE_ABOVE: split 0 alone, which the shrink summed them into)."""
     r = r0 + tl.arange(0, BR)
-    rows = (tl.arange(0, SPLIT_K) * num_tokens + i).to(tl.int64) * h_width + hoff
-    h = tl.sum(tl.load(h_ptr + rows[:, None] + r[None, :], mask=(r < rank)[None, :], other=0.0), axis=0)
+    s = tl.arange(0, SPLIT_K)
+    rows = (s * num_tokens + i).to(tl.int64) * h_width + hoff
+    mask = (s < tl.where(rank > ONCE_ABOVE, 1, SPLIT_K))[:, None] & (r < rank)[None, :]
+    h = tl.sum(tl.load(h_ptr + rows[:, None] + r[None, :], mask=mask, other=0.0), axis=0)
     return h * tl.load(m + r, mask=(r < rank) & _has(flags, HAS_M, r), other=1.0)
 
 
@@ -183,7 +206,8 @@ def _epilogue(z, partner, sign, delta, cols, mask, flags, o, o2, c, v):
 
 @triton.jit
 def _expand_chunk(z_row, col_a, col_b, n_out, h0, h_ptr, b_ptr, ldb, i, rank, hoff, num_tokens, h_width,
-                  flags, m, o, o2, c, v, SPLIT_K: tl.constexpr, BR: tl.constexpr):
+                  flags, m, o, o2, c, v, SPLIT_K: tl.constexpr, BR: tl.constexpr,
+                  ONCE_ABOVE: tl.constexpr):
     """One token's chunk: columns col_a and their rotation partners col_b (see `expand_rows_kernel`)."""
     mask_a = col_a < n_out
     mask_b = col_b < n_out
@@ -195,7 +219,7 @@ def _expand_chunk(z_row, col_a, col_b, n_out, h0, h_ptr, b_ptr, ldb, i, rank, ho
         d_a = _row_delta(h0, b_ptr, ldb, 0, n_out, col_a, BR)
         d_b = _row_delta(h0, b_ptr, ldb, 0, n_out, col_b, BR)
         for r0 in range(BR, rank, BR):
-            h = _h_row(h_ptr, m, flags, i, r0, rank, hoff, num_tokens, h_width, SPLIT_K, BR)
+            h = _h_row(h_ptr, m, flags, i, r0, rank, hoff, num_tokens, h_width, SPLIT_K, BR, ONCE_ABOVE)
             d_a += _row_delta(h, b_ptr, ldb, r0, n_out, col_a, BR)
             d_b += _row_delta(h, b_ptr, ldb, r0, n_out, col_b, BR)
     y_a = _epilogue(z_a, z_b, -1.0, d_a, col_a, mask_a, flags, o, o2, c, v)
@@ -212,13 +236,15 @@ def _vec_rows(base, live, cols, mask, other):
 
 @triton.jit
 def _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, num_tokens, h_width, SPLIT_K: tl.constexpr,
-            BR: tl.constexpr):
+            BR: tl.constexpr, ONCE_ABOVE: tl.constexpr):
     """m ⊙ h of the tile's rows for rank rows [r0, r0 + BR) (zero past the rank): the SPLIT_K partials in one 3-D
-    load, summed."""
+    load, summed (split 0 alone for a group of rank > ONCE_ABOVE, as in `_h_row`)."""
     r = r0 + tl.arange(0, BR)
     mask = row_ok[:, None] & (r < rank)[None, :]
-    rows = (tl.arange(0, SPLIT_K)[:, None] * num_tokens + pos[None, :]).to(tl.int64) * h_width + hoff
-    h = tl.sum(tl.load(h_ptr + rows[:, :, None] + r[None, None, :], mask=mask[None, :, :], other=0.0), axis=0)
+    s = tl.arange(0, SPLIT_K)
+    rows = (s[:, None] * num_tokens + pos[None, :]).to(tl.int64) * h_width + hoff
+    live = (s < tl.where(rank > ONCE_ABOVE, 1, SPLIT_K))[:, None, None] & mask[None, :, :]
+    h = tl.sum(tl.load(h_ptr + rows[:, :, None] + r[None, None, :], mask=live, other=0.0), axis=0)
     return h * _vec_rows(m, m_live, r, mask, 1.0)
 
 
@@ -246,7 +272,7 @@ def _epilogue_rows(z, partner, sign, delta, cols, mask, o, o_live, o2, o2_live, 
 @triton.jit
 def _expand_tile_chunk(z_rows, col_a, col_b, row_ok, n_out, h0, h_ptr, b_ptr, ldb, pos, rank, hoff, num_tokens,
                        h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live, SPLIT_K: tl.constexpr,
-                       BR: tl.constexpr, PREC: tl.constexpr):
+                       BR: tl.constexpr, PREC: tl.constexpr, ONCE_ABOVE: tl.constexpr):
     """`_expand_chunk` for all rows of a tile at once (several tokens share each B block: tensor cores)."""
     mask_a = row_ok[:, None] & (col_a < n_out)[None, :]
     mask_b = row_ok[:, None] & (col_b < n_out)[None, :]
@@ -258,7 +284,7 @@ def _expand_tile_chunk(z_rows, col_a, col_b, row_ok, n_out, h0, h_ptr, b_ptr, ld
         d_a = _tile_delta(h0, b_ptr, ldb, 0, n_out, col_a, BR, PREC)
         d_b = _tile_delta(h0, b_ptr, ldb, 0, n_out, col_b, BR, PREC)
         for r0 in range(BR, rank, BR):
-            h = _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, num_tokens, h_width, SPLIT_K, BR)
+            h = _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, num_tokens, h_width, SPLIT_K, BR, ONCE_ABOVE)
             d_a += _tile_delta(h, b_ptr, ldb, r0, n_out, col_a, BR, PREC)
             d_b += _tile_delta(h, b_ptr, ldb, r0, n_out, col_b, BR, PREC)
     y_a = _epilogue_rows(z_a, z_b, -1.0, d_a, col_a, mask_a, o, o_live, o2, o2_live, c, c_live, v, v_live)
@@ -304,7 +330,7 @@ def _b_of_group(tab_ptr, grow, ty: tl.constexpr):
 def expand_rows_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr,
                        tile_start_ptr, tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2,
                        chunks_per_prog, P: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
-                       HB: tl.constexpr):
+                       HB: tl.constexpr, ONCE_ABOVE: tl.constexpr):
     """Program (tile, n-range) of a one-token tile (most tiles at decode; `expand_tiles_kernel` takes the others):
     z[t, cols] ← epilogue(z) + v ⊙ (B (m ⊙ h)) in place over `chunks_per_prog` chunks of 2·HB columns of one
     projection. A chunk's columns are HB pairs (j, j + g/2) of RoAd groups of g (without rotation: the chunk's two
@@ -331,7 +357,7 @@ def expand_rows_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr,
         _ptr(tab_ptr, srow + F_O2, tl.float32)
     c, v = _ptr(tab_ptr, srow + F_C, tl.float32), _ptr(tab_ptr, srow + F_V, tl.float32)
     # The first rank step's h is loaded once (ranks <= BR need no other); larger ranks reload theirs per chunk.
-    h0 = _h_row(h_ptr, m, flags, start, 0, rank, hoff, num_tokens, h_width, SPLIT_K, BR)
+    h0 = _h_row(h_ptr, m, flags, start, 0, rank, hoff, num_tokens, h_width, SPLIT_K, BR, ONCE_ABOVE)
     # Two copies of the chunk loop: columns from a runtime group size have no known contiguity (Triton would
     # then move them one element at a time); plain halves keep 16-byte accesses.
     if rot > 0:
@@ -339,19 +365,20 @@ def expand_rows_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr,
             q = chunk * HB + tl.arange(0, HB)
             col_a = (q // (rot // 2)) * rot + q % (rot // 2)
             _expand_chunk(z_row, col_a, col_a + rot // 2, n_out, h0, h_ptr, b_ptr, ldb, start, rank, hoff, num_tokens,
-                          h_width, flags, m, o, o2, c, v, SPLIT_K, BR)
+                          h_width, flags, m, o, o2, c, v, SPLIT_K, BR, ONCE_ABOVE)
     else:
         for chunk in range(c_lo, c_hi):
             col_a = chunk * 2 * HB + tl.arange(0, HB)
             _expand_chunk(z_row, col_a, col_a + HB, n_out, h0, h_ptr, b_ptr, ldb, start, rank, hoff, num_tokens,
-                          h_width, flags, m, o, o2, c, v, SPLIT_K, BR)
+                          h_width, flags, m, o, o2, c, v, SPLIT_K, BR, ONCE_ABOVE)
 
 
 @triton.jit
 def expand_tiles_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr,
                         tile_start_ptr, tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2,
                         multi_tiles_ptr, num_multi_ptr, target_items, P: tl.constexpr, SPLIT_K: tl.constexpr,
-                        BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr):
+                        BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr,
+                        ONCE_ABOVE: tl.constexpr):
     """The tiles of several tokens (prefill, a popular adapter, a shared VeRA group): the semantics of
     `expand_rows_kernel` for all of a tile's rows at once, on tensor cores, reading each B block once for all of
     them, over rank steps of BR. Persistent: a fixed number of programs walks the items (multi-token tile, a run
@@ -382,13 +409,13 @@ def expand_tiles_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr
             c_lo = prog * chunks_per_item
             c_hi = tl.minimum(c_lo + chunks_per_item, tl.cdiv(n_out, 2 * HB))
             _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, num_slots, start, end, c_lo,
-                         c_hi, grow, num_tokens, h_width, SPLIT_K, BM, BR, HB, PREC)
+                         c_hi, grow, num_tokens, h_width, SPLIT_K, BM, BR, HB, PREC, ONCE_ABOVE)
 
 
 @triton.jit
 def _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, num_slots, start, end, c_lo, c_hi,
                  grow, num_tokens, h_width, SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
-                 HB: tl.constexpr, PREC: tl.constexpr):
+                 HB: tl.constexpr, PREC: tl.constexpr, ONCE_ABOVE: tl.constexpr):
     """One item of `expand_tiles_kernel`: chunks [c_lo, c_hi) of a multi-token tile."""
     rank = tl.load(tab_ptr + grow + F_RANK).to(tl.int32)
     hoff = tl.load(tab_ptr + grow + F_BHOFF).to(tl.int32)
@@ -404,7 +431,7 @@ def _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, 
     o2, o2_live = _ptr(tab_ptr, srow + F_O2, tl.float32), (flags & HAS_O2) != 0
     c, c_live = _ptr(tab_ptr, srow + F_C, tl.float32), (flags & HAS_C) != 0
     v, v_live = _ptr(tab_ptr, srow + F_V, tl.float32), (flags & HAS_V) != 0
-    h0 = _h_tile(h_ptr, m, m_live, pos, row_ok, 0, rank, hoff, num_tokens, h_width, SPLIT_K, BR)
+    h0 = _h_tile(h_ptr, m, m_live, pos, row_ok, 0, rank, hoff, num_tokens, h_width, SPLIT_K, BR, ONCE_ABOVE)
     z_rows = z_ptr + tok.to(tl.int64) * n_out
     if rot > 0:  # two copies, as in expand_rows_kernel
         for chunk in range(c_lo, c_hi):
@@ -412,10 +439,10 @@ def _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, 
             col_a = (q // (rot // 2)) * rot + q % (rot // 2)
             _expand_tile_chunk(z_rows, col_a, col_a + rot // 2, row_ok, n_out, h0, h_ptr, b_ptr, ldb, pos, rank,
                                hoff, num_tokens, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live,
-                               SPLIT_K, BR, PREC)
+                               SPLIT_K, BR, PREC, ONCE_ABOVE)
     else:
         for chunk in range(c_lo, c_hi):
             col_a = chunk * 2 * HB + tl.arange(0, HB)
             _expand_tile_chunk(z_rows, col_a, col_a + HB, row_ok, n_out, h0, h_ptr, b_ptr, ldb, pos, rank,
                                hoff, num_tokens, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live,
-                               SPLIT_K, BR, PREC)
+                               SPLIT_K, BR, PREC, ONCE_ABOVE)

@@ -131,6 +131,7 @@ def shrink_(h: Tensor, x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group:
     Semantics:
         Σ_s h[s, i, hoff_{p,g} : hoff_{p,g} + r_{p,g}] = A_{p,g} x[sorted_idx[i]]     for each tile's rows i (group g)
     (the rank-space scale m is applied by the expand; rows of base tokens and unused columns are not written).
+    A group wider than ROW_BLOCK_R has the sum in h[0] instead (its partials summed once, in split order).
 
     Shapes: h [split_k, T, h_width] float32, indexed by *sorted* position; x [T, in], table (see
     `input_transform`), sorted_idx [T], tile_* [NT] int32 (`LoraMeta`); max_rank ≥ every rank in the table
@@ -142,15 +143,30 @@ def shrink_(h: Tensor, x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group:
         return
     k_per_split = triton_cdiv(triton_cdiv(in_features, split_k), block_k) * block_k
     rt = rank_tiles(max_rank)
-    _kernels().shrink_kernel[(tile_group.shape[0], split_k * rt, num_proj)](
-        x, h, table, sorted_idx, tile_group, tile_start, tile_end, num_tokens, in_features, table.shape[1],
-        h_width, k_per_split, RT=rt, BM=BLOCK_M, BR=block_r(max_rank), BK=block_k, PREC=_precision(x),
-        num_warps=SHRINK_WARPS, num_stages=SHRINK_STAGES)
+    grid = (tile_group.shape[0], split_k * rt, num_proj)
+    _kernels().shrink_kernel[grid](
+        x, h, arrival_counters(x.device, grid[0] * rt * num_proj), table, sorted_idx, tile_group, tile_start,
+        tile_end, num_tokens, in_features, table.shape[1], h_width, k_per_split, SPLIT_K=split_k, RT=rt, BM=BLOCK_M,
+        BR=block_r(max_rank), BK=block_k, PREC=_precision(x), ONCE_ABOVE=ROW_BLOCK_R, num_warps=SHRINK_WARPS,
+        num_stages=SHRINK_STAGES)
 
 
 @shrink_.register_fake
 def _(h, x, table, sorted_idx, tile_group, tile_start, tile_end, num_proj, max_rank, block_k):
     return None
+
+
+_COUNTERS: dict[torch.device, list[Tensor]] = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> Tensor:
+    """At least `n` int32 zeros the shrink's split programs count their arrivals in: each counter is reset by its
+    last arrival, so one buffer per device serves every call (all shrinks of a device run in order on its side
+    stream). A larger call gets a larger buffer; the smaller ones are kept, since captured graphs hold them."""
+    bufs = _COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 def _precision(x: Tensor) -> str:
@@ -165,6 +181,7 @@ def expand_(zs: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, so
 
     Semantics (token t with slot a ≥ 0, projection p, group g of a; z = zs[p][t] before the call):
         zs[p][t] ← o ⊙ z + o2 ⊙ rot_g(z) + c + v ⊙ (B_{p,g} (m ⊙ Σ_s h[s, i, hoff : hoff + r]))
+    (h[0] alone for a group of rank r > ROW_BLOCK_R, see `shrink_`)
     with empty slots as identity / zero, computed in float32 and stored in z's dtype; rows of base tokens
     (slot −1) are not touched. Reference: `scute.ops.reference.epilogue_ref`.
 
@@ -182,12 +199,12 @@ def expand_(zs: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, so
             num_tokens, table.shape[1], h.shape[2], *outs)
     progs = sum(triton_cdiv(n, 2 * half_n * chunks_per_prog) for n in outs)
     _kernels().expand_rows_kernel[(tile_group.shape[0], progs)](
-        *args, chunks_per_prog, P=len(zs), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=ROW_BLOCK_R, HB=half_n,
+        *args, chunks_per_prog, P=len(zs), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=ROW_BLOCK_R, HB=half_n, ONCE_ABOVE=ROW_BLOCK_R,
         num_warps=EXPAND_WARPS, num_stages=EXPAND_STAGES)
     if num_tokens > 1:  # a shape, not data: fixed for a captured graph
         _kernels().expand_tiles_kernel[(persistent_programs(zs[0].device),)](
             *args, multi_tiles, num_multi, TILE_ITEMS_PER_PROGRAM * persistent_programs(zs[0].device), P=len(zs),
-            SPLIT_K=h.shape[0], BM=BLOCK_M, BR=block_r(max_rank), HB=tile_half_n, PREC=_precision(zs[0]), num_warps=TILE_WARPS, num_stages=TILE_STAGES)
+            SPLIT_K=h.shape[0], BM=BLOCK_M, BR=block_r(max_rank), HB=tile_half_n, ONCE_ABOVE=ROW_BLOCK_R, PREC=_precision(zs[0]), num_warps=TILE_WARPS, num_stages=TILE_STAGES)
 
 
 @expand_.register_fake
@@ -239,7 +256,8 @@ _SIDE: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The device's side stream for the shrink (one per device); None off the GPU."""
+    """The device's side stream for the shrink (one per device, so that every shrink of a device runs in order:
+    they share the arrival counters); None off the GPU."""
     if device.type != "cuda":
         return None
     if device not in _SIDE:
