@@ -66,7 +66,7 @@ def main() -> None:
         rows.append((f"expand rows HB={hb} warps={warps}",
                      compile_stats(kernels.expand_rows_kernel, EXPAND_ARGS, cst, warps)))
     for hb, br, warps, stages in [(128, 16, 4, 1), (32, 64, 4, 1), (64, 64, 4, 1), (64, 64, 8, 2), (128, 16, 8, 1)]:
-        cst = dict(P=3, SPLIT_K=4, BM=16, BR=br, HB=hb, PREC="tf32", ONCE_ABOVE=16)
+        cst = dict(P=3, BM=16, BR=br, HB=hb, PREC="tf32")
         rows.append((f"expand tiles HB={hb} BR={br} w={warps} st={stages}",
                      compile_stats(kernels.expand_tiles_kernel, tile_args, cst, warps, stages)))
     for bk, stages in [(128, 3), (64, 2)]:

@@ -12,8 +12,8 @@ compiles to its own register count (at decode, the programs an SM holds are what
 product with a block of B rows is a multiply-sum along each row's contiguous rank values, in fp32, over rank steps
 of 16; its slot vectors are contiguous loads through one pointer each); `expand_tiles_kernel` runs a tile of
 several tokens as a tensor-core product (h split in two 16-bit parts: about 16 mantissa bits), reading each B
-block once for all of them. The expands sum the shrink's K-split partials of h as they read them, except for
-groups wider than one rank step, whose partials the shrink sums once.
+block once for all of them. The shrink's K-split partials of h are summed by the one-token expand as it reads
+them, or once by the shrink for multi-token tiles and groups wider than one rank step (see `shrink_kernel`).
 """
 
 from __future__ import annotations
@@ -110,12 +110,13 @@ def shrink_kernel(x_ptr, h_ptr, count_ptr, tab_ptr, sorted_ptr, tile_group_ptr, 
     """Program (tile, split x rank tile, projection p): h[split, rows, hoff + r] = x[rows, K_split] @
     A_p[r, K_split]ᵀ for the BR rank rows r of its rank tile (programs past the group's rank return at once).
 
-    A group of rank > ONCE_ABOVE (several rank steps of the expands, which would re-read every partial for each
-    chunk of columns) has its partials summed once, in split order, into split 0 by the last of its SPLIT_K
-    programs to arrive (an arrival counter per (tile, rank tile, projection), reset by that program). Narrower
-    groups leave the partials to the expands, which sum them as they read h: measured on the H200, reducing
-    every group once cost LoRA r=16 at B=64/64 23 µs per layer (each split's tail waits on an atomic) and halved
-    VeRA r=256's time."""
+    A tile of several tokens, or of a group of rank > ONCE_ABOVE (several rank steps, each re-reading h for every
+    chunk of columns), has its partials summed once, in split order, into split 0 by the last of its SPLIT_K
+    programs to arrive (an arrival counter per (tile, rank tile, projection), reset by that program). Other
+    tiles (one token, one rank step: most tiles at decode) leave them to the one-token expand, which sums them as
+    it reads h. Measured on the H200: summing every tile once cost LoRA r=16 at B=64/64 23 µs per layer (each
+    split's tail waits on an atomic); summing none doubled VeRA r=256 at B=64 (the multi-token expand re-read the
+    partials per chunk and spilled registers for them)."""
     tile, pid, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     split, r0 = pid // RT, (pid % RT) * BR
     g = tl.load(tile_group_ptr + tile)
@@ -127,7 +128,8 @@ def shrink_kernel(x_ptr, h_ptr, count_ptr, tab_ptr, sorted_ptr, tile_group_ptr, 
         return
     a_ptr = _ptr(tab_ptr, row + F_A, x_ptr.dtype.element_ty)
     hoff = tl.load(tab_ptr + row + F_AHOFF).to(tl.int32)
-    pos = tl.load(tile_start_ptr + tile) + tl.arange(0, BM)
+    pos0 = tl.load(tile_start_ptr + tile)
+    pos = pos0 + tl.arange(0, BM)
     row_ok = pos < tl.load(tile_end_ptr + tile)
     x_rows = x_ptr + tl.load(sorted_ptr + pos, mask=row_ok, other=0).to(tl.int64) * in_features
     r = r0 + tl.arange(0, BR)
@@ -145,7 +147,7 @@ def shrink_kernel(x_ptr, h_ptr, count_ptr, tab_ptr, sorted_ptr, tile_group_ptr, 
     h_rows = h_ptr + (split * num_tokens + pos).to(tl.int64) * h_width + hoff
     tl.store(h_rows[:, None] + r[None, :], acc, mask=mask)
     if SPLIT_K > 1:
-        if rank > ONCE_ABOVE:
+        if (rank > ONCE_ABOVE) | (tl.load(tile_end_ptr + tile) - pos0 > 1):
             tl.debug_barrier()  # every thread's partial is written before the arrival is counted (release below)
             counter = count_ptr + (tile * RT + pid % RT) * tl.num_programs(2) + p
             if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:  # the last split to arrive sums
@@ -235,16 +237,12 @@ def _vec_rows(base, live, cols, mask, other):
 
 
 @triton.jit
-def _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, num_tokens, h_width, SPLIT_K: tl.constexpr,
-            BR: tl.constexpr, ONCE_ABOVE: tl.constexpr):
-    """m ⊙ h of the tile's rows for rank rows [r0, r0 + BR) (zero past the rank): the SPLIT_K partials in one 3-D
-    load, summed (split 0 alone for a group of rank > ONCE_ABOVE, as in `_h_row`)."""
+def _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, h_width, BR: tl.constexpr):
+    """m ⊙ h of the tile's rows for rank rows [r0, r0 + BR) (zero past the rank), from split 0 (the shrink sums a
+    multi-token tile's partials there)."""
     r = r0 + tl.arange(0, BR)
     mask = row_ok[:, None] & (r < rank)[None, :]
-    s = tl.arange(0, SPLIT_K)
-    rows = (s[:, None] * num_tokens + pos[None, :]).to(tl.int64) * h_width + hoff
-    live = (s < tl.where(rank > ONCE_ABOVE, 1, SPLIT_K))[:, None, None] & mask[None, :, :]
-    h = tl.sum(tl.load(h_ptr + rows[:, :, None] + r[None, None, :], mask=live, other=0.0), axis=0)
+    h = tl.load(h_ptr + pos.to(tl.int64)[:, None] * h_width + hoff + r[None, :], mask=mask, other=0.0)
     return h * _vec_rows(m, m_live, r, mask, 1.0)
 
 
@@ -270,9 +268,9 @@ def _epilogue_rows(z, partner, sign, delta, cols, mask, o, o_live, o2, o2_live, 
 
 
 @triton.jit
-def _expand_tile_chunk(z_rows, col_a, col_b, row_ok, n_out, h0, h_ptr, b_ptr, ldb, pos, rank, hoff, num_tokens,
-                       h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live, SPLIT_K: tl.constexpr,
-                       BR: tl.constexpr, PREC: tl.constexpr, ONCE_ABOVE: tl.constexpr):
+def _expand_tile_chunk(z_rows, col_a, col_b, row_ok, n_out, h0, h_ptr, b_ptr, ldb, pos, rank, hoff, h_width,
+                       m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live, BR: tl.constexpr,
+                       PREC: tl.constexpr):
     """`_expand_chunk` for all rows of a tile at once (several tokens share each B block: tensor cores)."""
     mask_a = row_ok[:, None] & (col_a < n_out)[None, :]
     mask_b = row_ok[:, None] & (col_b < n_out)[None, :]
@@ -284,7 +282,7 @@ def _expand_tile_chunk(z_rows, col_a, col_b, row_ok, n_out, h0, h_ptr, b_ptr, ld
         d_a = _tile_delta(h0, b_ptr, ldb, 0, n_out, col_a, BR, PREC)
         d_b = _tile_delta(h0, b_ptr, ldb, 0, n_out, col_b, BR, PREC)
         for r0 in range(BR, rank, BR):
-            h = _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, num_tokens, h_width, SPLIT_K, BR, ONCE_ABOVE)
+            h = _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, h_width, BR)
             d_a += _tile_delta(h, b_ptr, ldb, r0, n_out, col_a, BR, PREC)
             d_b += _tile_delta(h, b_ptr, ldb, r0, n_out, col_b, BR, PREC)
     y_a = _epilogue_rows(z_a, z_b, -1.0, d_a, col_a, mask_a, o, o_live, o2, o2_live, c, c_live, v, v_live)
@@ -376,9 +374,8 @@ def expand_rows_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr,
 @triton.jit
 def expand_tiles_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr,
                         tile_start_ptr, tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2,
-                        multi_tiles_ptr, num_multi_ptr, target_items, P: tl.constexpr, SPLIT_K: tl.constexpr,
-                        BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr,
-                        ONCE_ABOVE: tl.constexpr):
+                        multi_tiles_ptr, num_multi_ptr, target_items, P: tl.constexpr, BM: tl.constexpr,
+                        BR: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr):
     """The tiles of several tokens (prefill, a popular adapter, a shared VeRA group): the semantics of
     `expand_rows_kernel` for all of a tile's rows at once, on tensor cores, reading each B block once for all of
     them, over rank steps of BR. Persistent: a fixed number of programs walks the items (multi-token tile, a run
@@ -409,13 +406,12 @@ def expand_tiles_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr
             c_lo = prog * chunks_per_item
             c_hi = tl.minimum(c_lo + chunks_per_item, tl.cdiv(n_out, 2 * HB))
             _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, num_slots, start, end, c_lo,
-                         c_hi, grow, num_tokens, h_width, SPLIT_K, BM, BR, HB, PREC, ONCE_ABOVE)
+                         c_hi, grow, h_width, BM, BR, HB, PREC)
 
 
 @triton.jit
 def _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, num_slots, start, end, c_lo, c_hi,
-                 grow, num_tokens, h_width, SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
-                 HB: tl.constexpr, PREC: tl.constexpr, ONCE_ABOVE: tl.constexpr):
+                 grow, h_width, BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr):
     """One item of `expand_tiles_kernel`: chunks [c_lo, c_hi) of a multi-token tile."""
     rank = tl.load(tab_ptr + grow + F_RANK).to(tl.int32)
     hoff = tl.load(tab_ptr + grow + F_BHOFF).to(tl.int32)
@@ -431,18 +427,16 @@ def _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, 
     o2, o2_live = _ptr(tab_ptr, srow + F_O2, tl.float32), (flags & HAS_O2) != 0
     c, c_live = _ptr(tab_ptr, srow + F_C, tl.float32), (flags & HAS_C) != 0
     v, v_live = _ptr(tab_ptr, srow + F_V, tl.float32), (flags & HAS_V) != 0
-    h0 = _h_tile(h_ptr, m, m_live, pos, row_ok, 0, rank, hoff, num_tokens, h_width, SPLIT_K, BR, ONCE_ABOVE)
+    h0 = _h_tile(h_ptr, m, m_live, pos, row_ok, 0, rank, hoff, h_width, BR)
     z_rows = z_ptr + tok.to(tl.int64) * n_out
     if rot > 0:  # two copies, as in expand_rows_kernel
         for chunk in range(c_lo, c_hi):
             q = chunk * HB + tl.arange(0, HB)
             col_a = (q // (rot // 2)) * rot + q % (rot // 2)
             _expand_tile_chunk(z_rows, col_a, col_a + rot // 2, row_ok, n_out, h0, h_ptr, b_ptr, ldb, pos, rank,
-                               hoff, num_tokens, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live,
-                               SPLIT_K, BR, PREC, ONCE_ABOVE)
+                               hoff, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live, BR, PREC)
     else:
         for chunk in range(c_lo, c_hi):
             col_a = chunk * 2 * HB + tl.arange(0, HB)
             _expand_tile_chunk(z_rows, col_a, col_a + HB, row_ok, n_out, h0, h_ptr, b_ptr, ldb, pos, rank,
-                               hoff, num_tokens, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live,
-                               SPLIT_K, BR, PREC, ONCE_ABOVE)
+                               hoff, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live, BR, PREC)

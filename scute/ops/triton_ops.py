@@ -131,7 +131,7 @@ def shrink_(h: Tensor, x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group:
     Semantics:
         Σ_s h[s, i, hoff_{p,g} : hoff_{p,g} + r_{p,g}] = A_{p,g} x[sorted_idx[i]]     for each tile's rows i (group g)
     (the rank-space scale m is applied by the expand; rows of base tokens and unused columns are not written).
-    A group wider than ROW_BLOCK_R has the sum in h[0] instead (its partials summed once, in split order).
+    Multi-token tiles and groups wider than ROW_BLOCK_R have the sum in h[0] instead (summed once, in split order).
 
     Shapes: h [split_k, T, h_width] float32, indexed by *sorted* position; x [T, in], table (see
     `input_transform`), sorted_idx [T], tile_* [NT] int32 (`LoraMeta`); max_rank ≥ every rank in the table
@@ -181,7 +181,7 @@ def expand_(zs: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, so
 
     Semantics (token t with slot a ≥ 0, projection p, group g of a; z = zs[p][t] before the call):
         zs[p][t] ← o ⊙ z + o2 ⊙ rot_g(z) + c + v ⊙ (B_{p,g} (m ⊙ Σ_s h[s, i, hoff : hoff + r]))
-    (h[0] alone for a group of rank r > ROW_BLOCK_R, see `shrink_`)
+    (h[0] alone for multi-token tiles and groups of rank r > ROW_BLOCK_R, see `shrink_`)
     with empty slots as identity / zero, computed in float32 and stored in z's dtype; rows of base tokens
     (slot −1) are not touched. Reference: `scute.ops.reference.epilogue_ref`.
 
@@ -204,7 +204,8 @@ def expand_(zs: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, so
     if num_tokens > 1:  # a shape, not data: fixed for a captured graph
         _kernels().expand_tiles_kernel[(persistent_programs(zs[0].device),)](
             *args, multi_tiles, num_multi, TILE_ITEMS_PER_PROGRAM * persistent_programs(zs[0].device), P=len(zs),
-            SPLIT_K=h.shape[0], BM=BLOCK_M, BR=block_r(max_rank), HB=tile_half_n, ONCE_ABOVE=ROW_BLOCK_R, PREC=_precision(zs[0]), num_warps=TILE_WARPS, num_stages=TILE_STAGES)
+            BM=BLOCK_M, BR=block_r(max_rank), HB=tile_half_n, PREC=_precision(zs[0]), num_warps=TILE_WARPS,
+            num_stages=TILE_STAGES)
 
 
 @expand_.register_fake
