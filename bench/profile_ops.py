@@ -1,5 +1,6 @@
 """Per-kernel GPU time of one grouped layer call (torch profiler), and the compiled kernels' registers/spills,
-under a few launch configurations: where the six-slot op's time goes. Run: ``PYTHONPATH=. python bench/profile_ops.py``.
+under a few launch configurations: where the six-slot op's time goes (a sum of kernel times: the side stream's
+kernels overlap the GEMMs, so it is more than the layer's time). Run: ``PYTHONPATH=. python bench/profile_ops.py``.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ from scute.ops import build_lora_meta, scute_linears_triton, triton_ops  # noqa:
 CONFIGS = {
     "default": {},
     "split1": dict(MAX_SPLIT_K=1),
-    "rows64": dict(HALF_N=64),
-    "rows64w1": dict(HALF_N=64, EXPAND_WARPS=1),
     "tiles8w": dict(TILE_WARPS=8),
 }
 
@@ -41,7 +40,8 @@ def kernel_times(fn, iters: int = 10) -> dict:
 def compiled_stats() -> list[str]:
     lines = []
     k = triton_ops._kernels()
-    for name in ("input_transform_kernel", "shrink_kernel", "expand_rows_kernel", "expand_tiles_kernel"):
+    for name in ("input_transform_kernel", "shrink_kernel", "delta_rows_kernel", "delta_tiles_kernel",
+                 "epilogue_kernel"):
         fn = getattr(k, name)
         for dev, caches in getattr(fn, "device_caches", {}).items():
             for key, ck in caches[0].items():

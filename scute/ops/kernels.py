@@ -5,15 +5,15 @@ to run compiled or in the interpreter (``TRITON_INTERPRET=1``). Table layout and
 
 A tile is up to BLOCK_M = 16 tokens of one adapter group (at decode: one token). The shrink is a tile GEMM on
 tensor cores (`tl.dot` of x and A in their own dtype: exact products, fp32 sums; fp32 inputs in IEEE fp32, no
-tf32) over the grid (tile, K split x rank tile, projection); masked rows move no bytes. The expand is two
-launches over the grid (tile, column range), each program returning at once on the other's tiles, so that each
-compiles to its own register count (at decode, the programs an SM holds are what hides their load latency):
-`expand_rows_kernel` runs a one-token tile (most tiles at decode) as a row, whose h is a rank-length vector (its
-product with a block of B rows is a multiply-sum along each row's contiguous rank values, in fp32, over rank steps
-of 16; its slot vectors are contiguous loads through one pointer each); `expand_tiles_kernel` runs a tile of
-several tokens as a tensor-core product (h split in two 16-bit parts: about 16 mantissa bits), reading each B
-block once for all of them. The shrink's K-split partials of h are summed by the one-token expand as it reads
-them, or once by the shrink for multi-token tiles and groups wider than one rank step (see `shrink_kernel`).
+tf32) over the grid (tile, K split x rank tile, projection); masked rows move no bytes. The delta d = B (m ⊙ h)
+is two launches, each compiled to its own register count (at decode, the programs an SM holds are what hides
+their load latency): `delta_rows_kernel` runs a one-token tile (most tiles at decode) as a row, whose h is a
+rank-length vector (its product with a block of B rows is a multiply-sum along each row's contiguous rank values,
+in fp32, over rank steps of 16); `delta_tiles_kernel` runs a tile of several tokens as a tensor-core product (h
+split in two 16-bit parts: about 16 mantissa bits), reading each B block once for all of them. The shrink's
+K-split partials of h are summed by the row kernel as it reads them, or once by the shrink for multi-token tiles
+and groups wider than one rank step (see `shrink_kernel`). None of these reads the base output, so they run
+beside the base GEMM; `epilogue_kernel` then applies o ⊙ z + o2 ⊙ rot(z) + c + v ⊙ d to each adapter token.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def shrink_kernel(x_ptr, h_ptr, count_ptr, tab_ptr, sorted_ptr, tile_group_ptr, 
                 tl.atomic_xchg(counter, 0)  # ready for the next call
 
 
-# ---------------------------------------------------------------------------------------------- expand
+# ---------------------------------------------------------------------------------------------- delta
 @triton.jit
 def _has(flags, bit: tl.constexpr, like):
     """(flags & bit) != 0 as a mask shaped like `like` (Triton's interpreter rejects a scalar bool in a mask)."""
@@ -195,55 +195,13 @@ def _row_delta(h, b_ptr, ldb, r0, n_out, cols, BR: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(z, partner, sign, delta, cols, mask, flags, o, o2, c, v):
-    """o ⊙ z + o2 ⊙ rot(z) + c + v ⊙ delta, in the reference's order (rot(z) = sign · partner); each vector given
-    by its slot's pointer and a bit of `flags` (a dead vector moves no bytes). o2's term is a where, not a
-    multiply by 0: an inf in the partner column must not turn a plain token's output into NaN."""
-    y = tl.load(o + cols, mask=mask & _has(flags, HAS_O, cols), other=1.0) * z
-    o2_live = _has(flags, HAS_O2, cols)
-    y += tl.where(o2_live, tl.load(o2 + cols, mask=mask & o2_live, other=0.0) * (sign * partner), 0.0)
-    y += tl.load(c + cols, mask=mask & _has(flags, HAS_C, cols), other=0.0)
-    return y + tl.load(v + cols, mask=mask & _has(flags, HAS_V, cols), other=1.0) * delta
-
-
-@triton.jit
-def _expand_chunk(z_row, col_a, col_b, n_out, h0, h_ptr, b_ptr, ldb, i, rank, hoff, num_tokens, h_width,
-                  flags, m, o, o2, c, v, SPLIT_K: tl.constexpr, BR: tl.constexpr,
-                  ONCE_ABOVE: tl.constexpr):
-    """One token's chunk: columns col_a and their rotation partners col_b (see `expand_rows_kernel`)."""
-    mask_a = col_a < n_out
-    mask_b = col_b < n_out
-    z_a = tl.load(z_row + col_a, mask=mask_a, other=0.0).to(tl.float32)
-    z_b = tl.load(z_row + col_b, mask=mask_b, other=0.0).to(tl.float32)
-    d_a = tl.zeros(z_a.shape, dtype=tl.float32)
-    d_b = tl.zeros(z_b.shape, dtype=tl.float32)
-    if rank > 0:
-        d_a = _row_delta(h0, b_ptr, ldb, 0, n_out, col_a, BR)
-        d_b = _row_delta(h0, b_ptr, ldb, 0, n_out, col_b, BR)
-        for r0 in range(BR, rank, BR):
-            h = _h_row(h_ptr, m, flags, i, r0, rank, hoff, num_tokens, h_width, SPLIT_K, BR, ONCE_ABOVE)
-            d_a += _row_delta(h, b_ptr, ldb, r0, n_out, col_a, BR)
-            d_b += _row_delta(h, b_ptr, ldb, r0, n_out, col_b, BR)
-    y_a = _epilogue(z_a, z_b, -1.0, d_a, col_a, mask_a, flags, o, o2, c, v)
-    y_b = _epilogue(z_b, z_a, 1.0, d_b, col_b, mask_b, flags, o, o2, c, v)
-    tl.store(z_row + col_a, y_a.to(z_row.dtype.element_ty), mask=mask_a)
-    tl.store(z_row + col_b, y_b.to(z_row.dtype.element_ty), mask=mask_b)
-
-
-@triton.jit
-def _vec_rows(base, live, cols, mask, other):
-    """Per-row gather of a slot vector at `cols` ([BM, N]); `other` where the row's slot lacks it."""
-    return tl.load(base[:, None] + cols[None, :], mask=mask & live[:, None], other=other)
-
-
-@triton.jit
 def _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, h_width, BR: tl.constexpr):
     """m ⊙ h of the tile's rows for rank rows [r0, r0 + BR) (zero past the rank), from split 0 (the shrink sums a
     multi-token tile's partials there)."""
     r = r0 + tl.arange(0, BR)
     mask = row_ok[:, None] & (r < rank)[None, :]
     h = tl.load(h_ptr + pos.to(tl.int64)[:, None] * h_width + hoff + r[None, :], mask=mask, other=0.0)
-    return h * _vec_rows(m, m_live, r, mask, 1.0)
+    return h * tl.load(m[:, None] + r[None, :], mask=mask & m_live[:, None], other=1.0)
 
 
 @triton.jit
@@ -259,63 +217,144 @@ def _tile_delta(h, b_ptr, ldb, r0, n_out, cols, BR: tl.constexpr, PREC: tl.const
 
 
 @triton.jit
-def _epilogue_rows(z, partner, sign, delta, cols, mask, o, o_live, o2, o2_live, c, c_live, v, v_live):
-    """`_epilogue` for a tile of rows, each with its own slot vectors (base pointers and liveness per row)."""
-    y = _vec_rows(o, o_live, cols, mask, 1.0) * z
-    y += tl.where(o2_live[:, None], _vec_rows(o2, o2_live, cols, mask, 0.0) * (sign * partner), 0.0)
-    y += _vec_rows(c, c_live, cols, mask, 0.0)
-    return y + _vec_rows(v, v_live, cols, mask, 1.0) * delta
-
-
-@triton.jit
-def _expand_tile_chunk(z_rows, col_a, col_b, row_ok, n_out, h0, h_ptr, b_ptr, ldb, pos, rank, hoff, h_width,
-                       m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live, BR: tl.constexpr,
-                       PREC: tl.constexpr):
-    """`_expand_chunk` for all rows of a tile at once (several tokens share each B block: tensor cores)."""
-    mask_a = row_ok[:, None] & (col_a < n_out)[None, :]
-    mask_b = row_ok[:, None] & (col_b < n_out)[None, :]
-    z_a = tl.load(z_rows[:, None] + col_a[None, :], mask=mask_a, other=0.0).to(tl.float32)
-    z_b = tl.load(z_rows[:, None] + col_b[None, :], mask=mask_b, other=0.0).to(tl.float32)
-    d_a = tl.zeros(z_a.shape, dtype=tl.float32)
-    d_b = tl.zeros(z_b.shape, dtype=tl.float32)
-    if rank > 0:
-        d_a = _tile_delta(h0, b_ptr, ldb, 0, n_out, col_a, BR, PREC)
-        d_b = _tile_delta(h0, b_ptr, ldb, 0, n_out, col_b, BR, PREC)
-        for r0 in range(BR, rank, BR):
-            h = _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, h_width, BR)
-            d_a += _tile_delta(h, b_ptr, ldb, r0, n_out, col_a, BR, PREC)
-            d_b += _tile_delta(h, b_ptr, ldb, r0, n_out, col_b, BR, PREC)
-    y_a = _epilogue_rows(z_a, z_b, -1.0, d_a, col_a, mask_a, o, o_live, o2, o2_live, c, c_live, v, v_live)
-    y_b = _epilogue_rows(z_b, z_a, 1.0, d_b, col_b, mask_b, o, o_live, o2, o2_live, c, c_live, v, v_live)
-    tl.store(z_rows[:, None] + col_a[None, :], y_a.to(z_rows.dtype.element_ty), mask=mask_a)
-    tl.store(z_rows[:, None] + col_b[None, :], y_b.to(z_rows.dtype.element_ty), mask=mask_b)
-
-
-@triton.jit
-def _group_of_program(z0_ptr, z1_ptr, z2_ptr, out0, out1, out2, tab_ptr, tile_group_ptr, tile_start_ptr,
-                      tile_end_ptr, tile, pid_n, num_slots, cols_per_prog, BM: tl.constexpr, P: tl.constexpr):
-    """Which tile, projection and column program this is: (g, start, end, z_ptr, n_out, prog, p, grow), g < 0 if
-    the program has nothing to do (an unused tile, or a group that does not touch this projection's output).
-
-    One launch serves P projections: programs of projection 0, then 1, then 2. Runtime values in every branch
-    (pid_n * 0, not 0): both sides of a runtime `if` must have one type."""
-    g = tl.load(tile_group_ptr + tile)  # −1: an unused tile (the grid is sized for the worst case, fixed for graphs)
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.minimum(start + BM, tl.load(tile_end_ptr + tile))
-    z_ptr, n_out, prog, p = z0_ptr, out0 + pid_n * 0, pid_n, pid_n * 0
+def _proj_of_program(pid_n, out0, out1, out2, cols_per_prog, P: tl.constexpr):
+    """Which projection a column program serves, and its index there: (p, prog, n_out). One launch serves P
+    projections: programs of projection 0, then 1, then 2 (runtime values in every branch: pid_n * 0, not 0,
+    since both sides of a runtime `if` must have one type)."""
+    p, prog, n_out = pid_n * 0, pid_n, out0 + pid_n * 0
     progs0 = tl.cdiv(out0, cols_per_prog)
     progs1 = tl.cdiv(out1, cols_per_prog)
     if P > 1:
         if pid_n >= progs0:
-            z_ptr, n_out, prog, p = z1_ptr, out1 + pid_n * 0, pid_n - progs0, pid_n * 0 + 1
+            p, prog, n_out = pid_n * 0 + 1, pid_n - progs0, out1 + pid_n * 0
     if P > 2:
         if pid_n >= progs0 + progs1:
-            z_ptr, n_out, prog, p = z2_ptr, out2 + pid_n * 0, pid_n - progs0 - progs1, pid_n * 0 + 2
+            p, prog, n_out = pid_n * 0 + 2, pid_n - progs0 - progs1, out2 + pid_n * 0
+    return p, prog, n_out
+
+
+@triton.jit
+def _pick(p, x0, x1, x2, P: tl.constexpr):
+    """x0, x1 or x2 by projection p."""
+    x = x0
+    if P > 1:
+        if p == 1:
+            x = x1
+    if P > 2:
+        if p == 2:
+            x = x2
+    return x
+
+
+@triton.jit
+def _group_of_program(tab_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr, tile, p, num_slots, BM: tl.constexpr):
+    """The tile's group, its rows [start, end) and the group's table row for projection p; g < 0 if there is
+    nothing to do (an unused tile, or a group without a low-rank part in this projection)."""
+    g = tl.load(tile_group_ptr + tile)  # −1: an unused tile (the grid is sized for the worst case, fixed for graphs)
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.minimum(start + BM, tl.load(tile_end_ptr + tile))
     grow = (p * num_slots + tl.maximum(g, 0)) * NF
     if g >= 0:
-        if tl.load(tab_ptr + grow + F_ACTIVE) == 0:  # no member of the group touches this projection's output
+        if tl.load(tab_ptr + grow + F_RANK) == 0:
             g = g * 0 - 1
-    return g, start, end, z_ptr, n_out, prog, p, grow
+    return g, start, end, grow
+
+
+@triton.jit
+def delta_rows_kernel(d0_ptr, d1_ptr, d2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr,
+                      tile_start_ptr, tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2,
+                      chunks_per_prog, P: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
+                      BN: tl.constexpr, ONCE_ABOVE: tl.constexpr):
+    """Program (tile, n-range) of a one-token tile (most tiles at decode; `delta_tiles_kernel` takes the others):
+    d[t, cols] = B (m ⊙ h) over `chunks_per_prog` chunks of BN columns of one projection. The token's h is a
+    rank-length vector; its product with a block of B rows is a multiply-sum along each row's contiguous rank
+    values in fp32, over rank steps of BR, so a wide rank elsewhere in the pool costs this token nothing."""
+    tile, pid_n = tl.program_id(0), tl.program_id(1)
+    p, prog, n_out = _proj_of_program(pid_n, out0, out1, out2, chunks_per_prog * BN, P)
+    g, start, end, grow = _group_of_program(tab_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr, tile, p,
+                                            num_slots, BM)
+    if g < 0 or end - start != 1:
+        return
+    d_ptr = _pick(p, d0_ptr, d1_ptr, d2_ptr, P)
+    rank = tl.load(tab_ptr + grow + F_RANK).to(tl.int32)
+    hoff = tl.load(tab_ptr + grow + F_BHOFF).to(tl.int32)
+    b_ptr, ldb = _b_of_group(tab_ptr, grow, d0_ptr.dtype.element_ty)
+    d_row = d_ptr + tl.load(sorted_ptr + start).to(tl.int64) * n_out
+    srow = (p * num_slots + tl.load(sorted_slots_ptr + start)) * NF
+    flags = tl.load(tab_ptr + srow + F_FLAGS)
+    m = _ptr(tab_ptr, srow + F_M, tl.float32)
+    # The first rank step's h is loaded once (ranks <= BR need no other); larger ranks reload theirs per chunk.
+    h0 = _h_row(h_ptr, m, flags, start, 0, rank, hoff, num_tokens, h_width, SPLIT_K, BR, ONCE_ABOVE)
+    c_lo = prog * chunks_per_prog
+    for chunk in range(c_lo, tl.minimum(c_lo + chunks_per_prog, tl.cdiv(n_out, BN))):
+        cols = chunk * BN + tl.arange(0, BN)
+        d = _row_delta(h0, b_ptr, ldb, 0, n_out, cols, BR)
+        for r0 in range(BR, rank, BR):
+            h = _h_row(h_ptr, m, flags, start, r0, rank, hoff, num_tokens, h_width, SPLIT_K, BR, ONCE_ABOVE)
+            d += _row_delta(h, b_ptr, ldb, r0, n_out, cols, BR)
+        tl.store(d_row + cols, d.to(d_row.dtype.element_ty), mask=cols < n_out)
+
+
+@triton.jit
+def delta_tiles_kernel(d0_ptr, d1_ptr, d2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr,
+                       tile_start_ptr, tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2,
+                       multi_tiles_ptr, num_multi_ptr, target_items, P: tl.constexpr, BM: tl.constexpr,
+                       BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    """The tiles of several tokens (prefill, a popular adapter, a shared VeRA group): the semantics of
+    `delta_rows_kernel` for all of a tile's rows at once, on tensor cores, reading each B block once for all of
+    them, over rank steps of BR. Persistent: a fixed number of programs walks the items (multi-token tile, a run
+    of chunks of BN columns of one projection) of this step (`LoraMeta.multi_tiles`), so a step without any
+    (most decode steps) costs one short launch, not a grid of programs that all return. An item's setup (its rows,
+    slots, m, first h) is paid once for its chunks; the run length is set here, from this step's number of
+    multi-token tiles, to give about `target_items` items (a few per program)."""
+    num_multi = tl.load(num_multi_ptr)
+    chunks = tl.cdiv(out0, BN)
+    if P > 1:
+        chunks += tl.cdiv(out1, BN)
+    if P > 2:
+        chunks += tl.cdiv(out2, BN)
+    chunks_per_item = tl.maximum(tl.cdiv(num_multi * chunks, target_items), 1)
+    cols_per_item = chunks_per_item * BN
+    items = tl.cdiv(out0, cols_per_item)
+    if P > 1:
+        items += tl.cdiv(out1, cols_per_item)
+    if P > 2:
+        items += tl.cdiv(out2, cols_per_item)
+    for item in range(tl.program_id(0), num_multi * items, tl.num_programs(0)):
+        tile = tl.load(multi_tiles_ptr + item // items)
+        p, prog, n_out = _proj_of_program(item % items, out0, out1, out2, cols_per_item, P)
+        g, start, end, grow = _group_of_program(tab_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr, tile, p,
+                                                num_slots, BM)
+        if g >= 0:
+            c_lo = prog * chunks_per_item
+            _delta_tile(_pick(p, d0_ptr, d1_ptr, d2_ptr, P), n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p,
+                        num_slots, start, end, c_lo, tl.minimum(c_lo + chunks_per_item, tl.cdiv(n_out, BN)), grow,
+                        h_width, BM, BR, BN, PREC)
+
+
+@triton.jit
+def _delta_tile(d_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, num_slots, start, end, c_lo, c_hi,
+                grow, h_width, BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    """One item of `delta_tiles_kernel`: chunks [c_lo, c_hi) of a multi-token tile."""
+    rank = tl.load(tab_ptr + grow + F_RANK).to(tl.int32)
+    hoff = tl.load(tab_ptr + grow + F_BHOFF).to(tl.int32)
+    b_ptr, ldb = _b_of_group(tab_ptr, grow, d_ptr.dtype.element_ty)
+    pos = start + tl.arange(0, BM)
+    row_ok = pos < end
+    tok = tl.load(sorted_ptr + pos, mask=row_ok, other=0)
+    srow = (p * num_slots + tl.load(sorted_slots_ptr + pos, mask=row_ok, other=0)) * NF
+    m = _ptr(tab_ptr, srow + F_M, tl.float32)
+    m_live = (tl.load(tab_ptr + srow + F_FLAGS, mask=row_ok, other=0) & HAS_M) != 0
+    h0 = _h_tile(h_ptr, m, m_live, pos, row_ok, 0, rank, hoff, h_width, BR)
+    d_rows = d_ptr + tok.to(tl.int64) * n_out
+    for chunk in range(c_lo, c_hi):
+        cols = chunk * BN + tl.arange(0, BN)
+        d = _tile_delta(h0, b_ptr, ldb, 0, n_out, cols, BR, PREC)
+        for r0 in range(BR, rank, BR):
+            h = _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, h_width, BR)
+            d += _tile_delta(h, b_ptr, ldb, r0, n_out, cols, BR, PREC)
+        tl.store(d_rows[:, None] + cols[None, :], d.to(d_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (cols < n_out)[None, :])
 
 
 @triton.jit
@@ -324,119 +363,68 @@ def _b_of_group(tab_ptr, grow, ty: tl.constexpr):
     return _ptr(tab_ptr, grow + F_B, ty), tl.multiple_of(tl.load(tab_ptr + grow + F_BLD).to(tl.int32), 8)
 
 
+# ---------------------------------------------------------------------------------------------- epilogue
 @triton.jit
-def expand_rows_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr,
-                       tile_start_ptr, tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2,
-                       chunks_per_prog, P: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
-                       HB: tl.constexpr, ONCE_ABOVE: tl.constexpr):
-    """Program (tile, n-range) of a one-token tile (most tiles at decode; `expand_tiles_kernel` takes the others):
-    z[t, cols] ← epilogue(z) + v ⊙ (B (m ⊙ h)) in place over `chunks_per_prog` chunks of 2·HB columns of one
-    projection. A chunk's columns are HB pairs (j, j + g/2) of RoAd groups of g (without rotation: the chunk's two
-    contiguous halves), so rot_g(z) only reads columns the program owns: in place is safe. The token's h is a
-    rank-length vector; its product with a block of B rows is a multiply-sum along each row's contiguous rank
-    values in fp32, over rank steps of BR, so a wide rank elsewhere in the pool costs this token nothing; slot
-    vectors are read through one pointer each."""
-    tile, pid_n = tl.program_id(0), tl.program_id(1)
-    g, start, end, z_ptr, n_out, prog, p, grow = _group_of_program(
-        z0_ptr, z1_ptr, z2_ptr, out0, out1, out2, tab_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr, tile, pid_n,
-        num_slots, chunks_per_prog * 2 * HB, BM, P)
-    if g < 0 or end - start != 1:
+def _epilogue(z, partner, sign, delta, cols, mask, flags, o, o2, c, v):
+    """o ⊙ z + o2 ⊙ rot(z) + c + v ⊙ delta, in the reference's order (rot(z) = sign · partner); each vector given
+    by its slot's pointer and a bit of `flags` (a dead vector moves no bytes). o2's term is a where, not a
+    multiply by 0: an inf in the partner column must not turn a plain token's output into NaN."""
+    y = tl.load(o + cols, mask=mask & _has(flags, HAS_O, cols), other=1.0) * z
+    o2_live = _has(flags, HAS_O2, cols)
+    y += tl.where(o2_live, tl.load(o2 + cols, mask=mask & o2_live, other=0.0) * (sign * partner), 0.0)
+    y += tl.load(c + cols, mask=mask & _has(flags, HAS_C, cols), other=0.0)
+    return y + tl.load(v + cols, mask=mask & _has(flags, HAS_V, cols), other=1.0) * delta
+
+
+@triton.jit
+def _epilogue_chunk(z_row, d_row, col_a, col_b, n_out, rank, flags, o, o2, c, v):
+    """One token's chunk: columns col_a and their rotation partners col_b (see `epilogue_kernel`)."""
+    mask_a = col_a < n_out
+    mask_b = col_b < n_out
+    z_a = tl.load(z_row + col_a, mask=mask_a, other=0.0).to(tl.float32)
+    z_b = tl.load(z_row + col_b, mask=mask_b, other=0.0).to(tl.float32)
+    d_a = tl.load(d_row + col_a, mask=mask_a & (rank + col_a * 0 > 0), other=0.0).to(tl.float32)
+    d_b = tl.load(d_row + col_b, mask=mask_b & (rank + col_b * 0 > 0), other=0.0).to(tl.float32)
+    y_a = _epilogue(z_a, z_b, -1.0, d_a, col_a, mask_a, flags, o, o2, c, v)
+    y_b = _epilogue(z_b, z_a, 1.0, d_b, col_b, mask_b, flags, o, o2, c, v)
+    tl.store(z_row + col_a, y_a.to(z_row.dtype.element_ty), mask=mask_a)
+    tl.store(z_row + col_b, y_b.to(z_row.dtype.element_ty), mask=mask_b)
+
+
+@triton.jit
+def epilogue_kernel(z0_ptr, z1_ptr, z2_ptr, d0_ptr, d1_ptr, d2_ptr, tab_ptr, slots_ptr, slot_group_ptr, num_slots,
+                    out0, out1, out2, chunks_per_prog, P: tl.constexpr, HB: tl.constexpr):
+    """Program (token t, n-range): z[t, cols] ← o ⊙ z + o2 ⊙ rot_g(z) + c + v ⊙ d[t, cols] in place, over
+    `chunks_per_prog` chunks of 2·HB columns of one projection (d read only if the token's group has a low-rank
+    part there). A chunk's columns are HB pairs (j, j + g/2) of RoAd groups of g (without rotation: the chunk's
+    two contiguous halves), so rot_g(z) only reads columns the program owns: in place is safe. Base tokens and
+    tokens of slots with nothing to apply return at once."""
+    t, pid_n = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slots_ptr + t)
+    if slot < 0:
         return
-    rank = tl.load(tab_ptr + grow + F_RANK).to(tl.int32)
-    hoff = tl.load(tab_ptr + grow + F_BHOFF).to(tl.int32)
+    p, prog, n_out = _proj_of_program(pid_n, out0, out1, out2, chunks_per_prog * 2 * HB, P)
+    srow = (p * num_slots + slot) * NF
+    grow = (p * num_slots + tl.load(slot_group_ptr + slot)) * NF
+    flags = tl.load(tab_ptr + srow + F_FLAGS)
+    rank = tl.load(tab_ptr + grow + F_RANK)
+    if ((flags & (HAS_O | HAS_O2 | HAS_C)) == 0) & (rank == 0):
+        return
     rot = tl.load(tab_ptr + grow + F_ROT).to(tl.int32)
-    b_ptr, ldb = _b_of_group(tab_ptr, grow, z0_ptr.dtype.element_ty)
+    z_row = _pick(p, z0_ptr, z1_ptr, z2_ptr, P) + t.to(tl.int64) * n_out
+    d_row = _pick(p, d0_ptr, d1_ptr, d2_ptr, P) + t.to(tl.int64) * n_out
+    o, o2 = _ptr(tab_ptr, srow + F_O, tl.float32), _ptr(tab_ptr, srow + F_O2, tl.float32)
+    c, v = _ptr(tab_ptr, srow + F_C, tl.float32), _ptr(tab_ptr, srow + F_V, tl.float32)
     c_lo = prog * chunks_per_prog
     c_hi = tl.minimum(c_lo + chunks_per_prog, tl.cdiv(n_out, 2 * HB))
-    z_row = z_ptr + tl.load(sorted_ptr + start).to(tl.int64) * n_out
-    srow = (p * num_slots + tl.load(sorted_slots_ptr + start)) * NF
-    flags = tl.load(tab_ptr + srow + F_FLAGS)
-    m, o, o2 = _ptr(tab_ptr, srow + F_M, tl.float32), _ptr(tab_ptr, srow + F_O, tl.float32), \
-        _ptr(tab_ptr, srow + F_O2, tl.float32)
-    c, v = _ptr(tab_ptr, srow + F_C, tl.float32), _ptr(tab_ptr, srow + F_V, tl.float32)
-    # The first rank step's h is loaded once (ranks <= BR need no other); larger ranks reload theirs per chunk.
-    h0 = _h_row(h_ptr, m, flags, start, 0, rank, hoff, num_tokens, h_width, SPLIT_K, BR, ONCE_ABOVE)
     # Two copies of the chunk loop: columns from a runtime group size have no known contiguity (Triton would
     # then move them one element at a time); plain halves keep 16-byte accesses.
     if rot > 0:
         for chunk in range(c_lo, c_hi):
             q = chunk * HB + tl.arange(0, HB)
             col_a = (q // (rot // 2)) * rot + q % (rot // 2)
-            _expand_chunk(z_row, col_a, col_a + rot // 2, n_out, h0, h_ptr, b_ptr, ldb, start, rank, hoff, num_tokens,
-                          h_width, flags, m, o, o2, c, v, SPLIT_K, BR, ONCE_ABOVE)
+            _epilogue_chunk(z_row, d_row, col_a, col_a + rot // 2, n_out, rank, flags, o, o2, c, v)
     else:
         for chunk in range(c_lo, c_hi):
             col_a = chunk * 2 * HB + tl.arange(0, HB)
-            _expand_chunk(z_row, col_a, col_a + HB, n_out, h0, h_ptr, b_ptr, ldb, start, rank, hoff, num_tokens,
-                          h_width, flags, m, o, o2, c, v, SPLIT_K, BR, ONCE_ABOVE)
-
-
-@triton.jit
-def expand_tiles_kernel(z0_ptr, z1_ptr, z2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr,
-                        tile_start_ptr, tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2,
-                        multi_tiles_ptr, num_multi_ptr, target_items, P: tl.constexpr, BM: tl.constexpr,
-                        BR: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr):
-    """The tiles of several tokens (prefill, a popular adapter, a shared VeRA group): the semantics of
-    `expand_rows_kernel` for all of a tile's rows at once, on tensor cores, reading each B block once for all of
-    them, over rank steps of BR. Persistent: a fixed number of programs walks the items (multi-token tile, a run
-    of chunks of 2·HB columns of one projection) of this step (`LoraMeta.multi_tiles`), so a step without any
-    (most decode steps) costs one short launch, not a grid of programs that all return. An item's setup (its rows,
-    slots, vector pointers, first h) is paid once for its chunks; the run length is set here, from this step's
-    number of multi-token tiles, to give about `target_items` items (a few per program): long runs for a prefill
-    of many tiles, single chunks (the most parallelism) for a few."""
-    num_multi = tl.load(num_multi_ptr)
-    chunks = tl.cdiv(out0, 2 * HB)
-    if P > 1:
-        chunks += tl.cdiv(out1, 2 * HB)
-    if P > 2:
-        chunks += tl.cdiv(out2, 2 * HB)
-    chunks_per_item = tl.maximum(tl.cdiv(num_multi * chunks, target_items), 1)
-    cols = chunks_per_item * 2 * HB
-    items = tl.cdiv(out0, cols)
-    if P > 1:
-        items += tl.cdiv(out1, cols)
-    if P > 2:
-        items += tl.cdiv(out2, cols)
-    for item in range(tl.program_id(0), num_multi * items, tl.num_programs(0)):
-        tile = tl.load(multi_tiles_ptr + item // items)
-        g, start, end, z_ptr, n_out, prog, p, grow = _group_of_program(
-            z0_ptr, z1_ptr, z2_ptr, out0, out1, out2, tab_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr, tile,
-            item % items, num_slots, cols, BM, P)
-        if g >= 0:
-            c_lo = prog * chunks_per_item
-            c_hi = tl.minimum(c_lo + chunks_per_item, tl.cdiv(n_out, 2 * HB))
-            _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, num_slots, start, end, c_lo,
-                         c_hi, grow, h_width, BM, BR, HB, PREC)
-
-
-@triton.jit
-def _expand_tile(z_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, num_slots, start, end, c_lo, c_hi,
-                 grow, h_width, BM: tl.constexpr, BR: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr):
-    """One item of `expand_tiles_kernel`: chunks [c_lo, c_hi) of a multi-token tile."""
-    rank = tl.load(tab_ptr + grow + F_RANK).to(tl.int32)
-    hoff = tl.load(tab_ptr + grow + F_BHOFF).to(tl.int32)
-    rot = tl.load(tab_ptr + grow + F_ROT).to(tl.int32)
-    b_ptr, ldb = _b_of_group(tab_ptr, grow, z_ptr.dtype.element_ty)
-    pos = start + tl.arange(0, BM)
-    row_ok = pos < end
-    tok = tl.load(sorted_ptr + pos, mask=row_ok, other=0)
-    srow = (p * num_slots + tl.load(sorted_slots_ptr + pos, mask=row_ok, other=0)) * NF
-    flags = tl.load(tab_ptr + srow + F_FLAGS, mask=row_ok, other=0)
-    m, m_live = _ptr(tab_ptr, srow + F_M, tl.float32), (flags & HAS_M) != 0
-    o, o_live = _ptr(tab_ptr, srow + F_O, tl.float32), (flags & HAS_O) != 0
-    o2, o2_live = _ptr(tab_ptr, srow + F_O2, tl.float32), (flags & HAS_O2) != 0
-    c, c_live = _ptr(tab_ptr, srow + F_C, tl.float32), (flags & HAS_C) != 0
-    v, v_live = _ptr(tab_ptr, srow + F_V, tl.float32), (flags & HAS_V) != 0
-    h0 = _h_tile(h_ptr, m, m_live, pos, row_ok, 0, rank, hoff, h_width, BR)
-    z_rows = z_ptr + tok.to(tl.int64) * n_out
-    if rot > 0:  # two copies, as in expand_rows_kernel
-        for chunk in range(c_lo, c_hi):
-            q = chunk * HB + tl.arange(0, HB)
-            col_a = (q // (rot // 2)) * rot + q % (rot // 2)
-            _expand_tile_chunk(z_rows, col_a, col_a + rot // 2, row_ok, n_out, h0, h_ptr, b_ptr, ldb, pos, rank,
-                               hoff, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live, BR, PREC)
-    else:
-        for chunk in range(c_lo, c_hi):
-            col_a = chunk * 2 * HB + tl.arange(0, HB)
-            _expand_tile_chunk(z_rows, col_a, col_a + HB, row_ok, n_out, h0, h_ptr, b_ptr, ldb, pos, rank,
-                               hoff, h_width, m, m_live, o, o_live, o2, o2_live, c, c_live, v, v_live, BR, PREC)
+            _epilogue_chunk(z_row, d_row, col_a, col_a + HB, n_out, rank, flags, o, o2, c, v)

@@ -3,10 +3,11 @@
 One adapted layer call (``P`` projections sharing the input ``x``; ``P = 1`` for a `ScuteLinear`):
 
     x'_p = input_transform(x)                       only if some slot of the pool has T      (scute::input_transform)
-    h    = shrink(x)                                A x for every token's group, split over K (scute::shrink_),
-                                                    on a side stream, beside the base GEMMs
-    z_p  = F.linear(x'_p or x, W_p, b_p)            the base GEMM stays on cuBLAS
-    z_p ← expand(z_p, h)                            o ⊙ z + o2 ⊙ rot_g(z) + c + v ⊙ (B (m ⊙ h)), in place (scute::expand_)
+    h    = shrink(x)                                A x for every token's group, split over K (scute::shrink_)
+    d_p  = B_p (m ⊙ h)                              each adapter token's low-rank delta      (scute::lora_delta_)
+    z_p  = F.linear(x'_p or x, W_p, b_p)            the base GEMM stays on cuBLAS; on the GPU the two lines
+                                                    above run beside it, on a side stream
+    z_p ← o ⊙ z_p + o2 ⊙ rot_g(z_p) + c + v ⊙ d_p    in place                                 (scute::epilogue_)
 
 Tokens whose slot is −1 are never read or written by the kernels after the GEMM: their rows are exactly
 ``F.linear(x, W, b)``. Every launch has a fixed grid (sized by the number of tokens and slots, not by the data)
@@ -42,6 +43,7 @@ TARGET_EXPAND_PROGRAMS = 4096  # the one-token expand gives each program enough 
 # crossed them through shared memory and a barrier). Measured on the H200, LoRA B=64/64, one grouped layer:
 # 184 µs at 4 warps (HALF_N 128), 86 at 2, 60 at 1 warp (HALF_N 64; bench/results/profile_ops_h200.log).
 SHRINK_WARPS, EXPAND_WARPS, TILE_WARPS, SHRINK_STAGES, EXPAND_STAGES, TILE_STAGES = 4, 1, 4, 3, 1, 1
+EPILOGUE_WARPS = 1
 TILE_PROGRAMS_PER_SM = 2  # the multi-token expand is persistent: this many programs per SM walk its items...
 TILE_ITEMS_PER_PROGRAM = 4  # ...about this many each (an item's setup is a chain of ~6 dependent loads, so a
 # prefill of many tiles gives each item a run of chunks; a few tiles, one chunk per item)
@@ -173,44 +175,70 @@ def _precision(x: Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"  # 16-bit inputs: products are exact either way
 
 
-@torch.library.custom_op("scute::expand_", mutates_args=("zs",))
-def expand_(zs: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, sorted_idx: Tensor,
-            tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, multi_tiles: Tensor, num_multi: Tensor,
-            max_rank: int, half_n: int, chunks_per_prog: int, tile_half_n: int) -> None:
-    """Epilogue and low-rank delta, in place on each projection's base output.
+@torch.library.custom_op("scute::lora_delta_", mutates_args=("ds",))
+def lora_delta_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, sorted_idx: Tensor,
+                tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, multi_tiles: Tensor, num_multi: Tensor,
+                max_rank: int, half_n: int, chunks_per_prog: int, tile_half_n: int) -> None:
+    """Each adapter token's low-rank delta, for each projection of the pool.
+
+    Semantics (token t with slot a ≥ 0 at sorted position i, projection p, group g of a with rank r > 0):
+        ds[p][t] = B_{p,g} (m_a ⊙ Σ_s h[s, i, hoff : hoff + r])      (h[0] alone where the shrink summed: `shrink_`)
+    computed in float32 and stored in ds' dtype; rows of other tokens are not written.
+
+    Shapes: ds = P ≤ 3 tensors [T, out_p] (contiguous, one dtype), h from `shrink_`, sorted_slots [T] int32,
+    multi_tiles [NT], num_multi [1] (`LoraMeta`), the rest as in `shrink_`. Two launches: a program per (one-token
+    tile, `chunks_per_prog` chunks of 2·half_n columns of one projection), then a persistent walk of the
+    (multi-token tile, run of chunks of 2·tile_half_n columns) items.
+    """
+    num_tokens = ds[0].shape[0]
+    if num_tokens == 0:
+        return
+    outs = [d.shape[1] for d in ds] + [0] * (3 - len(ds))
+    args = (*ds, *[ds[0]] * (3 - len(ds)), h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end,
+            num_tokens, table.shape[1], h.shape[2], *outs)
+    progs = sum(triton_cdiv(n, 2 * half_n * chunks_per_prog) for n in outs)
+    _kernels().delta_rows_kernel[(tile_group.shape[0], progs)](
+        *args, chunks_per_prog, P=len(ds), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=ROW_BLOCK_R, BN=2 * half_n,
+        ONCE_ABOVE=ROW_BLOCK_R, num_warps=EXPAND_WARPS, num_stages=EXPAND_STAGES)
+    if num_tokens > 1:  # a shape, not data: fixed for a captured graph
+        _kernels().delta_tiles_kernel[(persistent_programs(ds[0].device),)](
+            *args, multi_tiles, num_multi, TILE_ITEMS_PER_PROGRAM * persistent_programs(ds[0].device), P=len(ds),
+            BM=BLOCK_M, BR=block_r(max_rank), BN=2 * tile_half_n, PREC=_precision(ds[0]), num_warps=TILE_WARPS,
+            num_stages=TILE_STAGES)
+
+
+@lora_delta_.register_fake
+def _(ds, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, multi_tiles, num_multi, max_rank,
+      half_n, chunks_per_prog, tile_half_n):
+    return None
+
+
+@torch.library.custom_op("scute::epilogue_", mutates_args=("zs",))
+def epilogue_(zs: list[Tensor], ds: list[Tensor], table: Tensor, token_slots: Tensor, slot_group: Tensor,
+              half_n: int, chunks_per_prog: int) -> None:
+    """The epilogue, in place on each projection's base output.
 
     Semantics (token t with slot a ≥ 0, projection p, group g of a; z = zs[p][t] before the call):
-        zs[p][t] ← o ⊙ z + o2 ⊙ rot_g(z) + c + v ⊙ (B_{p,g} (m ⊙ Σ_s h[s, i, hoff : hoff + r]))
-    (h[0] alone for multi-token tiles and groups of rank r > ROW_BLOCK_R, see `shrink_`)
+        zs[p][t] ← o ⊙ z + o2 ⊙ rot_g(z) + c + v ⊙ ds[p][t]       (ds[p][t] = 0 if g has no low-rank part in p)
     with empty slots as identity / zero, computed in float32 and stored in z's dtype; rows of base tokens
     (slot −1) are not touched. Reference: `scute.ops.reference.epilogue_ref`.
 
-    Shapes: zs = P ≤ 3 tensors [T, out_p] (contiguous, one dtype), h from `shrink` ([S, T, W] float32; with no
-    low-rank slot in the pool any [1, 1, 1] tensor), sorted_slots [T] int32, multi_tiles [NT], num_multi [1]
-    (`LoraMeta`), the rest as in `shrink`. Two launches: a program per (one-token tile, `chunks_per_prog` chunks
-    of 2·half_n columns of one projection), then a persistent walk of the (multi-token tile, run of chunks of
-    2·tile_half_n columns) items.
+    Shapes: zs, ds = P ≤ 3 tensors [T, out_p] each (contiguous, one dtype; ds from `lora_delta_`, any tensors of
+    those shapes if the pool has no low-rank slot), token_slots [T] int32, slot_group [M] int32
+    (`SlotPool.slot_group`). A program per (token, `chunks_per_prog` chunks of 2·half_n columns of one projection).
     """
     num_tokens = zs[0].shape[0]
     if num_tokens == 0:
         return
     outs = [z.shape[1] for z in zs] + [0] * (3 - len(zs))
-    args = (*zs, *[zs[0]] * (3 - len(zs)), h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end,
-            num_tokens, table.shape[1], h.shape[2], *outs)
     progs = sum(triton_cdiv(n, 2 * half_n * chunks_per_prog) for n in outs)
-    _kernels().expand_rows_kernel[(tile_group.shape[0], progs)](
-        *args, chunks_per_prog, P=len(zs), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=ROW_BLOCK_R, HB=half_n, ONCE_ABOVE=ROW_BLOCK_R,
-        num_warps=EXPAND_WARPS, num_stages=EXPAND_STAGES)
-    if num_tokens > 1:  # a shape, not data: fixed for a captured graph
-        _kernels().expand_tiles_kernel[(persistent_programs(zs[0].device),)](
-            *args, multi_tiles, num_multi, TILE_ITEMS_PER_PROGRAM * persistent_programs(zs[0].device), P=len(zs),
-            BM=BLOCK_M, BR=block_r(max_rank), HB=tile_half_n, PREC=_precision(zs[0]), num_warps=TILE_WARPS,
-            num_stages=TILE_STAGES)
+    _kernels().epilogue_kernel[(num_tokens, progs)](
+        *zs, *[zs[0]] * (3 - len(zs)), *ds, *[ds[0]] * (3 - len(ds)), table, token_slots, slot_group,
+        table.shape[1], *outs, chunks_per_prog, P=len(zs), HB=half_n, num_warps=EPILOGUE_WARPS)
 
 
-@expand_.register_fake
-def _(zs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, multi_tiles, num_multi, max_rank,
-      half_n, chunks_per_prog, tile_half_n):
+@epilogue_.register_fake
+def _(zs, ds, table, token_slots, slot_group, half_n, chunks_per_prog):
     return None
 
 
@@ -227,31 +255,32 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     xs = None
     if pool.has_input_transform:  # a pool property, not data: fixed for a captured graph (see pool.signature)
         xs = input_transform(x, pool.table, meta.token_slots, pool.num_proj, pool.block_b, pool.min_block)
-    h = x.new_empty((1, 1, 1), dtype=torch.float32)  # epilogue-only pools (IA3, RoAd): the expand reads no h
-    # The shrink reads only x: on the GPU it runs on a side stream, beside the base GEMMs (which rarely fill every
-    # SM at decode), and the expand waits for both. Its buffers are allocated here, on this stream, and used on
-    # the side stream only before the join (the caching allocator's rule for cross-stream use). Under
-    # torch.compile it runs in line.
+    if not pool.has_expand:
+        return [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
+    # The low-rank deltas read only x: on the GPU the shrink and the delta kernels run on a side stream, beside
+    # the base GEMMs (bandwidth-bound too, but they leave part of it, and SMs, unused), and the epilogue waits
+    # for both. Their buffers are allocated here, on this stream, and used on the side stream only before the
+    # join (the caching allocator's rule for cross-stream use). Under torch.compile they run in line.
+    ds = [x.new_empty((x.shape[0], w.shape[0])) for w in weights] if pool.has_lowrank else [x.new_empty((1, 1))]
     side = _side_stream(x.device) if pool.has_lowrank and not torch.compiler.is_compiling() else None
     if pool.has_lowrank:
         split_k = choose_split_k(x.shape[1], meta.tile_group.shape[0] * pool.num_proj, block_k)
         h = x.new_empty((split_k, x.shape[0], pool.h_width), dtype=torch.float32)
+        tile_half_n = max(16, (tile_half_n or TILE_HALF_N) * 32 // max(block_r(pool.max_rank), 32))
+        chunks = choose_chunks_per_prog(meta.tile_group.shape[0], pool.out_features, half_n)
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             shrink_(h, x, pool.table, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end,
                     pool.num_proj, pool.max_rank, block_k)
+            lora_delta_(ds, h, pool.table, meta.sorted_slots, meta.sorted_idx, meta.tile_group, meta.tile_start,
+                        meta.tile_end, meta.multi_tiles, meta.num_multi, pool.max_rank, half_n, chunks, tile_half_n)
     zs = [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
     if side is not None:
         torch.cuda.current_stream(x.device).wait_stream(side)
-    if not pool.has_expand:
-        return zs
-    tile_half_n = max(16, (tile_half_n or TILE_HALF_N) * 32 // max(block_r(pool.max_rank), 32))
-    chunks = choose_chunks_per_prog(meta.tile_group.shape[0], pool.out_features, half_n)
-    expand_(zs, h, pool.table, meta.sorted_slots, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end,
-            meta.multi_tiles, meta.num_multi, pool.max_rank, half_n, chunks, tile_half_n)
+    epilogue_(zs, ds, pool.table, meta.token_slots, pool.slot_group, half_n,
+              choose_chunks_per_prog(x.shape[0], pool.out_features, half_n))
     return zs
-
 
 _SIDE: dict[torch.device, torch.cuda.Stream] = {}
 
