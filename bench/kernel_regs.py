@@ -18,6 +18,7 @@ import tempfile
 from collections import Counter
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
 from scute.ops import kernels
@@ -25,15 +26,15 @@ from scute.ops import kernels
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 TARGET = GPUTarget("cuda", 90, 32)
 
-DELTA_ARGS = {"d0_ptr": "*bf16", "d1_ptr": "*bf16", "d2_ptr": "*bf16", "h_ptr": "*fp32", "tab_ptr": "*i64",
+DELTA_ARGS = {"d0_ptr": "*fp32", "d1_ptr": "*fp32", "d2_ptr": "*fp32", "h_ptr": "*fp32", "tab_ptr": "*i64",
                "sorted_slots_ptr": "*i32", "sorted_ptr": "*i32", "tile_group_ptr": "*i32", "tile_start_ptr": "*i32",
                "tile_end_ptr": "*i32", "num_tokens": "i32", "num_slots": "i32", "h_width": "i32", "out0": "i32",
                "out1": "i32", "out2": "i32", "chunks_per_prog": "i32"}
 SHRINK_ARGS = {"x_ptr": "*bf16", "h_ptr": "*fp32", "count_ptr": "*i32", "tab_ptr": "*i64",
                "sorted_ptr": "*i32", "tile_group_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "num_tokens": "i32", "in_features": "i32",
                "num_slots": "i32", "h_width": "i32", "k_per_split": "i32"}
-EPILOGUE_ARGS = {"z0_ptr": "*bf16", "z1_ptr": "*bf16", "z2_ptr": "*bf16", "d0_ptr": "*bf16", "d1_ptr": "*bf16",
-                 "d2_ptr": "*bf16", "tab_ptr": "*i64", "slots_ptr": "*i32", "slot_group_ptr": "*i32",
+EPILOGUE_ARGS = {"z0_ptr": "*bf16", "z1_ptr": "*bf16", "z2_ptr": "*bf16", "d0_ptr": "*fp32", "d1_ptr": "*fp32",
+                 "d2_ptr": "*fp32", "tab_ptr": "*i64", "slots_ptr": "*i32", "slot_group_ptr": "*i32",
                  "num_slots": "i32", "out0": "i32", "out1": "i32", "out2": "i32", "chunks_per_prog": "i32"}
 
 
@@ -65,11 +66,11 @@ def main() -> None:
     tile_args = {**{k: v for k, v in DELTA_ARGS.items() if k != "chunks_per_prog"}, "multi_tiles_ptr": "*i32",
                  "num_multi_ptr": "*i32", "target_items": "i32"}
     for hb, warps in [(128, 4), (64, 2), (64, 1), (128, 1)]:
-        cst = dict(P=3, SPLIT_K=4, BM=16, BR=16, BN=2 * hb, ONCE_ABOVE=16)
+        cst = dict(B_TY=tl.bfloat16, P=3, SPLIT_K=4, BM=16, BR=16, BN=2 * hb, ONCE_ABOVE=16)
         rows.append((f"delta rows BN={2 * hb} warps={warps}",
                      compile_stats(kernels.delta_rows_kernel, DELTA_ARGS, cst, warps)))
     for hb, br, warps, stages in [(128, 16, 4, 1), (64, 64, 4, 1), (32, 64, 4, 1), (128, 16, 8, 1)]:
-        cst = dict(P=3, BM=16, BR=br, BN=2 * hb, PREC="tf32")
+        cst = dict(B_TY=tl.bfloat16, P=3, BM=16, BR=br, BN=2 * hb, PREC="tf32")
         rows.append((f"delta tiles BN={2 * hb} BR={br} w={warps} st={stages}",
                      compile_stats(kernels.delta_tiles_kernel, tile_args, cst, warps, stages)))
     for hb, warps in [(64, 1), (128, 1), (256, 1), (256, 2)]:

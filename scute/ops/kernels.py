@@ -263,10 +263,10 @@ def _group_of_program(tab_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr, til
 @triton.jit
 def delta_rows_kernel(d0_ptr, d1_ptr, d2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr,
                       tile_start_ptr, tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2,
-                      chunks_per_prog, P: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
-                      BN: tl.constexpr, ONCE_ABOVE: tl.constexpr):
+                      chunks_per_prog, B_TY: tl.constexpr, P: tl.constexpr, SPLIT_K: tl.constexpr,
+                      BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, ONCE_ABOVE: tl.constexpr):
     """Program (tile, n-range) of a one-token tile (most tiles at decode; `delta_tiles_kernel` takes the others):
-    d[t, cols] = B (m ⊙ h) over `chunks_per_prog` chunks of BN columns of one projection. The token's h is a
+    d[t, cols] = B (m ⊙ h) (float32) over `chunks_per_prog` chunks of BN columns of one projection. The token's h is a
     rank-length vector; its product with a block of B rows is a multiply-sum along each row's contiguous rank
     values in fp32, over rank steps of BR, so a wide rank elsewhere in the pool costs this token nothing."""
     tile, pid_n = tl.program_id(0), tl.program_id(1)
@@ -278,7 +278,7 @@ def delta_rows_kernel(d0_ptr, d1_ptr, d2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, 
     d_ptr = _pick(p, d0_ptr, d1_ptr, d2_ptr, P)
     rank = tl.load(tab_ptr + grow + F_RANK).to(tl.int32)
     hoff = tl.load(tab_ptr + grow + F_BHOFF).to(tl.int32)
-    b_ptr, ldb = _b_of_group(tab_ptr, grow, d0_ptr.dtype.element_ty)
+    b_ptr, ldb = _b_of_group(tab_ptr, grow, B_TY)
     d_row = d_ptr + tl.load(sorted_ptr + start).to(tl.int64) * n_out
     srow = (p * num_slots + tl.load(sorted_slots_ptr + start)) * NF
     flags = tl.load(tab_ptr + srow + F_FLAGS)
@@ -292,14 +292,14 @@ def delta_rows_kernel(d0_ptr, d1_ptr, d2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, 
         for r0 in range(BR, rank, BR):
             h = _h_row(h_ptr, m, flags, start, r0, rank, hoff, num_tokens, h_width, SPLIT_K, BR, ONCE_ABOVE)
             d += _row_delta(h, b_ptr, ldb, r0, n_out, cols, BR)
-        tl.store(d_row + cols, d.to(d_row.dtype.element_ty), mask=cols < n_out)
+        tl.store(d_row + cols, d, mask=cols < n_out)
 
 
 @triton.jit
 def delta_tiles_kernel(d0_ptr, d1_ptr, d2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr,
                        tile_start_ptr, tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2,
-                       multi_tiles_ptr, num_multi_ptr, target_items, P: tl.constexpr, BM: tl.constexpr,
-                       BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+                       multi_tiles_ptr, num_multi_ptr, target_items, B_TY: tl.constexpr, P: tl.constexpr,
+                       BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
     """The tiles of several tokens (prefill, a popular adapter, a shared VeRA group): the semantics of
     `delta_rows_kernel` for all of a tile's rows at once, on tensor cores, reading each B block once for all of
     them, over rank steps of BR. Persistent: a fixed number of programs walks the items (multi-token tile, a run
@@ -329,16 +329,17 @@ def delta_tiles_kernel(d0_ptr, d1_ptr, d2_ptr, h_ptr, tab_ptr, sorted_slots_ptr,
             c_lo = prog * chunks_per_item
             _delta_tile(_pick(p, d0_ptr, d1_ptr, d2_ptr, P), n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p,
                         num_slots, start, end, c_lo, tl.minimum(c_lo + chunks_per_item, tl.cdiv(n_out, BN)), grow,
-                        h_width, BM, BR, BN, PREC)
+                        h_width, B_TY, BM, BR, BN, PREC)
 
 
 @triton.jit
 def _delta_tile(d_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, num_slots, start, end, c_lo, c_hi,
-                grow, h_width, BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+                grow, h_width, B_TY: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+                PREC: tl.constexpr):
     """One item of `delta_tiles_kernel`: chunks [c_lo, c_hi) of a multi-token tile."""
     rank = tl.load(tab_ptr + grow + F_RANK).to(tl.int32)
     hoff = tl.load(tab_ptr + grow + F_BHOFF).to(tl.int32)
-    b_ptr, ldb = _b_of_group(tab_ptr, grow, d_ptr.dtype.element_ty)
+    b_ptr, ldb = _b_of_group(tab_ptr, grow, B_TY)
     pos = start + tl.arange(0, BM)
     row_ok = pos < end
     tok = tl.load(sorted_ptr + pos, mask=row_ok, other=0)
@@ -353,8 +354,7 @@ def _delta_tile(d_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, n
         for r0 in range(BR, rank, BR):
             h = _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, h_width, BR)
             d += _tile_delta(h, b_ptr, ldb, r0, n_out, cols, BR, PREC)
-        tl.store(d_rows[:, None] + cols[None, :], d.to(d_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (cols < n_out)[None, :])
+        tl.store(d_rows[:, None] + cols[None, :], d, mask=row_ok[:, None] & (cols < n_out)[None, :])
 
 
 @triton.jit

@@ -171,6 +171,13 @@ def arrival_counters(device: torch.device, n: int) -> Tensor:
     return bufs[-1]
 
 
+def _tl_dtype(dtype: torch.dtype):
+    """The Triton dtype of a torch matrix dtype (a kernel constant: the pool table's pointers are untyped)."""
+    import triton.language as tl
+
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+
+
 def _precision(x: Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"  # 16-bit inputs: products are exact either way
 
@@ -178,14 +185,15 @@ def _precision(x: Tensor) -> str:
 @torch.library.custom_op("scute::lora_delta_", mutates_args=("ds",))
 def lora_delta_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, sorted_idx: Tensor,
                 tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, multi_tiles: Tensor, num_multi: Tensor,
-                max_rank: int, half_n: int, chunks_per_prog: int, tile_half_n: int) -> None:
+                max_rank: int, half_n: int, chunks_per_prog: int, tile_half_n: int, mat_dtype: torch.dtype) -> None:
     """Each adapter token's low-rank delta, for each projection of the pool.
 
     Semantics (token t with slot a ≥ 0 at sorted position i, projection p, group g of a with rank r > 0):
         ds[p][t] = B_{p,g} (m_a ⊙ Σ_s h[s, i, hoff : hoff + r])      (h[0] alone where the shrink summed: `shrink_`)
-    computed in float32 and stored in ds' dtype; rows of other tokens are not written.
+    computed and stored in float32 (in the model's dtype a delta much larger than the adapter's net effect,
+    e.g. DoRA's, would lose the effect's precision); rows of other tokens are not written.
 
-    Shapes: ds = P ≤ 3 tensors [T, out_p] (contiguous, one dtype), h from `shrink_`, sorted_slots [T] int32,
+    Shapes: ds = P ≤ 3 float32 tensors [T, out_p] (contiguous), mat_dtype the pool's matrix dtype, h from `shrink_`, sorted_slots [T] int32,
     multi_tiles [NT], num_multi [1] (`LoraMeta`), the rest as in `shrink_`. Two launches: a program per (one-token
     tile, `chunks_per_prog` chunks of 2·half_n columns of one projection), then a persistent walk of the
     (multi-token tile, run of chunks of 2·tile_half_n columns) items.
@@ -198,18 +206,19 @@ def lora_delta_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor
             num_tokens, table.shape[1], h.shape[2], *outs)
     progs = sum(triton_cdiv(n, 2 * half_n * chunks_per_prog) for n in outs)
     _kernels().delta_rows_kernel[(tile_group.shape[0], progs)](
-        *args, chunks_per_prog, P=len(ds), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=ROW_BLOCK_R, BN=2 * half_n,
+        *args, chunks_per_prog, B_TY=_tl_dtype(mat_dtype), P=len(ds), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=ROW_BLOCK_R, BN=2 * half_n,
         ONCE_ABOVE=ROW_BLOCK_R, num_warps=EXPAND_WARPS, num_stages=EXPAND_STAGES)
     if num_tokens > 1:  # a shape, not data: fixed for a captured graph
         _kernels().delta_tiles_kernel[(persistent_programs(ds[0].device),)](
-            *args, multi_tiles, num_multi, TILE_ITEMS_PER_PROGRAM * persistent_programs(ds[0].device), P=len(ds),
-            BM=BLOCK_M, BR=block_r(max_rank), BN=2 * tile_half_n, PREC=_precision(ds[0]), num_warps=TILE_WARPS,
+            *args, multi_tiles, num_multi, TILE_ITEMS_PER_PROGRAM * persistent_programs(ds[0].device),
+            B_TY=_tl_dtype(mat_dtype), P=len(ds), BM=BLOCK_M, BR=block_r(max_rank), BN=2 * tile_half_n,
+            PREC="ieee" if mat_dtype == torch.float32 else "tf32", num_warps=TILE_WARPS,
             num_stages=TILE_STAGES)
 
 
 @lora_delta_.register_fake
 def _(ds, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, multi_tiles, num_multi, max_rank,
-      half_n, chunks_per_prog, tile_half_n):
+      half_n, chunks_per_prog, tile_half_n, mat_dtype):
     return None
 
 
@@ -223,8 +232,8 @@ def epilogue_(zs: list[Tensor], ds: list[Tensor], table: Tensor, token_slots: Te
     with empty slots as identity / zero, computed in float32 and stored in z's dtype; rows of base tokens
     (slot −1) are not touched. Reference: `scute.ops.reference.epilogue_ref`.
 
-    Shapes: zs, ds = P ≤ 3 tensors [T, out_p] each (contiguous, one dtype; ds from `lora_delta_`, any tensors of
-    those shapes if the pool has no low-rank slot), token_slots [T] int32, slot_group [M] int32
+    Shapes: zs = P ≤ 3 tensors [T, out_p] (contiguous, one dtype), ds as many float32 tensors of the same shapes
+    (from `lora_delta_`; any, if the pool has no low-rank slot), token_slots [T] int32, slot_group [M] int32
     (`SlotPool.slot_group`). A program per (token, `chunks_per_prog` chunks of 2·half_n columns of one projection).
     """
     num_tokens = zs[0].shape[0]
@@ -261,7 +270,8 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     # the base GEMMs (bandwidth-bound too, but they leave part of it, and SMs, unused), and the epilogue waits
     # for both. Their buffers are allocated here, on this stream, and used on the side stream only before the
     # join (the caching allocator's rule for cross-stream use). Under torch.compile they run in line.
-    ds = [x.new_empty((x.shape[0], w.shape[0])) for w in weights] if pool.has_lowrank else [x.new_empty((1, 1))]
+    ds = [x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32) for w in weights] if pool.has_lowrank \
+        else [x.new_empty((1, 1), dtype=torch.float32)]
     side = _side_stream(x.device) if pool.has_lowrank and not torch.compiler.is_compiling() else None
     if pool.has_lowrank:
         split_k = choose_split_k(x.shape[1], meta.tile_group.shape[0] * pool.num_proj, block_k)
@@ -274,7 +284,8 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
             shrink_(h, x, pool.table, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end,
                     pool.num_proj, pool.max_rank, block_k)
             lora_delta_(ds, h, pool.table, meta.sorted_slots, meta.sorted_idx, meta.tile_group, meta.tile_start,
-                        meta.tile_end, meta.multi_tiles, meta.num_multi, pool.max_rank, half_n, chunks, tile_half_n)
+                        meta.tile_end, meta.multi_tiles, meta.num_multi, pool.max_rank, half_n, chunks, tile_half_n,
+                        pool.dtype)
     zs = [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
     if side is not None:
         torch.cuda.current_stream(x.device).wait_stream(side)
