@@ -11,7 +11,8 @@ layer's seven projections (launch gaps dominate at small batch; graphs shrink th
 The byte model (`scute.ops.cost`) predicts each row from the bytes it must move at the measured copy bandwidth,
 alone and plus one measured launch latency per kernel. No fitted parameters.
 
-Run: ``PYTHONPATH=. python bench/bench_ops.py --out results.json`` (``--sweep`` compares tile configs first).
+Run: ``PYTHONPATH=. python bench/bench_ops.py --out results.json`` (``--sweep`` compares tile configs first;
+``--repredict results.json`` re-scores a saved run with the current byte model, on the CPU).
 """
 
 from __future__ import annotations
@@ -216,17 +217,42 @@ def run_rows(layer: Layer, batches, counts, variants, cfg: dict, bw: float, lat:
                     print(f"B={batch} n={n} {variant}: ERROR {e!r}"[:300], flush=True)
                     continue
                 base_us = us if method == "base" else base_us
-                pred = predicted_bytes(layer, method, n, batch, grouping)
                 row = dict(batch=batch, adapters=n, variant=variant, us=us,
-                           delta_us=None if base_us is None or method == "base" else us - base_us,
-                           bytes=pred.total, adapter_bytes=pred.adapters, launches=pred.launches,
-                           pred_bytes_us=pred.seconds(bw) * 1e6, pred_us=pred.seconds(bw, lat) * 1e6)
+                           delta_us=None if base_us is None or method == "base" else us - base_us)
+                predict(layer, row, bw, lat)
                 if method in ("lora", "naive"):
                     floor = sum(lora_floor_bytes(16, i, o, min(n, batch)) for i, o in PROJ.values())
                     row["lora_floor_us"] = floor / bw * 1e6
                 rows.append(row)
                 print(fmt_row(row), flush=True)
     return rows
+
+
+def predict(layer: Layer, row: dict, bw: float, lat: float) -> None:
+    """Add the byte model's prediction of a measured row (bytes, launches, µs)."""
+    method, grouped = row["variant"].removesuffix("_grouped"), row["variant"].endswith("_grouped")
+    pred = predicted_bytes(layer, method, row["adapters"], row["batch"], GROUPED if grouped else SINGLE)
+    row.update(bytes=pred.total, adapter_bytes=pred.adapters, launches=pred.launches,
+               pred_bytes_us=pred.seconds(bw) * 1e6, pred_us=pred.seconds(bw, lat) * 1e6)
+
+
+def repredict(path: str) -> None:
+    """Re-score a saved run with the current byte model (its own measured bandwidth and launch latency), on the
+    CPU: the model needs the adapters' shapes, not a GPU."""
+    global DEVICE
+    DEVICE = "cpu"
+    with open(path) as f:
+        result = json.load(f)
+    layer = Layer()
+    for row in result["rows"]:
+        if "error" not in row:
+            predict(layer, row, result["bandwidth"], result["launch_latency"])
+    result["bars"] = bars(result["rows"])
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    for r in result["rows"]:
+        print(fmt_row(r))
+    print(json.dumps({k: v for k, v in result["bars"].items() if k != "mix_vs_lora"}, indent=1))
 
 
 def fmt_row(r: dict) -> str:
@@ -327,7 +353,11 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true",
                     help="first compare tile configs on a few rows and run the table with the best")
     ap.add_argument("--out", default="bench_ops.json")
+    ap.add_argument("--repredict", metavar="JSON",
+                    help="re-score a saved run with the current byte model (no GPU needed) and exit")
     args = ap.parse_args()
+    if args.repredict:
+        return repredict(args.repredict)
     t0 = time.time()
     bw, lat = measure_bandwidth(), measure_launch_latency()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth {bw / 1e12:.2f} TB/s, "

@@ -23,16 +23,16 @@ def test_base_only_call():
 
 def test_lora_adapters_read_once_each():
     """Two active LoRAs of 3 tokens: A and B of each once (not per token), the shrink's x read and split
-    partials of h, the expand's read-modify-write of z for the adapter tokens; GEMM + shrink + 2 expands."""
+    partials of h (written, read once), the float32 delta (written, read), the epilogue's read-modify-write of z
+    for the adapter tokens; GEMM + shrink + 2 deltas + epilogue."""
     slots = [[lora(0), lora(1), lora(2)]]
     tokens = [0, 1, 0, -1]
     cost = layer_call_bytes(slots, IN, [OUT], tokens, E)
     split = choose_split_k(IN, max_tiles(len(tokens), 3))
     assert cost.adapters == 2 * R * (IN + OUT) * E == lora_floor_bytes(R, IN, OUT, 2, E)
     assert cost.weights == OUT * IN * E
-    h_passes = 2 * split + 2 if split > 1 else 2  # partials written and summed once, then h written and read
-    assert cost.activations == 4 * (IN + OUT) * E + 3 * (IN * E + h_passes * R * 4) + 3 * 2 * OUT * E
-    assert cost.launches == 1 + 1 + 2
+    assert cost.activations == 4 * (IN + OUT) * E + 3 * (IN * E + 2 * split * R * 4 + 2 * OUT * 4) + 3 * 2 * OUT * E
+    assert cost.launches == 1 + 1 + 2 + 1
 
 
 def test_shared_vera_matrices_count_once():

@@ -264,7 +264,7 @@ def test_shared_matrix_read_once():
     meta = build_lora_meta(ts, pool.slot_group)
     groups = [g for g in meta.tile_group.tolist() if g >= 0]
     assert groups == sorted(groups) and set(groups) == {0, 2} and meta.num_tokens_per_slot[0] == 7
-    assert len(pool._cache) == 2 + 2 * 5 + 2  # one A and one Bᵀ copy of the pair; m, v per VeRA slot; LoRA A, Bᵀ
+    assert len(pool._cache) == 2 + 2 * 5 + 2  # the pair's A and B once; m, v per VeRA slot; LoRA A, B
 
 
 @pytest.mark.parametrize("popularity", POPULARITY)

@@ -22,7 +22,7 @@ from scute.ops import (
 from scute.ops.cpu import LowRankStack, scute_linear_cpu
 from scute.ops.reference import acc_dtype, slot_rows
 
-MAX_GROUP = 3  # projections per op call: the expand kernel serves at most 3
+MAX_GROUP = 3  # projections per op call: the delta and epilogue kernels serve at most 3
 
 
 class ScuteLinear(nn.Module):

@@ -6,8 +6,8 @@ A layer call (``P`` projections of one input, see `scute.ops.triton_ops`) moves,
 * adapters: each *active* group's live tensors once — A (once even when several projections or several adapters
   share it), B per projection, each active slot's vectors (``o, o2, c, v, m, t``, float32) and T blocks;
 * extra activation passes: the pre-pass (read x, write x' per projection), the shrink (read the adapter tokens'
-  x, write the split-K partials of h, sum them once into h), the expand (read h, read and write the adapter
-  tokens' rows of z).
+  x, write the split-K partials of h), the delta (read them once, write d in float32), the epilogue (read d,
+  read and write the adapter tokens' rows of z).
 
 Predicted time = bytes / bandwidth + launches × launch latency, with both constants *measured* on the machine
 (a device-to-device copy; a graph of empty kernels), never fitted to the results they predict.
@@ -69,12 +69,13 @@ def layer_call_bytes(slots: Sequence[Sequence[Slots | None]], in_features: int, 
         split = choose_split_k(in_features, max_tiles(n_tok, len(slots[0])) * n_proj)
         lowrank_tokens = sum(1 for s in token_slots if s in live and any(sl is not None and sl.A is not None
                                                                          for sl in live[s]))
-        cost.launches += 1
-        h_passes = 2 * split + 2 if split > 1 else 2  # partials written and summed once, then h written and read
-        cost.activations += lowrank_tokens * (in_features * elem + h_passes * width * 4)
+        cost.launches += 2 if n_tok == 1 else 3  # shrink, one-token delta, multi-token delta
+        h_passes = 2 * split  # each split's partial written, then read once (by the delta, or by the shrink's sum)
+        delta = 2 * sum(out_features) * 4  # the float32 delta written, then read by the epilogue
+        cost.activations += lowrank_tokens * (in_features * elem + h_passes * width * 4 + delta)
     expand = {s for s, col in live.items() if any(_needs_expand(sl) for sl in col)}
     if expand:
-        cost.launches += 1 if n_tok == 1 else 2  # one-token tiles, then multi-token tiles
+        cost.launches += 1  # the epilogue
         cost.activations += sum(1 for s in token_slots if s in expand) * sum(2 * o * elem for o in out_features)
     return cost
 

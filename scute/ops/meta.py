@@ -2,7 +2,7 @@
 
 Built once per step from ``token_adapter_slots`` and shared by every layer: tokens stably sorted by their
 slot's *group* (a slot is its own group unless several slots share VeRA-style matrices, see `scute.ops.pool`),
-tokens per group, start offsets, and the list of ``BLOCK_M``-token tiles the shrink and expand kernels run over.
+tokens per group, start offsets, and the list of ``BLOCK_M``-token tiles the shrink and delta kernels run over.
 Everything is computed on the device with fixed-size outputs: no host sync, no data-dependent Python branch, so
 the decode step can be captured in a CUDA graph (replaying it recomputes the metadata for the new slots).
 """
@@ -34,7 +34,7 @@ class LoraMeta:
     tile_group [NT], tile_start [NT], tile_end [NT]: tile j covers sorted positions
         ``[tile_start[j], min(tile_start[j] + BLOCK_M, tile_end[j]))`` of group ``tile_group[j]``; −1 = no tile.
     multi_tiles [NT], num_multi [1]: the tiles of two tokens or more, in order, then −1; how many there are
-        (the multi-token expand loops over exactly these: at decode usually none).
+        (the multi-token delta loops over exactly these: at decode usually none).
     """
 
     token_slots: Tensor

@@ -9,7 +9,7 @@ can be grouped so that one launch serves all of them) and ``num_slots`` adapter 
 * per-group fields (row = the group's representative slot): the low-rank matrices ``A [r, in]`` and
   ``B [out, r]`` (matrix dtype, contiguous; rows padded with zeros to ``ldb``, a multiple of 8, so the kernels
   read each column's rank values as 16-byte vectors: no copy when r is a multiple of 8), their rank, where their rank rows live in the kernels' ``h``
-  buffer, the RoAd group size and whether the group needs the expand at all.
+  buffer, the RoAd group size and whether the group needs the epilogue at all.
 
 A *group* is the unit of weight reuse: slots whose A and B are views of the same shared matrices (VeRA) form one
 group, so their tokens are sorted together and the shared matrices are read once per batch; every other slot is

@@ -29,22 +29,23 @@ from scute.ops.meta import BLOCK_M, LoraMeta
 from scute.ops.pool import SlotPool
 
 BLOCK_K = 128  # shrink K tile
-HALF_N = 64  # one-token tiles: expand chunk = 2·HALF_N output columns (HALF_N column pairs), rank steps of 16
+HALF_N = 128  # one-token delta chunk = 2·HALF_N output columns, rank steps of 16; the epilogue's chunk = HALF_N
+# column pairs
 TILE_HALF_N = 128  # multi-token tiles: chunk = 2·TILE_HALF_N columns at rank tile 16 or 32; a larger rank tile
-# narrows it (the Bᵀ block of a rank step stays 32 x 2·TILE_HALF_N elements)
+# narrows it (the B block of a rank step stays 2·TILE_HALF_N x 32 elements)
 ROW_BLOCK_R = 16  # rank step of one-token tiles, whatever the pool's largest rank
 MAX_BLOCK_R = 64  # rank tile: the pool's largest rank rounded up to a power of two in [16, 64]; larger ranks
-# get several rank tiles (the shrink's grid, the multi-token expand's loop)
+# get several rank tiles (the shrink's grid, the multi-token delta's loop)
 TARGET_PROGRAMS = 1024  # the shrink's split-K aims at this many programs (~8 per SM on an H200)...
-MAX_SPLIT_K = 16  # ...the expand sums the partials in one 3-D load of SPLIT_K x BLOCK_M x BLOCK_R
-TARGET_EXPAND_PROGRAMS = 4096  # the one-token expand gives each program enough chunks to bring its grid to this
-# Triton launch options (module constants: the bench tunes them).
-# The one-token expand runs one warp per program: its rank-axis sum then stays inside the warp (with 4 warps it
-# crossed them through shared memory and a barrier). Measured on the H200, LoRA B=64/64, one grouped layer:
-# 184 µs at 4 warps (HALF_N 128), 86 at 2, 60 at 1 warp (HALF_N 64; bench/results/profile_ops_h200.log).
-SHRINK_WARPS, EXPAND_WARPS, TILE_WARPS, SHRINK_STAGES, EXPAND_STAGES, TILE_STAGES = 4, 1, 4, 3, 1, 1
+MAX_SPLIT_K = 16  # ...whose partials are summed in one load of SPLIT_K x BLOCK_M x BLOCK_R
+TARGET_EXPAND_PROGRAMS = 4096  # the one-token delta and the epilogue give each program enough chunks to bring
+# their grid to this
+# Triton launch options (module constants: the bench tunes them). HALF_N 128 and 2 warps for the one-token delta
+# are what the sweep of bench/bench_ops.py picked on the H200 (LoRA B=64/64 78.6 µs vs 79.7 at 64 and 1 warp;
+# VeRA r=256 with one token is worse there, 129 vs 110: bench/results/bench_ops_h200.json).
+SHRINK_WARPS, EXPAND_WARPS, TILE_WARPS, SHRINK_STAGES, EXPAND_STAGES, TILE_STAGES = 4, 2, 4, 3, 1, 1
 EPILOGUE_WARPS = 1
-TILE_PROGRAMS_PER_SM = 2  # the multi-token expand is persistent: this many programs per SM walk its items...
+TILE_PROGRAMS_PER_SM = 2  # the multi-token delta is persistent: this many programs per SM walk its items...
 TILE_ITEMS_PER_PROGRAM = 4  # ...about this many each (an item's setup is a chain of ~6 dependent loads, so a
 # prefill of many tiles gives each item a run of chunks; a few tiles, one chunk per item)
 
@@ -70,12 +71,13 @@ def choose_split_k(in_features: int, programs: int, block_k: int = BLOCK_K) -> i
     tiles add programs of their own, and must not cut every other group's split): at decode one adapter's A is
     read by a handful of programs unless K is split. A power of two, fixed by the shapes."""
     want = min(max(1, TARGET_PROGRAMS // max(programs, 1)), MAX_SPLIT_K, triton_cdiv(in_features, block_k))
-    return 1 << (want.bit_length() - 1)  # a power of two: the expand sums the splits with one tl.arange
+    return 1 << (want.bit_length() - 1)  # a power of two: the splits are summed with one tl.arange
 
 
 def choose_chunks_per_prog(num_tiles: int, out_features: Sequence[int], half_n: int = HALF_N) -> int:
-    """Column chunks per program of the one-token expand: each program pays a setup (table, rows, h) of several
-    dependent loads, so it streams several chunks once the grid would exceed TARGET_EXPAND_PROGRAMS."""
+    """Column chunks per program of the one-token delta (`num_tiles` tiles) or of the epilogue (that many tokens):
+    each program pays a setup of several dependent loads, so it streams several chunks once the grid would exceed
+    TARGET_EXPAND_PROGRAMS."""
     chunks = sum(triton_cdiv(o, 2 * half_n) for o in out_features)
     return max(1, triton_cdiv(num_tiles * chunks, TARGET_EXPAND_PROGRAMS))
 
@@ -132,7 +134,7 @@ def shrink_(h: Tensor, x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group:
 
     Semantics:
         Σ_s h[s, i, hoff_{p,g} : hoff_{p,g} + r_{p,g}] = A_{p,g} x[sorted_idx[i]]     for each tile's rows i (group g)
-    (the rank-space scale m is applied by the expand; rows of base tokens and unused columns are not written).
+    (the rank-space scale m is applied by the delta; rows of base tokens and unused columns are not written).
     Multi-token tiles and groups wider than ROW_BLOCK_R have the sum in h[0] instead (summed once, in split order).
 
     Shapes: h [split_k, T, h_width] float32, indexed by *sorted* position; x [T, in], table (see
