@@ -8,8 +8,8 @@ can be grouped so that one launch serves all of them) and ``num_slots`` adapter 
   of ``t_blocks`` (the pool's matrix dtype);
 * per-group fields (row = the group's representative slot): the low-rank matrices ``A [r, in]`` and
   ``B [out, r]`` (matrix dtype, contiguous; rows padded with zeros to ``ldb``, a multiple of 8, so the kernels
-  read each column's rank values as 16-byte vectors: no copy when r is a multiple of 8), their rank, where their rank rows live in the kernels' ``h``
-  buffer, the RoAd group size and whether the group needs the epilogue at all.
+  read each column's rank values as 16-byte vectors: no copy when r is a multiple of 8), their rank, where their
+  rank rows live in the kernels' ``h`` buffer, and the RoAd group size.
 
 A *group* is the unit of weight reuse: slots whose A and B are views of the same shared matrices (VeRA) form one
 group, so their tokens are sorted together and the shared matrices are read once per batch; every other slot is
@@ -33,9 +33,9 @@ if TYPE_CHECKING:  # annotations only: scute.adapters imports scute.ops
     from scute.adapters.slots import Slots
 
 # Table fields (int64 each). Group fields are read at the group's representative slot, slot fields at the slot.
-(F_A, F_ARANK, F_AHOFF, F_B, F_BLD, F_RANK, F_BHOFF, F_ROT, F_ACTIVE,
- F_FLAGS, F_O, F_O2, F_C, F_V, F_M, F_T, F_TB, F_TBN, F_TBB) = range(19)
-NUM_FIELDS = 19
+(F_A, F_ARANK, F_AHOFF, F_B, F_BLD, F_RANK, F_BHOFF, F_ROT,
+ F_FLAGS, F_O, F_O2, F_C, F_V, F_M, F_T, F_TB, F_TBN, F_TBB) = range(18)
+NUM_FIELDS = 18
 # Bits of F_FLAGS: which per-slot vectors are live.
 HAS_O, HAS_O2, HAS_C, HAS_V, HAS_M, HAS_T, HAS_TB = 1, 2, 4, 8, 16, 32, 64
 _VECTORS = (("o", F_O, HAS_O), ("o2", F_O2, HAS_O2), ("c", F_C, HAS_C), ("v", F_V, HAS_V), ("m", F_M, HAS_M),
@@ -110,16 +110,13 @@ class SlotPool:
                     blocks += self._fill_slot(host[p, s], sl, keep)
         for g in sorted(set(groups)):
             h_width = max(h_width, self._fill_group(host[:, g], [row[g] for row in slots], keep))
-            members = [s for s in range(self.num_slots) if groups[s] == g]
-            for p, row in enumerate(slots):
-                host[p, g, F_ACTIVE] = int(any(_needs_expand(row[s]) for s in members))
         self._cache = keep
         self.table.copy_(host)
         self.group_key = None if groups == list(range(self.num_slots)) else tuple(groups)
         self.slot_group.copy_(torch.tensor(groups, dtype=torch.int32))
         self.h_width, self.has_lowrank = max(h_width, 1), h_width > 0
         self.has_input_transform = bool((host[..., F_FLAGS] & (HAS_T | HAS_TB)).any())
-        self.has_expand = bool(host[..., F_ACTIVE].any())
+        self.has_expand = any(_needs_expand(sl) for row in slots for sl in row)
         self.block_b = 1 << (max(blocks, default=1) - 1).bit_length()
         self.min_block = min(blocks, default=1)
         self.max_rank = int(host[..., F_RANK].max())
