@@ -2,7 +2,8 @@
 
 CPU: `kv_cache_memory_bytes` (default 1 GiB). GPU: the same option if given, else
 ``gpu_memory_utilization × total`` minus what other processes hold minus the peak of a profiling forward of
-`max_num_batched_tokens` tokens (weights + activations). Never more blocks than `max_num_seqs` requests of
+`max_num_batched_tokens` tokens (weights + activations) minus what the adapters' kernels allocate on top of it
+(the profiling forward runs before any adapter is loaded). Never more blocks than `max_num_seqs` requests of
 `max_model_len` tokens can use.
 """
 
@@ -13,7 +14,9 @@ import torch
 from scute.config import EngineConfig
 from scute.engine.context import ForwardContext, forward_context
 from scute.model.attention import AttentionMetadata
+from scute.model.linear import ScuteLinear
 from scute.model.loader import LoadedModel
+from scute.ops.triton_ops import call_transient_bytes
 
 CPU_DEFAULT_BYTES = 1 << 30
 
@@ -68,9 +71,18 @@ def _gpu_budget(loaded: LoadedModel, config: EngineConfig) -> int:
                        logits_to_keep=arange[-num_sample:], use_cache=False).logits
         logits.float().softmax(-1).sort(dim=-1)  # the sampler's largest temporaries
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
+    peak = torch.cuda.max_memory_allocated(device) + adapter_transient_bytes(
+        loaded.linears, num_tokens, config.max_adapter_rank, elem=torch.empty((), dtype=loaded.dtype).element_size())
     del caches, meta, logits
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     others = total - free - torch.cuda.memory_reserved(device)  # memory this process's allocator does not own
     return int(total * config.gpu_memory_utilization) - others - peak
+
+
+def adapter_transient_bytes(linears: dict[str, ScuteLinear], num_tokens: int, max_rank: int, elem: int) -> int:
+    """The most one adapted layer call (a `LinearGroup` or a lone `ScuteLinear`) allocates for its adapters at
+    `num_tokens` tokens: `call_transient_bytes` of the largest call."""
+    calls = {id(m[0]): m for m in ([lin] if lin.group is None else lin.group.members for lin in linears.values())}
+    return max((call_transient_bytes(num_tokens, m[0].in_features, [lin.out_features for lin in m], len(m[0].slots),
+                                     max_rank, elem) for m in calls.values()), default=0)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from scute.ops.meta import BLOCK_M, LoraMeta
+from scute.ops.meta import BLOCK_M, LoraMeta, max_tiles
 from scute.ops.pool import SlotPool
 
 BLOCK_K = 128  # shrink K tile
@@ -294,6 +294,16 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     epilogue_(zs, ds, pool.table, meta.token_slots, pool.slot_group, half_n,
               choose_chunks_per_prog(x.shape[0], pool.out_features, half_n))
     return zs
+
+def call_transient_bytes(num_tokens: int, in_features: int, out_features: Sequence[int], num_slots: int,
+                         max_rank: int, elem: int) -> int:
+    """The most device memory one `scute_linears_triton` call allocates besides its outputs, for a pool of
+    `num_slots` slots of rank ≤ `max_rank` with an input transform: x' [P, T, in] (`elem` bytes each), the
+    shrink's partials [S, T, P·max_rank] and the delta [T, Σ out_p] (float32). Freed when the call returns."""
+    num_proj = len(out_features)
+    split = choose_split_k(in_features, max_tiles(num_tokens, num_slots) * num_proj)
+    return num_tokens * (num_proj * in_features * elem + split * num_proj * max_rank * 4 + sum(out_features) * 4)
+
 
 _SIDE: dict[torch.device, torch.cuda.Stream] = {}
 
