@@ -244,7 +244,7 @@ def repredict(path: str) -> None:
     with open(path) as f:
         result = json.load(f)
     layer = Layer()
-    for row in result["rows"]:
+    for row in result["rows"] + result.get("sweep", []):
         if "error" not in row:
             predict(layer, row, result["bandwidth"], result["launch_latency"])
     result["bars"] = bars(result["rows"])
