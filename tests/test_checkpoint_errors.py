@@ -57,7 +57,7 @@ def test_unknown_peft_type_lists_supported(lora_dir):
 
 
 @pytest.mark.parametrize("peft_type, why", [("XLORA", "hidden states"), ("PREFIX_TUNING", "virtual tokens"),
-                                            ("POLY", "per task id"), ("LN_TUNING", "LayerNorm")])
+                                            ("LN_TUNING", "LayerNorm")])
 def test_known_unserved_peft_type_says_why(lora_dir, peft_type, why):
     edit_config(lora_dir, lambda c: c.update(peft_type=peft_type))
     msg = load_error(lora_dir)

@@ -161,6 +161,7 @@ class LayerCheckpoint:
     shared: dict = field(default_factory=dict)  # per-adapter cache for values shared by its layers
     used: set[str] = field(default_factory=set)
     dense: bool = False  # the user allows an exact dense per-adapter ΔW where no low-rank form exists
+    task_id: int | None = None  # the task a per-task method (Poly) is served for
 
     @property
     def in_features(self) -> int:
@@ -233,10 +234,10 @@ def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def convert_checkpoint(
-    ckpt: AdapterCheckpoint, modules: Mapping[str, nn.Module], dense: bool = False
+    ckpt: AdapterCheckpoint, modules: Mapping[str, nn.Module], dense: bool = False, task_id: int | None = None
 ) -> dict[str, Slots]:
     """Convert a checkpoint into unfolded `Slots` per module name, validating it against the base `modules`
-    (name -> a linear layer with `weight` [out, in] and `bias`). `dense`: see `load_adapter`."""
+    (name -> a linear layer with `weight` [out, in] and `bias`). `dense`, `task_id`: see `load_adapter`."""
     try:
         method = get_method(ckpt.peft_type)
     except KeyError as e:
@@ -262,7 +263,8 @@ def convert_checkpoint(
         bias = b0 if trained_bias is None else trained_bias.to(dtype)
         if bias is not None and tuple(bias.shape) != (shapes[name][0],):
             raise ckpt.error(f"trained bias has shape {tuple(bias.shape)}, layer needs ({shapes[name][0]},)", name)
-        layer = LayerCheckpoint(name, ckpt.config, base, bias, tensors, ckpt, globals_, shapes, shared, dense=dense)
+        layer = LayerCheckpoint(name, ckpt.config, base, bias, tensors, ckpt, globals_, shapes, shared, dense=dense,
+                                task_id=task_id)
         if tensors or (method.tensorless_targets and name in expected):  # method tensors, or derived from globals
             try:
                 slots = method.convert(layer)
@@ -371,12 +373,14 @@ class Adapter:
 
 def load_adapter(
     path: str | os.PathLike, model: nn.Module, name: str | None = None, allow_pickle: bool = False,
-    dense: bool = False,
+    dense: bool = False, task_id: int | None = None,
 ) -> Adapter:
     """Read the PEFT folder `path`, validate it against `model` and convert it into folded slots.
 
     `dense=True` lets methods without an exact low-rank form (HiRA, ...) be served exactly as a full-rank
     per-adapter ΔW (in·out elements per layer: see `scute explain`); without it they are refused, saying why.
+    `task_id`: the task of a per-task method (Poly mixes its skills per task: one adapter per task); other
+    methods refuse it.
     """
     ckpt = read_checkpoint(path, allow_pickle=allow_pickle)
     if ckpt.config.get("fan_in_fan_out") or any(_is_conv1d(m) and is_targeted(ckpt.config, n)
@@ -385,7 +389,11 @@ def load_adapter(
             "the adapter targets GPT-2-style Conv1D layers (fan_in_fan_out=True: weights stored [in, out]); "
             "Scute serves adapters of nn.Linear layers only"
         )
-    layers = convert_checkpoint(ckpt, linear_modules(model), dense=dense)
+    if task_id is not None and ckpt.peft_type != "POLY":
+        raise ckpt.error(f"task_id is for per-task methods (Poly); a {ckpt.peft_type} adapter has no tasks")
+    layers = convert_checkpoint(ckpt, linear_modules(model), dense=dense, task_id=task_id)
     folded = {n: s.folded() for n, s in layers.items()}
-    name = name or os.path.basename(os.path.normpath(os.fspath(path)))
-    return Adapter(name, ckpt.path, ckpt.peft_type, ckpt.config, ckpt.identity, folded)
+    default, identity = os.path.basename(os.path.normpath(os.fspath(path))), ckpt.identity
+    if task_id is not None:  # one task of a checkpoint is its own adapter: its own device slot and KV prefixes
+        default, identity = f"{default}@task{task_id}", f"{identity}@task{task_id}"
+    return Adapter(name or default, ckpt.path, ckpt.peft_type, ckpt.config, identity, folded)

@@ -41,7 +41,6 @@ _METHODS: dict[str, Method] = {}
 # PEFT types Scute does not serve, and why (docs/normal_form.md §6 has the math behind each reason).
 _PROMPT = "it adds virtual tokens or prefix key/values, not adapters of linear layers"
 _MERGE = "it trains {}, not adapters of linear layers: merge it into the base model"
-_LATER = "its exact form is {}; not implemented yet"
 NOT_SERVED = {
     **dict.fromkeys(("PROMPT_TUNING", "MULTITASK_PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING", "ADAPTION_PROMPT",
                      "CPT", "CARTRIDGE"), _PROMPT),
@@ -49,7 +48,6 @@ NOT_SERVED = {
     "TRAINABLE_TOKENS": _MERGE.format("embedding rows"),
     "SHADOW": "it is not an adapter of linear layers",
     "XLORA": "it gates its LoRAs by the hidden states of an extra forward pass: no static form per token",
-    "POLY": _LATER.format("a plain LoRA per task id"),
 }
 
 
@@ -91,5 +89,6 @@ def supported_methods() -> list[str]:
 def _load_builtin_methods() -> None:
     # Imported lazily: the method files import this module to register themselves.
     from scute.adapters import adalora, adamss, boft, c3a, delora, dense, fourierft, frod, glora, gralora  # noqa: F401
-    from scute.adapters import hra, ia3, loha, lokr, lora, miss, oft, osf, peanut, psoft, pvera, randlora  # noqa: F401
+    from scute.adapters import hra, ia3, loha, lokr, lora, miss, oft, osf, peanut, poly, psoft, pvera  # noqa: F401
+    from scute.adapters import randlora  # noqa: F401
     from scute.adapters import road, shira, supertuning, tinylora, unilora, vblora, vera, waveft  # noqa: F401

@@ -1,0 +1,89 @@
+"""Poly served exactly as one LoRA per task, against PEFT's forward with `task_ids` (every tensor randomized, the
+router's logits spread so that tasks mix their skills differently)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from peft import PolyConfig, get_peft_model
+
+from scute.adapters import AdapterError, load_adapter
+from scute.model.hf import place_adapter, swap_linears
+from tests.helpers import ALL_LINEAR, effect_err, randomize_adapter, rel_err, tiny_model
+from tests.test_methods_extra import IDS, TOL, run
+
+
+def poly_adapter(path: str, family: str, dtype: torch.dtype, **config):
+    peft_model = get_peft_model(tiny_model(family, dtype), PolyConfig(target_modules=ALL_LINEAR, **config))
+    randomize_adapter(peft_model, seed=3)
+    with torch.no_grad():  # logits of ±0.2 would give every task nearly equal skill weights
+        for name, p in peft_model.named_parameters():
+            if "module_logits" in name:
+                p.mul_(10)
+    peft_model.eval()
+    os.makedirs(path, exist_ok=True)
+    peft_model.save_pretrained(path)
+    return peft_model
+
+
+def peft_logits(peft_model, task: int) -> torch.Tensor:
+    with torch.no_grad():
+        # PolyModel.forward hands task_ids to the layers (PeftModel.forward without a task type goes around it)
+        return peft_model.base_model(input_ids=IDS, task_ids=torch.full((IDS.shape[0],), task)).logits
+
+
+def scute_logits(path: str, family: str, dtype: torch.dtype, task: int) -> torch.Tensor:
+    model = tiny_model(family, dtype)
+    linears = swap_linears(model, max_adapters=2)
+    place_adapter(linears, 1, load_adapter(path, model, task_id=task))
+    return run(model, [1, 1, 1])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_poly_matches_peft_per_task(tmp_path, family, dtype, splits):
+    path = str(tmp_path / "poly")
+    peft_model = poly_adapter(path, family, dtype, r=4, n_tasks=3, n_skills=4, n_splits=splits)
+    with torch.no_grad():
+        base = tiny_model(family, dtype)(IDS).logits
+    tol = TOL[dtype]
+    seen = []
+    for task in (0, 2):
+        want = peft_logits(peft_model, task)
+        got = scute_logits(path, family, dtype, task)
+        assert rel_err(got, want) <= tol["rel"] and effect_err(got, want, base) <= tol["effect"]
+        seen.append(want)
+    assert rel_err(seen[0], seen[1]) > 1e-3, "two tasks gave one output: the test could not see a wrong task"
+
+
+def test_poly_needs_a_task_in_range(tmp_path):
+    path = str(tmp_path / "poly")
+    poly_adapter(path, "llama", torch.float32, r=2, n_tasks=2, n_skills=2, n_splits=1)
+    model = tiny_model("llama")
+    with pytest.raises(AdapterError, match="load it with task_id=0..1"):
+        load_adapter(path, model)
+    with pytest.raises(AdapterError, match="task_id=2 is out of range"):
+        load_adapter(path, model, task_id=2)
+
+
+def test_two_tasks_are_two_adapters(tmp_path):
+    """Same checkpoint, two tasks: different identities (device slots, KV prefix hashes) and default names."""
+    path = str(tmp_path / "poly")
+    poly_adapter(path, "llama", torch.float32, r=2, n_tasks=2, n_skills=2, n_splits=1)
+    model = tiny_model("llama")
+    a, b = (load_adapter(path, model, task_id=t) for t in (0, 1))
+    assert a.identity != b.identity and (a.name, b.name) == ("poly@task0", "poly@task1")
+
+
+def test_task_id_refused_for_other_methods(tmp_path):
+    from peft import LoraConfig
+
+    from tests.helpers import make_adapter
+
+    path = str(tmp_path / "lora")
+    make_adapter(path, LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(AdapterError, match="task_id is for per-task methods"):
+        load_adapter(path, tiny_model("llama"), task_id=0)
