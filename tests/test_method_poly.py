@@ -87,3 +87,27 @@ def test_task_id_refused_for_other_methods(tmp_path):
     make_adapter(path, LoraConfig(r=2, target_modules=["q_proj"]))
     with pytest.raises(AdapterError, match="task_id is for per-task methods"):
         load_adapter(path, tiny_model("llama"), task_id=0)
+
+
+def test_engine_serves_two_tasks_of_one_checkpoint(tmp_path):
+    """Tasks 0 and 1 of one Poly checkpoint in one batch, with the same prompt (prefix caching on: the tasks must
+    not share KV blocks), and the base model: greedy tokens equal PEFT's `generate` with each task id."""
+    from scute import Engine, SamplingParams
+
+    path = str(tmp_path / "poly")
+    peft_model = poly_adapter(path, "llama", torch.float32, r=4, n_tasks=2, n_skills=3, n_splits=2)
+    prompt, new = [5, 9, 17, 33, 2, 71, 8, 40, 12], 8
+    want = {}
+    for task in (0, 1):
+        with torch.no_grad():
+            out = peft_model.base_model.generate(
+                input_ids=torch.tensor([prompt]), task_ids=torch.tensor([task]), max_new_tokens=new,
+                min_new_tokens=new, do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        want[task] = out[0, len(prompt):].tolist()
+    assert want[0] != want[1], "the two tasks generate alike: the test could not see a task mix-up"
+    engine = Engine(tiny_model("llama"), device="cpu", dtype="float32", max_model_len=64, block_size=4,
+                    enable_prefix_caching=True)
+    tasks = [load_adapter(path, engine.model, task_id=t) for t in (0, 1)]
+    greedy = SamplingParams(temperature=0, max_tokens=new, min_tokens=new)
+    outs = engine.generate([prompt] * 4, greedy, [tasks[0], tasks[1], tasks[0], tasks[1]], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want[0], want[1], want[0], want[1]]
