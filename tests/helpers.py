@@ -7,6 +7,7 @@ PEFT's default inits are zero or identity (LoRA B = 0, OFT R = I, IA3 l = 1) and
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Callable
 
@@ -101,6 +102,20 @@ def make_adapter(path: str, config, family: str = "llama", dtype: torch.dtype = 
     os.makedirs(path, exist_ok=True)
     peft_model.save_pretrained(path)
     return peft_model
+
+
+def edit_adapter_config(path, **changes) -> None:
+    """Rewrite the adapter_config.json in the folder `path` with `changes` (a value of None deletes the key)."""
+    file = os.path.join(path, "adapter_config.json")
+    with open(file) as f:
+        cfg = json.load(f)
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key)
+        else:
+            cfg[key] = value
+    with open(file, "w") as f:
+        json.dump(cfg, f)
 
 
 def capture_layers(peft_model, input_ids: torch.Tensor):

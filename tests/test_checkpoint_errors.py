@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -11,7 +10,7 @@ from peft import LoraConfig, OFTConfig, PeanutConfig
 from safetensors.torch import load_file, save_file
 
 from scute.adapters import AdapterError, load_adapter, read_checkpoint
-from tests.helpers import make_adapter, tiny_model
+from tests.helpers import edit_adapter_config, make_adapter, tiny_model
 
 Q0 = "base_model.model.model.layers.0.self_attn.q_proj"
 WEIGHTS = "adapter_model.safetensors"
@@ -29,15 +28,6 @@ def edit_tensors(path, fn):
     save_file(tensors, os.path.join(path, WEIGHTS))
 
 
-def edit_config(path, fn):
-    file = os.path.join(path, "adapter_config.json")
-    with open(file) as f:
-        cfg = json.load(f)
-    fn(cfg)
-    with open(file, "w") as f:
-        json.dump(cfg, f)
-
-
 def load_error(path, model=None, **kw) -> str:
     with pytest.raises(AdapterError) as e:
         load_adapter(path, model if model is not None else tiny_model(), **kw)
@@ -51,7 +41,7 @@ def test_good_adapter_loads(lora_dir):
 
 
 def test_unknown_peft_type_lists_supported(lora_dir):
-    edit_config(lora_dir, lambda c: c.update(peft_type="FOO"))
+    edit_adapter_config(lora_dir, peft_type="FOO")
     msg = load_error(lora_dir)
     assert "'FOO' is not supported" in msg and all(m in msg for m in ("IA3", "LORA", "OFT", "VERA"))
 
@@ -59,7 +49,7 @@ def test_unknown_peft_type_lists_supported(lora_dir):
 @pytest.mark.parametrize("peft_type, why", [("XLORA", "hidden states"), ("PREFIX_TUNING", "virtual tokens"),
                                             ("LN_TUNING", "LayerNorm")])
 def test_known_unserved_peft_type_says_why(lora_dir, peft_type, why):
-    edit_config(lora_dir, lambda c: c.update(peft_type=peft_type))
+    edit_adapter_config(lora_dir, peft_type=peft_type)
     msg = load_error(lora_dir)
     assert f"{peft_type!r} is not supported: " in msg and why in msg and "LORA" in msg.split("supported: ")[-1]
 
@@ -138,7 +128,7 @@ def test_pickle_refused_unless_opted_in(lora_dir):
 
 def test_pre_014_oft_refused(tmp_path):
     make_adapter(str(tmp_path), OFTConfig(r=0, oft_block_size=8, target_modules=["q_proj"]))
-    edit_config(tmp_path, lambda c: c.pop("oft_block_size"))
+    edit_adapter_config(tmp_path, oft_block_size=None)
     assert "PEFT < 0.14" in load_error(tmp_path)
 
 
@@ -166,7 +156,7 @@ def test_gpt2_conv1d_adapter_refused(tmp_path):
     model = GPT2LMHeadModel(config)
     msg = load_error(str(tmp_path), model)
     assert "Conv1D" in msg and "fan_in_fan_out" in msg
-    edit_config(str(tmp_path), lambda c: c.update(fan_in_fan_out=False))  # the layers say it too
+    edit_adapter_config(tmp_path, fan_in_fan_out=False)  # the layers say it too
     assert "Conv1D" in load_error(str(tmp_path), model)
 
 

@@ -8,7 +8,6 @@ linear layer, so those run on ALL_LINEAR.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from scute.adapters import AdapterError, convert_checkpoint, load_adapter, read_
 from scute.adapters.checkpoint import linear_modules
 from scute.adapters.registry import get_method
 from scute.model.hf import place_adapter, swap_linears
-from tests.helpers import ALL_LINEAR, effect_err, make_adapter, rel_err, tiny_model
+from tests.helpers import ALL_LINEAR, edit_adapter_config, effect_err, make_adapter, rel_err, tiny_model
 from tests.test_methods_extra import BOTH, QKV, T4, TOL, assert_matches_peft, peft_grid, run
 
 CASES = {
@@ -59,13 +58,6 @@ def test_gralora_normal_form_rank(tmp_path):
     assert s.B[:24, 2:8].abs().sum() == 0  # chunk 0's ranks 2..7 feed output chunks 1..3 only
 
 
-def _edit_config(path, **changes):
-    cfg_file = path / "adapter_config.json"
-    cfg = json.loads(cfg_file.read_text())
-    cfg.update(changes)
-    cfg_file.write_text(json.dumps(cfg))
-
-
 @pytest.mark.parametrize("changes,message", [
     ({"hybrid_r": 0}, r"hybrid LoRA tensors .* hybrid_r=0"),
     ({"hybrid_r": 5}, r"tensor 'gralora_A_general.weight' has shape \(2, 64\), the base layer needs \(5, 64\)"),
@@ -77,14 +69,14 @@ def _edit_config(path, **changes):
 def test_gralora_inconsistent_checkpoint_refused(changes, message, tmp_path):
     """A config that does not match the saved tensors is refused, naming the option or tensor."""
     make_adapter(str(tmp_path), GraloraConfig(r=4, gralora_k=2, hybrid_r=2, target_modules=["q_proj"]))
-    _edit_config(tmp_path, **changes)
+    edit_adapter_config(tmp_path, **changes)
     with pytest.raises(AdapterError, match=message):
         load_adapter(tmp_path, tiny_model())
 
 
 def test_gralora_fan_in_fan_out_refused(tmp_path):
     make_adapter(str(tmp_path), GraloraConfig(r=4, target_modules=["q_proj"]))
-    _edit_config(tmp_path, fan_in_fan_out=True)
+    edit_adapter_config(tmp_path, fan_in_fan_out=True)
     with pytest.raises(AdapterError, match="fan_in_fan_out=True"):
         load_adapter(tmp_path, tiny_model())
 

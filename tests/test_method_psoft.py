@@ -17,7 +17,6 @@ rebuilds them from W0 at load exactly as Scute does. Two adjustments to PEFT, bo
 from __future__ import annotations
 
 import contextlib
-import json
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from peft import PeftModel, PsoftConfig
 from scute.adapters import AdapterError, convert_checkpoint, load_adapter, read_checkpoint
 from scute.adapters.checkpoint import linear_modules
 from tests import helpers
-from tests.helpers import ALL_LINEAR, make_adapter, tiny_model
+from tests.helpers import ALL_LINEAR, edit_adapter_config, make_adapter, tiny_model
 from tests.test_methods_extra import BOTH, T4, assert_matches_peft, peft_grid
 
 
@@ -141,17 +140,6 @@ def test_psoft_delta_is_peft_delta_and_not_sign_invariant(tmp_path, monkeypatch)
         assert ((delta - exact[name]).norm() / exact[name].norm()).item() > 1e-2, name
 
 
-def _config_edit(path, **changes):
-    file = path / "adapter_config.json"
-    cfg = json.loads(file.read_text())
-    for key, value in changes.items():
-        if value is None:
-            del cfg[key]
-        else:
-            cfg[key] = value
-    file.write_text(json.dumps(cfg))
-
-
 @pytest.mark.parametrize("changes,message", [
     ({"random_seed": None}, r"psoft_svd='lowrank' is set without random_seed: .*global RNG state"),
     ({"psoft_svd": "qr"}, r"psoft_svd='qr' is set: PEFT knows only"),
@@ -161,7 +149,7 @@ def _config_edit(path, **changes):
 ], ids=["lowrank_unseeded", "svd_mode", "init", "rank", "alpha0"])
 def test_psoft_refusals(changes, message, tmp_path):
     make_adapter(str(tmp_path), PsoftConfig(r=4, psoft_svd="lowrank", target_modules=["v_proj"]))
-    _config_edit(tmp_path, **changes)
+    edit_adapter_config(tmp_path, **changes)
     with pytest.raises(AdapterError, match=message):
         load_adapter(tmp_path, tiny_model())
 
@@ -169,9 +157,9 @@ def test_psoft_refusals(changes, message, tmp_path):
 def test_psoft_config_and_file_must_agree(tmp_path):
     """A magnitude the config switches off but the file holds, or one the file lacks, is refused."""
     make_adapter(str(tmp_path), PsoftConfig(r=4, target_modules=["q_proj"]))
-    _config_edit(tmp_path, psoft_mag_a=False)
+    edit_adapter_config(tmp_path, psoft_mag_a=False)
     with pytest.raises(AdapterError, match=r"unexpected tensor 'psoft_R.vector_a'"):
         load_adapter(tmp_path, tiny_model())
-    _config_edit(tmp_path, psoft_orth=False)
+    edit_adapter_config(tmp_path, psoft_orth=False)
     with pytest.raises(AdapterError, match=r"psoft_R.weight' has shape \(6,\).*\(4, 4\)"):
         load_adapter(tmp_path, tiny_model())
