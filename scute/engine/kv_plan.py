@@ -24,7 +24,7 @@ CPU_DEFAULT_BYTES = 1 << 30
 def plan_kv_cache(loaded: LoadedModel, config: EngineConfig) -> tuple[int, int]:
     """Returns (num_blocks, max_model_len); raises ValueError if max_model_len cannot fit."""
     bs = config.block_size
-    elem = torch.empty((), dtype=loaded.dtype).element_size()
+    elem = loaded.dtype.itemsize
     block_bytes = 2 * loaded.num_layers * bs * loaded.num_kv_heads * loaded.head_dim * elem
     if config.max_model_len is not None and config.max_model_len > loaded.max_position_embeddings:
         raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings "
@@ -72,7 +72,7 @@ def _gpu_budget(loaded: LoadedModel, config: EngineConfig) -> int:
         logits.float().softmax(-1).sort(dim=-1)  # the sampler's largest temporaries
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) + adapter_transient_bytes(
-        loaded.linears, num_tokens, config.max_adapter_rank, elem=torch.empty((), dtype=loaded.dtype).element_size())
+        loaded.linears, num_tokens, config.max_adapter_rank, loaded.dtype.itemsize)
     del caches, meta, logits
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)

@@ -81,7 +81,8 @@ class SlotPool:
     # ------------------------------------------------------------------ device copies
     def _dev(self, x: Tensor, kind: str, keep: dict) -> Tensor:
         """The pool's copy of `x` (kind 'vec': float32; 'mat': matrix dtype; 'matB': matrix dtype, rows padded with
-        zeros to a multiple of 8), made once per storage. The cache holds `x` itself, so the storage (and the key) cannot be reused while cached."""
+        zeros to a multiple of 8), made once per storage. The cache holds `x` itself, so the storage (and the key)
+        cannot be reused while cached."""
         key = _storage_key(x, kind)
         hit = keep.get(key) or self._cache.get(key)  # keep first: a storage met twice in one update is copied once
         if hit is None:

@@ -151,8 +151,8 @@ def shrink_(h: Tensor, x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group:
     _kernels().shrink_kernel[grid](
         x, h, arrival_counters(x.device, grid[0] * rt * num_proj), table, sorted_idx, tile_group, tile_start,
         tile_end, num_tokens, in_features, table.shape[1], h_width, k_per_split, SPLIT_K=split_k, RT=rt, BM=BLOCK_M,
-        BR=block_r(max_rank), BK=block_k, PREC=_precision(x), ONCE_ABOVE=ROW_BLOCK_R, num_warps=SHRINK_WARPS,
-        num_stages=SHRINK_STAGES)
+        BR=block_r(max_rank), BK=block_k, PREC=_precision(x.dtype), ONCE_ABOVE=ROW_BLOCK_R,
+        num_warps=SHRINK_WARPS, num_stages=SHRINK_STAGES)
 
 
 @shrink_.register_fake
@@ -173,6 +173,7 @@ def arrival_counters(device: torch.device, n: int) -> Tensor:
     return bufs[-1]
 
 
+@functools.cache
 def _tl_dtype(dtype: torch.dtype):
     """The Triton dtype of a torch matrix dtype (a kernel constant: the pool table's pointers are untyped)."""
     import triton.language as tl
@@ -180,8 +181,8 @@ def _tl_dtype(dtype: torch.dtype):
     return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
 
 
-def _precision(x: Tensor) -> str:
-    return "ieee" if x.dtype == torch.float32 else "tf32"  # 16-bit inputs: products are exact either way
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # 16-bit inputs: products are exact either way
 
 
 @torch.library.custom_op("scute::lora_delta_", mutates_args=("ds",))
@@ -191,14 +192,15 @@ def lora_delta_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor
     """Each adapter token's low-rank delta, for each projection of the pool.
 
     Semantics (token t with slot a ≥ 0 at sorted position i, projection p, group g of a with rank r > 0):
-        ds[p][t] = B_{p,g} (m_a ⊙ Σ_s h[s, i, hoff : hoff + r])      (h[0] alone where the shrink summed: `shrink_`)
+        ds[p][t] = B_{p,g} (m_a ⊙ Σ_s h[s, i, hoff : hoff + r])
+    (h[0] alone where the shrink summed the splits: see `shrink_`),
     computed and stored in float32 (in the model's dtype a delta much larger than the adapter's net effect,
     e.g. DoRA's, would lose the effect's precision); rows of other tokens are not written.
 
-    Shapes: ds = P ≤ 3 float32 tensors [T, out_p] (contiguous), mat_dtype the pool's matrix dtype, h from `shrink_`, sorted_slots [T] int32,
-    multi_tiles [NT], num_multi [1] (`LoraMeta`), the rest as in `shrink_`. Two launches: a program per (one-token
-    tile, `chunks_per_prog` chunks of 2·half_n columns of one projection), then a persistent walk of the
-    (multi-token tile, run of chunks of 2·tile_half_n columns) items.
+    Shapes: ds = P ≤ 3 float32 tensors [T, out_p] (contiguous), mat_dtype the pool's matrix dtype, h from
+    `shrink_`, sorted_slots [T] int32, multi_tiles [NT], num_multi [1] (`LoraMeta`), the rest as in `shrink_`.
+    Two launches: a program per (one-token tile, `chunks_per_prog` chunks of 2·half_n columns of one projection),
+    then a persistent walk of the (multi-token tile, run of chunks of 2·tile_half_n columns) items.
     """
     num_tokens = ds[0].shape[0]
     if num_tokens == 0:
@@ -208,14 +210,13 @@ def lora_delta_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor
             num_tokens, table.shape[1], h.shape[2], *outs)
     progs = sum(triton_cdiv(n, 2 * half_n * chunks_per_prog) for n in outs)
     _kernels().delta_rows_kernel[(tile_group.shape[0], progs)](
-        *args, chunks_per_prog, B_TY=_tl_dtype(mat_dtype), P=len(ds), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=ROW_BLOCK_R, BN=2 * half_n,
-        ONCE_ABOVE=ROW_BLOCK_R, num_warps=EXPAND_WARPS, num_stages=EXPAND_STAGES)
+        *args, chunks_per_prog, B_TY=_tl_dtype(mat_dtype), P=len(ds), SPLIT_K=h.shape[0], BM=BLOCK_M,
+        BR=ROW_BLOCK_R, BN=2 * half_n, ONCE_ABOVE=ROW_BLOCK_R, num_warps=EXPAND_WARPS, num_stages=EXPAND_STAGES)
     if num_tokens > 1:  # a shape, not data: fixed for a captured graph
         _kernels().delta_tiles_kernel[(persistent_programs(ds[0].device),)](
             *args, multi_tiles, num_multi, TILE_ITEMS_PER_PROGRAM * persistent_programs(ds[0].device),
             B_TY=_tl_dtype(mat_dtype), P=len(ds), BM=BLOCK_M, BR=block_r(max_rank), BN=2 * tile_half_n,
-            PREC="ieee" if mat_dtype == torch.float32 else "tf32", num_warps=TILE_WARPS,
-            num_stages=TILE_STAGES)
+            PREC=_precision(mat_dtype), num_warps=TILE_WARPS, num_stages=TILE_STAGES)
 
 
 @lora_delta_.register_fake
