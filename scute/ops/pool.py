@@ -4,12 +4,13 @@ A pool covers ``P`` projections that share one input (``P = 1`` for a plain `Scu
 can be grouped so that one launch serves all of them) and ``num_slots`` adapter slots. It is one int64 tensor
 ``table [P, num_slots, NUM_FIELDS]`` of pointers and sizes, plus the device copies the pointers point to:
 
-* per-slot fields (row = the slot): flags, and the addresses of the vectors ``o, o2, c, v, m, t`` (float32) and
-  of ``t_blocks`` (the pool's matrix dtype);
+* per-slot fields (row = the slot): flags, the RoAd group size, and the addresses of the vectors
+  ``o, o2, c, v, m, t`` (float32) and of ``t_blocks`` (the pool's matrix dtype);
 * per-group fields (row = the group's representative slot): the low-rank matrices ``A [r, in]`` and
   ``B [out, r]`` (matrix dtype, contiguous; rows padded with zeros to ``ldb``, a multiple of 8, so the kernels
-  read each column's rank values as 16-byte vectors: no copy when r is a multiple of 8), their rank, where their
-  rank rows live in the kernels' ``h`` buffer, and the RoAd group size.
+  read each column's rank values as 16-byte vectors: no copy when r is a multiple of 8), their rank, and where
+  their rank rows live in the kernels' ``h`` buffer. Each member slot's flags also carry ``HAS_LR`` (its group
+  has a low-rank part in this projection), so that the epilogue reads one row per token.
 
 A *group* is the unit of weight reuse: slots whose A and B are views of the same shared matrices (VeRA) form one
 group, so their tokens are sorted together and the shared matrices are read once per batch; every other slot is
@@ -32,12 +33,13 @@ from torch import Tensor
 if TYPE_CHECKING:  # annotations only: scute.adapters imports scute.ops
     from scute.adapters.slots import Slots
 
-# Table fields (int64 each). Group fields are read at the group's representative slot, slot fields at the slot.
+# Table fields (int64 each). Group fields (A, B, ranks, h offsets) are read at the group's representative slot,
+# slot fields (flags, F_ROT, vectors, T) at the slot.
 (F_A, F_ARANK, F_AHOFF, F_B, F_BLD, F_RANK, F_BHOFF, F_ROT,
  F_FLAGS, F_O, F_O2, F_C, F_V, F_M, F_T, F_TB, F_TBN, F_TBB) = range(18)
 NUM_FIELDS = 18
-# Bits of F_FLAGS: which per-slot vectors are live.
-HAS_O, HAS_O2, HAS_C, HAS_V, HAS_M, HAS_T, HAS_TB = 1, 2, 4, 8, 16, 32, 64
+# Bits of F_FLAGS: which per-slot vectors are live; HAS_LR: the slot's group has a low-rank part (copied from it).
+HAS_O, HAS_O2, HAS_C, HAS_V, HAS_M, HAS_T, HAS_TB, HAS_LR = 1, 2, 4, 8, 16, 32, 64, 128
 _VECTORS = (("o", F_O, HAS_O), ("o2", F_O2, HAS_O2), ("c", F_C, HAS_C), ("v", F_V, HAS_V), ("m", F_M, HAS_M),
             ("t", F_T, HAS_T))
 
@@ -111,6 +113,8 @@ class SlotPool:
                     blocks += self._fill_slot(host[p, s], sl, keep)
         for g in sorted(set(groups)):
             h_width = max(h_width, self._fill_group(host[:, g], [row[g] for row in slots], keep))
+        lowrank = host[:, groups, F_RANK] > 0  # [P, num_slots]: each slot's group has a low-rank part
+        host[..., F_FLAGS] |= torch.where(lowrank, HAS_LR, 0)
         self._cache = keep
         self.table.copy_(host)
         self.group_key = None if groups == list(range(self.num_slots)) else tuple(groups)
@@ -135,7 +139,7 @@ class SlotPool:
     def _fill_slot(self, row: Tensor, sl: Slots, keep: dict) -> list[int]:
         if sl.scale != 1.0:
             raise ValueError("the slot pool needs folded slots (scale 1): call Slots.folded() first")
-        flags = 0
+        flags, row[F_ROT] = 0, sl.rot_group
         for name, field, bit in _VECTORS:
             x = getattr(sl, name)
             if x is not None:
@@ -151,10 +155,7 @@ class SlotPool:
         """Low-rank fields of one group (rows [P, NUM_FIELDS] at the representative); returns its h width."""
         width, seen = 0, {}
         for p, sl in enumerate(column):
-            if sl is None:
-                continue
-            rows[p, F_ROT] = sl.rot_group
-            if sl.A is None:
+            if sl is None or sl.A is None:
                 continue
             r, a_key = sl.A.shape[0], _storage_key(sl.A, "mat")
             b = self._dev(sl.B, "matB", keep)

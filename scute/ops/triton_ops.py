@@ -226,8 +226,8 @@ def _(ds, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, 
 
 
 @torch.library.custom_op("scute::epilogue_", mutates_args=("zs",))
-def epilogue_(zs: list[Tensor], ds: list[Tensor], table: Tensor, token_slots: Tensor, slot_group: Tensor,
-              half_n: int, chunks_per_prog: int) -> None:
+def epilogue_(zs: list[Tensor], ds: list[Tensor], table: Tensor, token_slots: Tensor, half_n: int,
+              chunks_per_prog: int) -> None:
     """The epilogue, in place on each projection's base output.
 
     Semantics (token t with slot a ≥ 0, projection p, group g of a; z = zs[p][t] before the call):
@@ -236,8 +236,8 @@ def epilogue_(zs: list[Tensor], ds: list[Tensor], table: Tensor, token_slots: Te
     (slot −1) are not touched. Reference: `scute.ops.reference.epilogue_ref`.
 
     Shapes: zs = P ≤ 3 tensors [T, out_p] (contiguous, one dtype), ds as many float32 tensors of the same shapes
-    (from `lora_delta_`; any, if the pool has no low-rank slot), token_slots [T] int32, slot_group [M] int32
-    (`SlotPool.slot_group`). A program per (token, `chunks_per_prog` chunks of 2·half_n columns of one projection).
+    (from `lora_delta_`; any, if the pool has no low-rank slot), token_slots [T] int32. A program per (token,
+    `chunks_per_prog` chunks of 2·half_n columns of one projection).
     """
     num_tokens = zs[0].shape[0]
     if num_tokens == 0:
@@ -245,12 +245,12 @@ def epilogue_(zs: list[Tensor], ds: list[Tensor], table: Tensor, token_slots: Te
     outs = [z.shape[1] for z in zs] + [0] * (3 - len(zs))
     progs = sum(triton_cdiv(n, 2 * half_n * chunks_per_prog) for n in outs)
     _kernels().epilogue_kernel[(num_tokens, progs)](
-        *zs, *[zs[0]] * (3 - len(zs)), *ds, *[ds[0]] * (3 - len(ds)), table, token_slots, slot_group,
-        table.shape[1], *outs, chunks_per_prog, P=len(zs), HB=half_n, num_warps=EPILOGUE_WARPS)
+        *zs, *[zs[0]] * (3 - len(zs)), *ds, *[ds[0]] * (3 - len(ds)), table, token_slots, table.shape[1], *outs,
+        chunks_per_prog, P=len(zs), HB=half_n, num_warps=EPILOGUE_WARPS)
 
 
 @epilogue_.register_fake
-def _(zs, ds, table, token_slots, slot_group, half_n, chunks_per_prog):
+def _(zs, ds, table, token_slots, half_n, chunks_per_prog):
     return None
 
 
@@ -292,7 +292,7 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     zs = [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
     if side is not None:
         torch.cuda.current_stream(x.device).wait_stream(side)
-    epilogue_(zs, ds, pool.table, meta.token_slots, pool.slot_group, half_n,
+    epilogue_(zs, ds, pool.table, meta.token_slots, half_n,
               choose_chunks_per_prog(x.shape[0], pool.out_features, half_n))
     return zs
 
