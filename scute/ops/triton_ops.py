@@ -82,6 +82,17 @@ def choose_chunks_per_prog(num_tiles: int, out_features: Sequence[int], half_n: 
     return max(1, triton_cdiv(num_tiles * chunks, TARGET_EXPAND_PROGRAMS))
 
 
+def rows_half_n(num_tiles: int, out_features: Sequence[int], max_rank: int, half_n: int = HALF_N) -> int:
+    """Half-chunk of the one-token delta: `half_n`, narrowed (down to 16) for a pool of wide ranks while its grid
+    stays within TARGET_EXPAND_PROGRAMS. A one-token program reads chunk x rank elements of B in serial rank
+    steps: with one token of rank 256 (VeRA at decode) a 256-column chunk is 16 steps of one program, and the
+    whole projection only a few programs; narrower chunks spread it over the SMs."""
+    while half_n > 16 and max_rank * half_n > ROW_BLOCK_R * HALF_N and \
+            num_tiles * sum(triton_cdiv(o, half_n) for o in out_features) <= TARGET_EXPAND_PROGRAMS:
+        half_n //= 2
+    return half_n
+
+
 @functools.cache
 def persistent_programs(device: torch.device) -> int:
     """Programs of a persistent launch on `device` (a few per SM; 4 in the CPU interpreter)."""
@@ -280,14 +291,15 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
         split_k = choose_split_k(x.shape[1], meta.tile_group.shape[0] * pool.num_proj, block_k)
         h = x.new_empty((split_k, x.shape[0], pool.h_width), dtype=torch.float32)
         tile_half_n = max(16, (tile_half_n or TILE_HALF_N) * 32 // max(block_r(pool.max_rank), 32))
-        chunks = choose_chunks_per_prog(meta.tile_group.shape[0], pool.out_features, half_n)
+        rows_hn = rows_half_n(meta.tile_group.shape[0], pool.out_features, pool.max_rank, half_n)
+        chunks = choose_chunks_per_prog(meta.tile_group.shape[0], pool.out_features, rows_hn)
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             shrink_(h, x, pool.table, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end,
                     pool.num_proj, pool.max_rank, block_k)
             lora_delta_(ds, h, pool.table, meta.sorted_slots, meta.sorted_idx, meta.tile_group, meta.tile_start,
-                        meta.tile_end, meta.multi_tiles, meta.num_multi, pool.max_rank, half_n, chunks, tile_half_n,
+                        meta.tile_end, meta.multi_tiles, meta.num_multi, pool.max_rank, rows_hn, chunks, tile_half_n,
                         pool.dtype)
     zs = [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
     if side is not None:
