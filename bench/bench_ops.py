@@ -305,11 +305,12 @@ DEFAULT = dict(half_n=triton_ops.HALF_N, tile_half_n=triton_ops.TILE_HALF_N, blo
                target_programs=triton_ops.TARGET_PROGRAMS, target_expand=triton_ops.TARGET_EXPAND_PROGRAMS,
                warps=triton_ops.EXPAND_WARPS, tile_items=triton_ops.TILE_ITEMS_PER_PROGRAM,
                tile_programs=triton_ops.TILE_PROGRAMS_PER_SM, tile_warps=triton_ops.TILE_WARPS,
-               stages=(triton_ops.SHRINK_STAGES, triton_ops.EXPAND_STAGES, triton_ops.TILE_STAGES))
-SWEEP = [dict(DEFAULT, half_n=64, warps=1),
-         dict(DEFAULT, half_n=64, warps=2),
-         dict(DEFAULT, half_n=128, warps=4),
-         dict(DEFAULT, half_n=32, warps=1)]  # (software pipelining of the rank loop: num_stages 2 or 3 compile to
+               stages=(triton_ops.SHRINK_STAGES, triton_ops.EXPAND_STAGES, triton_ops.TILE_STAGES),
+               epilogue_half_n=triton_ops.EPILOGUE_HALF_N, epilogue_warps=triton_ops.EPILOGUE_WARPS)
+SWEEP = [dict(DEFAULT, epilogue_half_n=256, epilogue_warps=2),
+         dict(DEFAULT, epilogue_half_n=512, epilogue_warps=4),
+         dict(DEFAULT, epilogue_half_n=512, epilogue_warps=2),
+         dict(DEFAULT, half_n=64, warps=1)]  # (software pipelining of the rank loop: num_stages 2 or 3 compile to
 # the same sm_90 code as 1 for the one-token delta, so stages are not swept)
 
 
@@ -321,6 +322,7 @@ def apply(cfg: dict) -> None:
     triton_ops.TILE_HALF_N = cfg["tile_half_n"]
     triton_ops.TILE_ITEMS_PER_PROGRAM, triton_ops.TILE_PROGRAMS_PER_SM = cfg["tile_items"], cfg["tile_programs"]
     triton_ops.TILE_WARPS = cfg["tile_warps"]
+    triton_ops.EPILOGUE_HALF_N, triton_ops.EPILOGUE_WARPS = cfg["epilogue_half_n"], cfg["epilogue_warps"]
     triton_ops.persistent_programs.cache_clear()
 
 

@@ -63,8 +63,10 @@ def _ptr(tab_ptr, at, ty: tl.constexpr):
 # ---------------------------------------------------------------------------------------------- input transform
 @triton.jit
 def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, slots_ptr, num_tokens, in_features, num_slots,
-                           BC: tl.constexpr, BB: tl.constexpr, NBP: tl.constexpr):
-    """Program (token t, chunk c, projection p): x'[p, t] = T_{p,slot}(x[t]) on its chunk; a copy if no T."""
+                           BC: tl.constexpr, BB: tl.constexpr, NBP: tl.constexpr, B_EXACT: tl.constexpr):
+    """Program (token t, chunk c, projection p): x'[p, t] = T_{p,slot}(x[t]) on its chunk; a copy if no T.
+    B_EXACT: every block of the pool is BB wide (the usual case), so block strides are constants and x and T are
+    read in 16-byte vectors (with a runtime block size Triton reads them one element at a time)."""
     t, c, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots_ptr + t)
     row = (p * num_slots + tl.maximum(slot, 0)) * NF
@@ -76,6 +78,8 @@ def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, slots_ptr, num_tokens, in_fea
         # Block-diagonal T: NBP blocks of size b per program, x'_k = T_k (t ⊙ x)_k as a broadcast-multiply-sum
         # (blocks are 4..64 wide: too small and too many for tensor cores to pay).
         b = tl.load(tab_ptr + row + F_TBB).to(tl.int32)
+        if B_EXACT:
+            b = BB
         shared_block = tl.load(tab_ptr + row + F_TBN) == 1
         tb = _ptr(tab_ptr, row + F_TB, x_ptr.dtype.element_ty)
         k = c * NBP + tl.arange(0, NBP)

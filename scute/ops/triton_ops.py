@@ -29,8 +29,8 @@ from scute.ops.meta import BLOCK_M, LoraMeta, max_tiles
 from scute.ops.pool import SlotPool
 
 BLOCK_K = 128  # shrink K tile
-HALF_N = 128  # one-token delta chunk = 2·HALF_N output columns, rank steps of 16; the epilogue's chunk = HALF_N
-# column pairs
+HALF_N = 128  # one-token delta chunk = 2·HALF_N output columns, rank steps of 16
+EPILOGUE_HALF_N = 128  # the epilogue's chunk: EPILOGUE_HALF_N column pairs
 TILE_HALF_N = 128  # multi-token tiles: chunk = 2·TILE_HALF_N columns at rank tile 16 or 32; a larger rank tile
 # narrows it (the B block of a rank step stays 2·TILE_HALF_N x 32 elements)
 ROW_BLOCK_R = 16  # rank step of one-token tiles, whatever the pool's largest rank
@@ -129,7 +129,7 @@ def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, num_proj: int
     chunks = max(triton_cdiv(in_features, block_c), triton_cdiv(in_features // min_block, blocks_per_prog))
     _kernels().input_transform_kernel[(num_tokens, chunks, num_proj)](
         x, out, table, token_slots, num_tokens, in_features, table.shape[1],
-        BC=block_c, BB=block_b, NBP=blocks_per_prog)
+        BC=block_c, BB=block_b, NBP=blocks_per_prog, B_EXACT=min_block == block_b)
     return out
 
 
@@ -304,8 +304,8 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     zs = [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
     if side is not None:
         torch.cuda.current_stream(x.device).wait_stream(side)
-    epilogue_(zs, ds, pool.table, meta.token_slots, half_n,
-              choose_chunks_per_prog(x.shape[0], pool.out_features, half_n))
+    epilogue_(zs, ds, pool.table, meta.token_slots, EPILOGUE_HALF_N,
+              choose_chunks_per_prog(x.shape[0], pool.out_features, EPILOGUE_HALF_N))
     return zs
 
 def call_transient_bytes(num_tokens: int, in_features: int, out_features: Sequence[int], num_slots: int,
