@@ -30,7 +30,7 @@ from scute.ops.pool import SlotPool
 
 BLOCK_K = 128  # shrink K tile
 HALF_N = 128  # one-token delta chunk = 2·HALF_N output columns, rank steps of 16
-EPILOGUE_HALF_N = 128  # the epilogue's chunk: EPILOGUE_HALF_N column pairs
+EPILOGUE_HALF_N = 512  # the epilogue's chunk: EPILOGUE_HALF_N column pairs
 TILE_HALF_N = 128  # multi-token tiles: chunk = 2·TILE_HALF_N columns at rank tile 16 or 32; a larger rank tile
 # narrows it (the B block of a rank step stays 2·TILE_HALF_N x 32 elements)
 ROW_BLOCK_R = 16  # rank step of one-token tiles, whatever the pool's largest rank
@@ -44,7 +44,7 @@ TARGET_EXPAND_PROGRAMS = 4096  # the one-token delta and the epilogue give each 
 # are what the sweep of bench/bench_ops.py picked on the H200 (LoRA B=64/64 78.6 µs vs 79.7 at 64 and 1 warp;
 # VeRA r=256 with one token is worse there, 129 vs 110: bench/results/bench_ops_h200.json).
 SHRINK_WARPS, EXPAND_WARPS, TILE_WARPS, SHRINK_STAGES, EXPAND_STAGES, TILE_STAGES = 4, 2, 4, 3, 1, 1
-EPILOGUE_WARPS = 1
+EPILOGUE_WARPS = 4  # with EPILOGUE_HALF_N 512: the sweep's pick (the epilogue's shape moves the layer by ~1 µs)
 TILE_PROGRAMS_PER_SM = 2  # the multi-token delta is persistent: this many programs per SM walk its items...
 TILE_ITEMS_PER_PROGRAM = 4  # ...about this many each (an item's setup is a chain of ~6 dependent loads, so a
 # prefill of many tiles gives each item a run of chunks; a few tiles, one chunk per item)
