@@ -155,10 +155,14 @@ def shrink_kernel(x_ptr, h_ptr, count_ptr, tab_ptr, sorted_ptr, tile_group_ptr, 
             tl.debug_barrier()  # every thread's partial is written before the arrival is counted (release below)
             counter = count_ptr + (tile * RT + pid % RT) * tl.num_programs(2) + p
             if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:  # the last split to arrive sums
-                rows = (tl.arange(0, SPLIT_K)[:, None] * num_tokens + pos[None, :]).to(tl.int64) * h_width + hoff
-                parts = tl.load(h_ptr + rows[:, :, None] + r[None, None, :], mask=mask[None, :, :], other=0.0)
+                # one [BM, BR] partial at a time, in split order (a single [SPLIT_K, BM, BR] load held ~170
+                # registers for wide ranks)
                 h0_rows = h_ptr + pos.to(tl.int64) * h_width + hoff
-                tl.store(h0_rows[:, None] + r[None, :], tl.sum(parts, axis=0), mask=mask)
+                total = tl.load(h0_rows[:, None] + r[None, :], mask=mask, other=0.0)
+                for s in range(1, SPLIT_K):
+                    rows = (s * num_tokens + pos).to(tl.int64) * h_width + hoff
+                    total += tl.load(h_ptr + rows[:, None] + r[None, :], mask=mask, other=0.0)
+                tl.store(h0_rows[:, None] + r[None, :], total, mask=mask)
                 tl.atomic_xchg(counter, 0)  # ready for the next call
 
 
