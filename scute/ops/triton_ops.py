@@ -29,7 +29,7 @@ from scute.ops.meta import BLOCK_M, LoraMeta, max_tiles
 from scute.ops.pool import SlotPool
 
 BLOCK_K = 128  # shrink K tile
-HALF_N = 128  # one-token delta chunk = 2·HALF_N output columns, rank steps of 16
+HALF_N = 64  # one-token delta chunk = 2·HALF_N output columns, rank steps of 16
 EPILOGUE_HALF_N = 512  # the epilogue's chunk: EPILOGUE_HALF_N column pairs
 TILE_HALF_N = 128  # multi-token tiles: chunk = 2·TILE_HALF_N columns at rank tile 16 or 32; a larger rank tile
 # narrows it (the B block of a rank step stays 2·TILE_HALF_N x 32 elements)
@@ -40,10 +40,10 @@ TARGET_PROGRAMS = 1024  # the shrink's split-K aims at this many programs (~8 pe
 MAX_SPLIT_K = 16  # ...whose partials are summed in one load of SPLIT_K x BLOCK_M x BLOCK_R
 TARGET_EXPAND_PROGRAMS = 4096  # the one-token delta and the epilogue give each program enough chunks to bring
 # their grid to this
-# Triton launch options (module constants: the bench tunes them). HALF_N 128 and 2 warps for the one-token delta
-# are what the sweep of bench/bench_ops.py picked on the H200 (LoRA B=64/64 78.6 µs vs 79.7 at 64 and 1 warp;
-# VeRA r=256 with one token is worse there, 129 vs 110: bench/results/bench_ops_h200.json).
-SHRINK_WARPS, EXPAND_WARPS, TILE_WARPS, SHRINK_STAGES, EXPAND_STAGES, TILE_STAGES = 4, 2, 4, 3, 1, 1
+# Triton launch options (module constants: the bench tunes them). HALF_N 64 and 1 warp for the one-token delta
+# are what the fifth session's sweep of bench/bench_ops.py picked on the H200, by a small margin over 128 and 2
+# warps (the fourth session's pick, by as small a margin the other way: bench/results/bench_ops_h200.json).
+SHRINK_WARPS, EXPAND_WARPS, TILE_WARPS, SHRINK_STAGES, EXPAND_STAGES, TILE_STAGES = 4, 1, 4, 3, 1, 1
 EPILOGUE_WARPS = 4  # with EPILOGUE_HALF_N 512: the sweep's pick (the epilogue's shape moves the layer by ~1 µs)
 TILE_PROGRAMS_PER_SM = 2  # the multi-token delta is persistent: this many programs per SM walk its items...
 TILE_ITEMS_PER_PROGRAM = 4  # ...about this many each (an item's setup is a chain of ~6 dependent loads, so a
