@@ -306,13 +306,12 @@ DEFAULT = dict(half_n=triton_ops.HALF_N, tile_half_n=triton_ops.TILE_HALF_N, blo
                warps=triton_ops.EXPAND_WARPS, tile_items=triton_ops.TILE_ITEMS_PER_PROGRAM,
                tile_programs=triton_ops.TILE_PROGRAMS_PER_SM, tile_warps=triton_ops.TILE_WARPS,
                stages=(triton_ops.SHRINK_STAGES, triton_ops.EXPAND_STAGES, triton_ops.TILE_STAGES),
-               epilogue_half_n=triton_ops.EPILOGUE_HALF_N, epilogue_warps=triton_ops.EPILOGUE_WARPS,
-               shrink_block_r=triton_ops.SHRINK_MAX_BLOCK_R)
-SWEEP = [dict(DEFAULT, shrink_block_r=16),  # a wide rank's shrink in more rank tiles of 16 (the mix's LoRA
-         # groups then run the LoRA-only pool's shrink)
-         dict(DEFAULT, shrink_block_r=32),
-         dict(DEFAULT, shrink_block_r=16, target_programs=2048),
-         dict(DEFAULT, half_n=128, warps=2)]  # (software pipelining of the rank loop: num_stages 2 or 3 compile to
+               epilogue_half_n=triton_ops.EPILOGUE_HALF_N, epilogue_warps=triton_ops.EPILOGUE_WARPS)
+SWEEP = [dict(DEFAULT, target_programs=2048),  # more shrink splits (its programs hold fewer registers since the
+         # partials are summed one tile at a time)
+         dict(DEFAULT, tile_half_n=64),  # narrower multi-token chunks (more items for one wide-rank tile)
+         dict(DEFAULT, half_n=64, warps=1),
+         dict(DEFAULT, epilogue_half_n=128, epilogue_warps=1)]  # (software pipelining of the rank loop: num_stages 2 or 3 compile to
 # the same sm_90 code as 1 for the one-token delta, so stages are not swept)
 
 
@@ -325,7 +324,6 @@ def apply(cfg: dict) -> None:
     triton_ops.TILE_ITEMS_PER_PROGRAM, triton_ops.TILE_PROGRAMS_PER_SM = cfg["tile_items"], cfg["tile_programs"]
     triton_ops.TILE_WARPS = cfg["tile_warps"]
     triton_ops.EPILOGUE_HALF_N, triton_ops.EPILOGUE_WARPS = cfg["epilogue_half_n"], cfg["epilogue_warps"]
-    triton_ops.SHRINK_MAX_BLOCK_R = cfg["shrink_block_r"]
     triton_ops.persistent_programs.cache_clear()
 
 

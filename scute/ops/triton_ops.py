@@ -36,7 +36,6 @@ TILE_HALF_N = 128  # multi-token tiles: chunk = 2·TILE_HALF_N columns at rank t
 ROW_BLOCK_R = 16  # rank step of one-token tiles, whatever the pool's largest rank
 MAX_BLOCK_R = 64  # rank tile: the pool's largest rank rounded up to a power of two in [16, 64]; larger ranks
 # get several rank tiles (the shrink's grid, the multi-token delta's loop)
-SHRINK_MAX_BLOCK_R = 64  # the shrink's rank tile is at most this (the bench sweeps it)
 TARGET_PROGRAMS = 1024  # the shrink's split-K aims at this many programs (~8 per SM on an H200)...
 MAX_SPLIT_K = 16  # ...whose partials are summed in one load of SPLIT_K x BLOCK_M x BLOCK_R
 TARGET_EXPAND_PROGRAMS = 4096  # the one-token delta and the epilogue give each program enough chunks to bring
@@ -62,15 +61,9 @@ def block_r(max_rank: int) -> int:
     return min(max(16, 1 << (max(max_rank, 1) - 1).bit_length()), MAX_BLOCK_R)
 
 
-def shrink_block_r(max_rank: int) -> int:
-    """The shrink's rank tile: `block_r`, at most SHRINK_MAX_BLOCK_R (a wide rank gets more rank tiles, not a
-    wider tile that every narrow group of the pool would also be compiled for)."""
-    return min(block_r(max_rank), SHRINK_MAX_BLOCK_R)
-
-
 def rank_tiles(max_rank: int) -> int:
     """Rank tiles of a pool whose largest rank is `max_rank` (the shrink's grid has one program per tile)."""
-    return triton_cdiv(max_rank, shrink_block_r(max_rank))
+    return triton_cdiv(max_rank, block_r(max_rank))
 
 
 def choose_split_k(in_features: int, programs: int, block_k: int = BLOCK_K) -> int:
@@ -169,7 +162,7 @@ def shrink_(h: Tensor, x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group:
     _kernels().shrink_kernel[grid](
         x, h, arrival_counters(x.device, grid[0] * rt * num_proj), table, sorted_idx, tile_group, tile_start,
         tile_end, num_tokens, in_features, table.shape[1], h_width, k_per_split, SPLIT_K=split_k, RT=rt, BM=BLOCK_M,
-        BR=shrink_block_r(max_rank), BK=block_k, PREC=_precision(x.dtype), ONCE_ABOVE=ROW_BLOCK_R,
+        BR=block_r(max_rank), BK=block_k, PREC=_precision(x.dtype), ONCE_ABOVE=ROW_BLOCK_R,
         num_warps=SHRINK_WARPS, num_stages=SHRINK_STAGES)
 
 
