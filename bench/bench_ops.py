@@ -307,10 +307,11 @@ DEFAULT = dict(half_n=triton_ops.HALF_N, tile_half_n=triton_ops.TILE_HALF_N, blo
                tile_programs=triton_ops.TILE_PROGRAMS_PER_SM, tile_warps=triton_ops.TILE_WARPS,
                stages=(triton_ops.SHRINK_STAGES, triton_ops.EXPAND_STAGES, triton_ops.TILE_STAGES),
                epilogue_half_n=triton_ops.EPILOGUE_HALF_N, epilogue_warps=triton_ops.EPILOGUE_WARPS)
-SWEEP = [dict(DEFAULT, stages=(3, 1, 2)),  # software-pipelined rank steps in the multi-token delta
-         dict(DEFAULT, stages=(3, 1, 3)),
+SWEEP = [dict(DEFAULT, target_programs=2048),  # more shrink splits (its programs hold fewer registers since the
+         # partials are summed one tile at a time)
          dict(DEFAULT, tile_half_n=64),  # narrower multi-token chunks (more items for one wide-rank tile)
-         dict(DEFAULT, half_n=128, warps=2)]  # (software pipelining of the rank loop: num_stages 2 or 3 compile to
+         dict(DEFAULT, half_n=64, warps=1),
+         dict(DEFAULT, epilogue_half_n=128, epilogue_warps=1)]  # (software pipelining of the rank loop: num_stages 2 or 3 compile to
 # the same sm_90 code as 1 for the one-token delta, so stages are not swept)
 
 

@@ -328,11 +328,9 @@ def delta_tiles_kernel(d0_ptr, d1_ptr, d2_ptr, h_ptr, tab_ptr, sorted_slots_ptr,
         items += tl.cdiv(out1, cols_per_item)
     if P > 2:
         items += tl.cdiv(out2, cols_per_item)
-    # Items in column-major order: the programs running at one time work on the same columns of every tile, so
-    # the tiles of one group (a shared VeRA matrix, a prefill) read each block of B from memory about once.
     for item in range(tl.program_id(0), num_multi * items, tl.num_programs(0)):
-        tile = tl.load(multi_tiles_ptr + item % num_multi)
-        p, prog, n_out = _proj_of_program(item // num_multi, out0, out1, out2, cols_per_item, P)
+        tile = tl.load(multi_tiles_ptr + item // items)
+        p, prog, n_out = _proj_of_program(item % items, out0, out1, out2, cols_per_item, P)
         g, start, end, grow = _group_of_program(tab_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr, tile, p,
                                                 num_slots, BM)
         if g >= 0:
