@@ -5,6 +5,7 @@ kernels overlap the GEMMs, so it is more than the layer's time). Run: ``PYTHONPA
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections import defaultdict
 
@@ -51,16 +52,25 @@ def compiled_stats() -> list[str]:
     return lines
 
 
+DEFAULT_ROWS = "lora:64:64,lora:1:1,vera:1:1,vera:64:1,mix:64:64"
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rows", default=DEFAULT_ROWS, help="variant:batch:adapters, comma-separated")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="of: " + ", ".join(CONFIGS))
+    args = ap.parse_args()
+    rows = [(v, int(b), int(n)) for v, b, n in (r.split(":") for r in args.rows.split(","))]
+    configs = {c: CONFIGS[c] for c in args.configs.split(",")}
     layer = B.Layer()
     base = {k: getattr(triton_ops, k) for k in ("MAX_SPLIT_K", "EXPAND_WARPS", "SHRINK_WARPS", "SHRINK_STAGES",
                                                 "EXPAND_STAGES", "TILE_STAGES", "TARGET_EXPAND_PROGRAMS", "HALF_N",
                                                 "TILE_WARPS")}
-    for variant, batch, n in [("lora", 64, 64), ("lora", 1, 1), ("vera", 1, 1), ("vera", 64, 1), ("mix", 64, 64)]:
+    for variant, batch, n in rows:
         pools = B.build_pools(layer, variant, n, B.GROUPED)
         xs = layer.inputs(batch)
         ts = torch.arange(batch, device="cuda") % n
-        for cname, cfg in CONFIGS.items():
+        for cname, cfg in configs.items():
             for k, v in {**base, **cfg}.items():
                 setattr(triton_ops, k, v)
             metas = {pool.group_key: build_lora_meta(ts, pool.slot_group) for pool in pools.values()}
