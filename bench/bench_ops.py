@@ -307,12 +307,15 @@ DEFAULT = dict(half_n=triton_ops.HALF_N, tile_half_n=triton_ops.TILE_HALF_N, blo
                tile_programs=triton_ops.TILE_PROGRAMS_PER_SM, tile_warps=triton_ops.TILE_WARPS,
                stages=(triton_ops.SHRINK_STAGES, triton_ops.EXPAND_STAGES, triton_ops.TILE_STAGES),
                epilogue_half_n=triton_ops.EPILOGUE_HALF_N, epilogue_warps=triton_ops.EPILOGUE_WARPS)
-SWEEP = [dict(DEFAULT, target_programs=2048),  # more shrink splits (its programs hold fewer registers since the
-         # partials are summed one tile at a time)
-         dict(DEFAULT, tile_half_n=64),  # narrower multi-token chunks (more items for one wide-rank tile)
-         dict(DEFAULT, half_n=64, warps=1),
-         dict(DEFAULT, epilogue_half_n=128, epilogue_warps=1)]  # (software pipelining of the rank loop: num_stages 2 or 3 compile to
-# the same sm_90 code as 1 for the one-token delta, so stages are not swept)
+# The fifth session's sweeps (bench/results/bench_ops_h200*.json) tried, for the one-token delta, HALF_N 128 at 2
+# warps; the shrink's rank tile capped at 16 or 32 and TARGET_PROGRAMS 2048; the multi-token delta's chunks at
+# TILE_HALF_N 64 and its rank loop pipelined (stages 2, 3); the epilogue at 2·128 to 2·512 columns, 1 to 4 warps.
+# None beat the defaults. This sweep: the multi-token delta's persistent programs per SM and items per program.
+SWEEP = [dict(DEFAULT, tile_programs=3),
+         dict(DEFAULT, tile_programs=4),
+         dict(DEFAULT, tile_items=2),
+         dict(DEFAULT, tile_items=8)]  # (software pipelining of the one-token delta's rank loop: num_stages 2
+# or 3 compile to the same sm_90 code as 1, so its stages are not swept)
 
 
 def apply(cfg: dict) -> None:

@@ -25,7 +25,7 @@ r = json.load(open(sys.argv[1]))
 for row in r.get("sweep", []):
     if "error" in row or row["variant"] == "base":
         continue
-    cfg = {k: row[k] for k in ("half_n", "warps", "tile_half_n", "target_programs", "epilogue_half_n")}
+    cfg = {k: row[k] for k in ("half_n", "warps", "tile_programs", "tile_items")}
     print(f"{row['batch']:>4} {row['adapters']:>3} {row['variant']:<13} {row['us']:8.1f} {row['delta_us'] or 0:8.1f} {cfg}")
 print("chosen", r["config"])
 PY
