@@ -45,7 +45,7 @@ TARGET_EXPAND_PROGRAMS = 4096  # the one-token delta and the epilogue give each 
 # warps (the fourth session's pick, by as small a margin the other way: bench/results/bench_ops_h200.json).
 SHRINK_WARPS, EXPAND_WARPS, TILE_WARPS, SHRINK_STAGES, EXPAND_STAGES, TILE_STAGES = 4, 1, 4, 3, 1, 1
 EPILOGUE_WARPS = 4  # with EPILOGUE_HALF_N 512: the sweep's pick (the epilogue's shape moves the layer by ~1 µs)
-TILE_PROGRAMS_PER_SM = 2  # the multi-token delta is persistent: this many programs per SM walk its items...
+TILE_PROGRAMS_PER_SM = 3  # the multi-token delta is persistent: this many programs per SM walk its items...
 TILE_ITEMS_PER_PROGRAM = 4  # ...about this many each (an item's setup is a chain of ~6 dependent loads, so a
 # prefill of many tiles gives each item a run of chunks; a few tiles, one chunk per item)
 
