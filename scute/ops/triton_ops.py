@@ -37,12 +37,13 @@ ROW_BLOCK_R = 16  # rank step of one-token tiles, whatever the pool's largest ra
 MAX_BLOCK_R = 64  # rank tile: the pool's largest rank rounded up to a power of two in [16, 64]; larger ranks
 # get several rank tiles (the shrink's grid, the multi-token delta's loop)
 TARGET_PROGRAMS = 1024  # the shrink's split-K aims at this many programs (~8 per SM on an H200)...
-MAX_SPLIT_K = 16  # ...whose partials are summed in one load of SPLIT_K x BLOCK_M x BLOCK_R
+MAX_SPLIT_K = 16  # ...whose partials the one-token delta sums in one load of SPLIT_K x ROW_BLOCK_R
 TARGET_EXPAND_PROGRAMS = 4096  # the one-token delta and the epilogue give each program enough chunks to bring
 # their grid to this
 # Triton launch options (module constants: the bench tunes them). HALF_N 64 and 1 warp for the one-token delta
 # are what the fifth session's sweep of bench/bench_ops.py picked on the H200, by a small margin over 128 and 2
-# warps (the fourth session's pick, by as small a margin the other way: bench/results/bench_ops_h200.json).
+# warps (the fourth session's pick, by as small a margin the other way: bench/results/bench_ops_h200_sweep_halfn.json).
+# 3 persistent programs per SM for the multi-token delta: run 8's sweep (bench/results/bench_ops_h200.json).
 SHRINK_WARPS, EXPAND_WARPS, TILE_WARPS, SHRINK_STAGES, EXPAND_STAGES, TILE_STAGES = 4, 1, 4, 3, 1, 1
 EPILOGUE_WARPS = 4  # with EPILOGUE_HALF_N 512: the sweep's pick (the epilogue's shape moves the layer by ~1 µs)
 TILE_PROGRAMS_PER_SM = 3  # the multi-token delta is persistent: this many programs per SM walk its items...
