@@ -30,14 +30,12 @@ DELTA_ARGS = {"d0_ptr": "*fp32", "d1_ptr": "*fp32", "d2_ptr": "*fp32", "h_ptr": 
                "sorted_slots_ptr": "*i32", "sorted_ptr": "*i32", "tile_group_ptr": "*i32", "tile_start_ptr": "*i32",
                "tile_end_ptr": "*i32", "num_tokens": "i32", "num_slots": "i32", "h_width": "i32", "out0": "i32",
                "out1": "i32", "out2": "i32", "chunks_per_prog": "i32"}
-SHRINK_ARGS = {"x_ptr": "*bf16", "h_ptr": "*fp32", "count_ptr": "*i32", "tab_ptr": "*i64",
-               "sorted_ptr": "*i32", "tile_group_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "num_tokens": "i32", "in_features": "i32",
-               "num_slots": "i32", "h_width": "i32", "k_per_split": "i32"}
+SHRINK_ARGS = {"x_ptr": "*bf16", "h_ptr": "*fp32", "count_ptr": "*i32", "tab_ptr": "*i64", "sorted_ptr": "*i32",
+               "tile_group_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "num_tokens": "i32",
+               "in_features": "i32", "num_slots": "i32", "h_width": "i32", "k_per_split": "i32"}
 EPILOGUE_ARGS = {"z0_ptr": "*bf16", "z1_ptr": "*bf16", "z2_ptr": "*bf16", "d0_ptr": "*fp32", "d1_ptr": "*fp32",
-                 "d2_ptr": "*fp32", "tab_ptr": "*i64", "slots_ptr": "*i32",
-                 "num_slots": "i32", "out0": "i32", "out1": "i32", "out2": "i32", "chunks_per_prog": "i32"}
-
-
+                 "d2_ptr": "*fp32", "tab_ptr": "*i64", "slots_ptr": "*i32", "num_slots": "i32", "out0": "i32",
+                 "out1": "i32", "out2": "i32", "chunks_per_prog": "i32"}
 INPUT_ARGS = {"x_ptr": "*bf16", "xt_ptr": "*bf16", "tab_ptr": "*i64", "slots_ptr": "*i32", "num_tokens": "i32",
               "in_features": "i32", "num_slots": "i32"}
 

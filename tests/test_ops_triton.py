@@ -205,9 +205,10 @@ def test_epilogue_only_pool():
 
 @pytest.mark.parametrize("split", [2, 4])
 def test_split_partials(split, monkeypatch):
-    """The shrink splits K: the expands sum the partials of groups of one rank step (r ≤ 16), the last split to
-    arrive sums those of wider ones (r = 17, 256) into split 0. Every popularity law; the arrival counters are back
-    to zero after each call (the next call relies on it). K = 64: on the GPU a split needs 16 columns."""
+    """The shrink splits K: the one-token delta sums the partials of one-token tiles of one rank step (r ≤ 16),
+    the last split to arrive sums those of wider groups (r = 17, 256) and of multi-token tiles into split 0.
+    Every popularity law; the arrival counters are back to zero after each call (the next call relies on it).
+    K = 64: on the GPU a split needs 16 columns."""
     monkeypatch.setattr(triton_ops, "TARGET_PROGRAMS", 1 << 20)
     monkeypatch.setattr(triton_ops, "MAX_SPLIT_K", split)
     in_f = 64

@@ -84,10 +84,11 @@ def choose_chunks_per_prog(num_tiles: int, out_features: Sequence[int], half_n: 
 
 
 def rows_half_n(num_tiles: int, out_features: Sequence[int], max_rank: int, half_n: int = HALF_N) -> int:
-    """Half-chunk of the one-token delta: `half_n`, narrowed (down to 16) for a pool of wide ranks while its grid
-    stays within TARGET_EXPAND_PROGRAMS. A one-token program reads chunk x rank elements of B in serial rank
-    steps: with one token of rank 256 (VeRA at decode) a 256-column chunk is 16 steps of one program, and the
-    whole projection only a few programs; narrower chunks spread it over the SMs."""
+    """Half-chunk of the one-token delta: `half_n`, halved (down to 16) while a chunk of the pool's widest rank
+    holds more of B than a rank-16 chunk at HALF_N, and the grid stays within TARGET_EXPAND_PROGRAMS. A one-token
+    program reads chunk x rank elements of B in serial rank steps: with one token of rank 256 (VeRA at decode) a
+    128-column chunk is 16 steps of one program, and a whole projection a few dozen programs; narrower chunks
+    spread it over the SMs."""
     while half_n > 16 and max_rank * half_n > ROW_BLOCK_R * HALF_N and \
             num_tiles * sum(triton_cdiv(o, half_n) for o in out_features) <= TARGET_EXPAND_PROGRAMS:
         half_n //= 2
