@@ -6,7 +6,10 @@ kernels overlap the GEMMs, so it is more than the layer's time). Run: ``PYTHONPA
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import tempfile
 from collections import defaultdict
 
 import torch
@@ -38,6 +41,33 @@ def kernel_times(fn, iters: int = 10) -> dict:
     return dict(out)
 
 
+def timeline(fn) -> list[str]:
+    """One replay of a CUDA graph of `fn` under the profiler: each kernel's stream, start (µs from the first
+    kernel's start), duration and name, in start order: which stream's chain is the layer's critical path."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not kernels:
+        return ["(no kernel events in the graph replay's trace)"]
+    t0 = kernels[0]["ts"]
+    end = max(e["ts"] + e["dur"] for e in kernels)
+    lines = [f"  stream {e['args'].get('stream', '?'):>3} start {e['ts'] - t0:7.1f} dur {e['dur']:6.1f}  "
+             f"{e['name'][:60]}" for e in kernels]
+    return lines + [f"  span {end - t0:.1f} us"]
+
+
 def compiled_stats() -> list[str]:
     lines = []
     k = triton_ops._kernels()
@@ -59,6 +89,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", default=DEFAULT_ROWS, help="variant:batch:adapters, comma-separated")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="of: " + ", ".join(CONFIGS))
+    ap.add_argument("--timeline", action="store_true", help="also each row's kernels in one graph replay, by stream")
     args = ap.parse_args()
     rows = [(v, int(b), int(n)) for v, b, n in (r.split(":") for r in args.rows.split(","))]
     configs = {c: CONFIGS[c] for c in args.configs.split(",")}
@@ -83,6 +114,8 @@ def main() -> None:
             total = sum(times.values())
             parts = ", ".join(f"{k.split('_kernel')[0]} {v:.1f}" for k, v in sorted(times.items(), key=lambda x: -x[1]))
             print(f"{variant} B={batch} n={n} [{cname}] total {total:.1f} us: {parts}", flush=True)
+            if args.timeline:
+                print("\n".join(timeline(fn)), flush=True)
     for line in compiled_stats():
         print(line)
 

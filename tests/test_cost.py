@@ -23,7 +23,7 @@ def test_base_only_call():
 
 def test_lora_adapters_read_once_each():
     """Two active LoRAs of 3 tokens: A and B of each once (not per token), the shrink's x read and split
-    partials of h (written, read once), the float32 delta (written, read), the epilogue's read-modify-write of z
+    partials of h (written, read once), the delta in the model's dtype (written, read), the epilogue's read-modify-write of z
     for the adapter tokens; GEMM + shrink + 2 deltas + epilogue."""
     slots = [[lora(0), lora(1), lora(2)]]
     tokens = [0, 1, 0, -1]
@@ -31,7 +31,11 @@ def test_lora_adapters_read_once_each():
     split = choose_split_k(IN, max_tiles(len(tokens), 3))
     assert cost.adapters == 2 * R * (IN + OUT) * E == lora_floor_bytes(R, IN, OUT, 2, E)
     assert cost.weights == OUT * IN * E
-    assert cost.activations == 4 * (IN + OUT) * E + 3 * (IN * E + 2 * split * R * 4 + 2 * OUT * 4) + 3 * 2 * OUT * E
+    assert cost.activations == 4 * (IN + OUT) * E + 3 * (IN * E + 2 * split * R * 4 + 2 * OUT * E) + 3 * 2 * OUT * E
+    # an idle DoRA slot in the pool makes its delta float32 (`SlotPool.delta_dtype`): 2 more bytes per element
+    dora = random_slots("dora", IN, OUT, rank=R, generator=torch.Generator().manual_seed(9))
+    exact = layer_call_bytes([[lora(0), lora(1), dora]], IN, [OUT], tokens, E)
+    assert exact.activations - cost.activations == 3 * 2 * OUT * (4 - E)
     assert cost.launches == 1 + 1 + 2 + 1
 
 

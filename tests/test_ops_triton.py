@@ -133,6 +133,29 @@ def test_fp16(num_tokens):
     check(y, x, w, b, slots, ts, 2e-3)
 
 
+def test_delta_in_the_model_dtype():
+    """A pool whose low-rank slots only add v ⊙ d (LoRA, VeRA; IA3, OFT and RoAd have no d) keeps d in the model's
+    dtype; one with a slot that also scales or shifts z (DoRA, LoRA with a bias) keeps it in float32."""
+    gen, w, b = _case(torch.float16, seed=17)
+    kw = dict(dtype=torch.float16, device=DEVICE, generator=gen)
+    pair = vera_pair(8, 2 * IN, 2 * OUT, **kw)
+    slots = [random_slots("lora", IN, OUT, rank=16, **kw), random_slots("vera", IN, OUT, vera_pair=pair, **kw),
+             random_slots("vera", IN, OUT, vera_pair=pair, **kw), random_slots("ia3", IN, OUT, **kw),
+             random_slots("oft", IN, OUT, block=8, **kw), random_slots("road", IN, OUT, group=8, **kw),
+             random_slots("lora", IN, OUT, rank=100, **kw)]
+    pool = SlotPool(IN, (OUT,), len(slots), DEVICE, torch.float16)
+    pool.update([slots])
+    assert pool.delta_dtype(torch.float16) == torch.float16
+    ts = token_slots("skewed", 33, len(slots), generator=gen).to(DEVICE)
+    x = torch.randn(33, IN, generator=gen).to(DEVICE, torch.float16)
+    (y,) = run_triton(x, [w], [b], [slots], ts, torch.float16)
+    check(y, x, w, b, slots, ts, 2e-3)
+    for exact in (random_slots("dora", IN, OUT, rank=4, **kw), random_slots("lora", IN, OUT, bias=True, **kw)):
+        pool = SlotPool(IN, (OUT,), len(slots) + 1, DEVICE, torch.float16)
+        pool.update([[*slots, exact]])
+        assert pool.delta_dtype(torch.float16) == torch.float32
+
+
 def test_bf16():
     """bf16 weights and activations. The interpreter computes bf16 dots on bit patterns, so on the CPU the
     bf16 values are upcast to fp32 after loading (the kernels then see bf16-valued fp32 tensors); the GPU runs

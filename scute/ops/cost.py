@@ -6,8 +6,8 @@ A layer call (``P`` projections of one input, see `scute.ops.triton_ops`) moves,
 * adapters: each *active* group's live tensors once — A (once even when several projections or several adapters
   share it), B per projection, each active slot's vectors (``o, o2, c, v, m, t``, float32) and T blocks;
 * extra activation passes: the pre-pass (read x, write x' per projection), the shrink (read the adapter tokens'
-  x, write the split-K partials of h), the delta (read them once, write d in float32), the epilogue (read d,
-  read and write the adapter tokens' rows of z).
+  x, write the split-K partials of h), the delta (read them once, write d: float32 or the model's dtype, see
+  `SlotPool.delta_dtype`), the epilogue (read d, read and write the adapter tokens' rows of z).
 
 Predicted time = bytes / bandwidth + launches × launch latency, with both constants *measured* on the machine
 (a device-to-device copy; a graph of empty kernels), never fitted to the results they predict.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from scute.adapters.slots import Slots
 from scute.ops.meta import max_tiles
-from scute.ops.pool import _needs_expand, _storage_key
+from scute.ops.pool import _exact_delta, _needs_expand, _storage_key
 from scute.ops.triton_ops import choose_split_k
 
 VEC_BYTES = 4  # the pool keeps slot vectors in float32
@@ -71,7 +71,8 @@ def layer_call_bytes(slots: Sequence[Sequence[Slots | None]], in_features: int, 
                                                                          for sl in live[s]))
         cost.launches += 2 if n_tok == 1 else 3  # shrink, one-token delta, multi-token delta
         h_passes = 2 * split  # each split's partial written, then read once (by the delta, or by the shrink's sum)
-        delta = 2 * sum(out_features) * 4  # the float32 delta written, then read by the epilogue
+        d_elem = 4 if any(_exact_delta(sl) for row in slots for sl in row) else elem  # the pool's delta dtype
+        delta = 2 * sum(out_features) * d_elem  # the delta written, then read by the epilogue
         cost.activations += lowrank_tokens * (in_features * elem + h_passes * width * 4 + delta)
     expand = {s for s, col in live.items() if any(_needs_expand(sl) for sl in col)}
     if expand:

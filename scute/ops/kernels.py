@@ -6,8 +6,8 @@ to run compiled or in the interpreter (``TRITON_INTERPRET=1``). Table layout and
 A tile is up to BLOCK_M = 16 tokens of one adapter group (at decode: one token). The shrink is a tile GEMM on
 tensor cores (`tl.dot` of x and A in their own dtype: exact products, fp32 sums; fp32 inputs in IEEE fp32, no
 tf32) over the grid (tile, K split x rank tile, projection); masked rows move no bytes. The delta d = B (m ⊙ h)
-is two launches, each compiled to its own register count (at decode, the programs an SM holds are what hides
-their load latency): `delta_rows_kernel` runs a one-token tile (most tiles at decode) as a row, whose h is a
+(float32 sums, stored in `SlotPool.delta_dtype`) is two launches, each compiled to its own register count (at
+decode, the programs an SM holds are what hides their load latency): `delta_rows_kernel` runs a one-token tile (most tiles at decode) as a row, whose h is a
 rank-length vector (its product with a block of B rows is a multiply-sum along each row's contiguous rank values,
 in fp32, over rank steps of 16); `delta_tiles_kernel` runs a tile of several tokens as a tensor-core product (h
 split in two 16-bit parts: about 16 mantissa bits), reading each B block once for all of them. The shrink's
@@ -300,7 +300,7 @@ def delta_rows_kernel(d0_ptr, d1_ptr, d2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, 
         for r0 in range(BR, rank, BR):
             h = _h_row(h_ptr, m, flags, start, r0, rank, hoff, num_tokens, h_width, SPLIT_K, BR, ONCE_ABOVE)
             d += _row_delta(h, b_ptr, ldb, r0, n_out, cols, BR)
-        tl.store(d_row + cols, d, mask=cols < n_out)
+        tl.store(d_row + cols, d.to(d_row.dtype.element_ty), mask=cols < n_out)
 
 
 @triton.jit
@@ -362,7 +362,8 @@ def _delta_tile(d_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, n
         for r0 in range(BR, rank, BR):
             h = _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, h_width, BR)
             d += _tile_delta(h, b_ptr, ldb, r0, n_out, cols, BR, PREC)
-        tl.store(d_rows[:, None] + cols[None, :], d, mask=row_ok[:, None] & (cols < n_out)[None, :])
+        tl.store(d_rows[:, None] + cols[None, :], d.to(d_rows.dtype.element_ty),
+                 mask=row_ok[:, None] & (cols < n_out)[None, :])
 
 
 @triton.jit

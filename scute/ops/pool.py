@@ -55,7 +55,8 @@ class SlotPool:
     Attributes set by `update`: ``table`` (device, int64 [P, num_slots, NUM_FIELDS]), ``slot_group``
     (device int32 [num_slots]: each slot's group representative), ``group_key`` (host tuple of the same, None
     when every slot is its own group), ``h_width`` (rank rows of ``h`` per token), ``has_lowrank``,
-    ``has_input_transform``, ``has_expand``, ``block_b`` / ``min_block`` (power-of-two cover of the largest OFT
+    ``has_input_transform``, ``has_expand``, ``exact_delta`` (some slot adds its low-rank delta to a base output
+    it also scales, rotates or shifts: see `delta_dtype`), ``block_b`` / ``min_block`` (power-of-two cover of the largest OFT
     block, smallest OFT block), ``max_rank`` (the largest rank: sizes the kernels' rank tiles).
     """
 
@@ -72,13 +73,23 @@ class SlotPool:
         self._cache: dict[tuple, tuple[Tensor, Tensor]] = {}
         self.group_key: tuple[int, ...] | None = None
         self.h_width, self.has_lowrank, self.has_input_transform, self.has_expand = 1, False, False, False
+        self.exact_delta = False
         self.block_b, self.min_block, self.max_rank = 1, 1, 0
 
     @property
     def signature(self) -> tuple:
         """Everything a captured graph bakes in; a graph stays valid while this is unchanged."""
         return (self.group_key, self.h_width, self.has_lowrank, self.has_input_transform, self.has_expand,
-                self.block_b, self.min_block, self.max_rank)
+                self.exact_delta, self.block_b, self.min_block, self.max_rank)
+
+    def delta_dtype(self, out_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the kernels keep each token's low-rank delta d = B (m ⊙ h) in, for outputs in `out_dtype`.
+
+        A slot whose epilogue is ``y = z + v ⊙ d`` (LoRA, VeRA, ...) has the effect v ⊙ d: rounding d to the
+        output's dtype adds at most one rounding of the effect itself, below the output's own. A slot that also
+        scales, rotates or shifts z (DoRA: ``o ⊙ z + v ⊙ d``) can have an effect much smaller than d (the two
+        terms cancel), which d's rounding would swamp: such a pool keeps d in float32."""
+        return torch.float32 if self.exact_delta else out_dtype
 
     # ------------------------------------------------------------------ device copies
     def _dev(self, x: Tensor, kind: str, keep: dict) -> Tensor:
@@ -122,6 +133,7 @@ class SlotPool:
         self.h_width, self.has_lowrank = max(h_width, 1), h_width > 0
         self.has_input_transform = bool((host[..., F_FLAGS] & (HAS_T | HAS_TB)).any())
         self.has_expand = any(_needs_expand(sl) for row in slots for sl in row)
+        self.exact_delta = any(_exact_delta(sl) for row in slots for sl in row)
         self.block_b = 1 << (max(blocks, default=1) - 1).bit_length()
         self.min_block = min(blocks, default=1)
         self.max_rank = int(host[..., F_RANK].max())
@@ -171,6 +183,11 @@ class SlotPool:
 
 def _needs_expand(sl: Slots | None) -> bool:
     return sl is not None and any(getattr(sl, n) is not None for n in ("o", "o2", "c", "A"))
+
+
+def _exact_delta(sl: Slots | None) -> bool:
+    """The slot adds a low-rank delta to a base output it also scales, rotates or shifts (see `delta_dtype`)."""
+    return sl is not None and sl.A is not None and any(getattr(sl, n) is not None for n in ("o", "o2", "c"))
 
 
 def _share_key(column: list[Slots | None]) -> tuple | None:

@@ -207,10 +207,11 @@ def lora_delta_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor
     Semantics (token t with slot a ≥ 0 at sorted position i, projection p, group g of a with rank r > 0):
         ds[p][t] = B_{p,g} (m_a ⊙ Σ_s h[s, i, hoff : hoff + r])
     (h[0] alone where the shrink summed the splits: see `shrink_`),
-    computed and stored in float32 (in the model's dtype a delta much larger than the adapter's net effect,
-    e.g. DoRA's, would lose the effect's precision); rows of other tokens are not written.
+    computed in float32 and stored in ds's dtype (`SlotPool.delta_dtype`: the model's dtype, or float32 for a
+    pool whose delta can be much larger than the adapter's net effect, e.g. DoRA's); rows of other tokens are not
+    written.
 
-    Shapes: ds = P ≤ 3 float32 tensors [T, out_p] (contiguous), mat_dtype the pool's matrix dtype, h from
+    Shapes: ds = P ≤ 3 tensors [T, out_p] (contiguous, one dtype), mat_dtype the pool's matrix dtype, h from
     `shrink_`, sorted_slots [T] int32, multi_tiles [NT], num_multi [1] (`LoraMeta`), the rest as in `shrink_`.
     Two launches: a program per (one-token tile, `chunks_per_prog` chunks of 2·half_n columns of one projection),
     then a persistent walk of the (multi-token tile, run of chunks of 2·tile_half_n columns) items.
@@ -248,7 +249,7 @@ def epilogue_(zs: list[Tensor], ds: list[Tensor], table: Tensor, token_slots: Te
     with empty slots as identity / zero, computed in float32 and stored in z's dtype; rows of base tokens
     (slot −1) are not touched. Reference: `scute.ops.reference.epilogue_ref`.
 
-    Shapes: zs = P ≤ 3 tensors [T, out_p] (contiguous, one dtype), ds as many float32 tensors of the same shapes
+    Shapes: zs = P ≤ 3 tensors [T, out_p] (contiguous, one dtype), ds as many tensors of the same shapes
     (from `lora_delta_`; any, if the pool has no low-rank slot), token_slots [T] int32. A program per (token,
     `chunks_per_prog` chunks of 2·half_n columns of one projection).
     """
@@ -286,8 +287,8 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     # the base GEMMs (bandwidth-bound too, but they leave part of it, and SMs, unused), and the epilogue waits
     # for both. Their buffers are allocated here, on this stream, and used on the side stream only before the
     # join (the caching allocator's rule for cross-stream use). Under torch.compile they run in line.
-    ds = [x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32) for w in weights] if pool.has_lowrank \
-        else [x.new_empty((1, 1), dtype=torch.float32)]
+    ds = [x.new_empty((x.shape[0], w.shape[0]), dtype=pool.delta_dtype(x.dtype)) for w in weights] \
+        if pool.has_lowrank else [x.new_empty((1, 1), dtype=torch.float32)]
     side = _side_stream(x.device) if pool.has_lowrank and not torch.compiler.is_compiling() else None
     if pool.has_lowrank:
         split_k = choose_split_k(x.shape[1], meta.tile_group.shape[0] * pool.num_proj, block_k)
