@@ -4,7 +4,8 @@ One adapted layer call (``P`` projections sharing the input ``x``; ``P = 1`` for
 
     x'_p = input_transform(x)                       only if some slot of the pool has T      (scute::input_transform)
     h    = shrink(x)                                A x for every token's group, split over K (scute::shrink_)
-    d_p  = B_p (m ⊙ h)                              each adapter token's low-rank delta      (scute::lora_delta_)
+    d_p  = B_p (m ⊙ h)                              each adapter token's low-rank delta      (scute::lora_delta_rows_,
+                                                    one-token tiles; scute::lora_delta_tiles_, the others)
     z_p  = F.linear(x'_p or x, W_p, b_p)            the base GEMM stays on cuBLAS; on the GPU the two lines
                                                     above run beside it, on a side stream
     z_p ← o ⊙ z_p + o2 ⊙ rot_g(z_p) + c + v ⊙ d_p    in place                                 (scute::epilogue_)
@@ -198,45 +199,72 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # 16-bit inputs: products are exact either way
 
 
-@torch.library.custom_op("scute::lora_delta_", mutates_args=("ds",))
-def lora_delta_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, sorted_idx: Tensor,
-                tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, multi_tiles: Tensor, num_multi: Tensor,
-                max_rank: int, half_n: int, chunks_per_prog: int, tile_half_n: int, mat_dtype: torch.dtype) -> None:
-    """Each adapter token's low-rank delta, for each projection of the pool.
+@torch.library.custom_op("scute::lora_delta_rows_", mutates_args=("ds",))
+def lora_delta_rows_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, sorted_idx: Tensor,
+                     tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, half_n: int, chunks_per_prog: int,
+                     mat_dtype: torch.dtype) -> None:
+    """The low-rank delta of the tokens of one-token tiles (most tokens at decode), for each projection.
 
     Semantics (token t with slot a ≥ 0 at sorted position i, projection p, group g of a with rank r > 0):
         ds[p][t] = B_{p,g} (m_a ⊙ Σ_s h[s, i, hoff : hoff + r])
-    (h[0] alone where the shrink summed the splits: see `shrink_`),
-    computed in float32 and stored in ds's dtype (`SlotPool.delta_dtype`: the model's dtype, or float32 for a
-    pool whose delta can be much larger than the adapter's net effect, e.g. DoRA's); rows of other tokens are not
-    written.
+    (h[0] alone where the shrink summed the splits: see `shrink_`), computed in float32 and stored in ds's dtype
+    (`SlotPool.delta_dtype`: the model's dtype, or float32 for a pool whose delta can be much larger than the
+    adapter's net effect, e.g. DoRA's); for t alone in its tile. `lora_delta_tiles_` writes the other adapter
+    tokens' rows; rows of base tokens are not written.
 
     Shapes: ds = P ≤ 3 tensors [T, out_p] (contiguous, one dtype), mat_dtype the pool's matrix dtype, h from
-    `shrink_`, sorted_slots [T] int32, multi_tiles [NT], num_multi [1] (`LoraMeta`), the rest as in `shrink_`.
-    Two launches: a program per (one-token tile, `chunks_per_prog` chunks of 2·half_n columns of one projection),
-    then a persistent walk of the (multi-token tile, run of chunks of 2·tile_half_n columns) items.
+    `shrink_`, sorted_slots [T] int32, the rest as in `shrink_`. A program per (tile, `chunks_per_prog` chunks of
+    2·half_n columns of one projection).
     """
     num_tokens = ds[0].shape[0]
     if num_tokens == 0:
         return
     outs = [d.shape[1] for d in ds] + [0] * (3 - len(ds))
-    args = (*ds, *[ds[0]] * (3 - len(ds)), h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end,
-            num_tokens, table.shape[1], h.shape[2], *outs)
     progs = sum(triton_cdiv(n, 2 * half_n * chunks_per_prog) for n in outs)
     _kernels().delta_rows_kernel[(tile_group.shape[0], progs)](
-        *args, chunks_per_prog, B_TY=_tl_dtype(mat_dtype), P=len(ds), SPLIT_K=h.shape[0], BM=BLOCK_M,
-        BR=ROW_BLOCK_R, BN=2 * half_n, ONCE_ABOVE=ROW_BLOCK_R, num_warps=EXPAND_WARPS, num_stages=EXPAND_STAGES)
-    if num_tokens > 1:  # a shape, not data: fixed for a captured graph
-        _kernels().delta_tiles_kernel[(persistent_programs(ds[0].device),)](
-            *args, multi_tiles, num_multi, TILE_ITEMS_PER_PROGRAM * persistent_programs(ds[0].device),
-            B_TY=_tl_dtype(mat_dtype), P=len(ds), BM=BLOCK_M, BR=block_r(max_rank), BN=2 * tile_half_n,
-            PREC=_precision(mat_dtype), num_warps=TILE_WARPS, num_stages=TILE_STAGES)
+        *_delta_args(ds, outs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end),
+        chunks_per_prog, B_TY=_tl_dtype(mat_dtype), P=len(ds), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=ROW_BLOCK_R,
+        BN=2 * half_n, ONCE_ABOVE=ROW_BLOCK_R, num_warps=EXPAND_WARPS, num_stages=EXPAND_STAGES)
 
 
-@lora_delta_.register_fake
-def _(ds, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, multi_tiles, num_multi, max_rank,
-      half_n, chunks_per_prog, tile_half_n, mat_dtype):
+@lora_delta_rows_.register_fake
+def _(ds, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, half_n, chunks_per_prog, mat_dtype):
     return None
+
+
+@torch.library.custom_op("scute::lora_delta_tiles_", mutates_args=("ds",))
+def lora_delta_tiles_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, sorted_idx: Tensor,
+                      tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, multi_tiles: Tensor,
+                      num_multi: Tensor, max_rank: int, tile_half_n: int, mat_dtype: torch.dtype) -> None:
+    """The semantics of `lora_delta_rows_` for the tokens of multi-token tiles (prefill, a popular adapter, a
+    shared VeRA group), from h[0] (the shrink sums these tiles' splits there). The two write disjoint rows of ds,
+    so they may run at the same time.
+
+    Shapes: as in `lora_delta_rows_`; multi_tiles [NT], num_multi [1] (`LoraMeta`); max_rank ≥ every rank in the
+    table. A persistent walk of the (multi-token tile, run of chunks of 2·tile_half_n columns) items.
+    """
+    num_tokens = ds[0].shape[0]
+    if num_tokens < 2:
+        return
+    outs = [d.shape[1] for d in ds] + [0] * (3 - len(ds))
+    programs = persistent_programs(ds[0].device)
+    _kernels().delta_tiles_kernel[(programs,)](
+        *_delta_args(ds, outs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end), multi_tiles,
+        num_multi, TILE_ITEMS_PER_PROGRAM * programs, B_TY=_tl_dtype(mat_dtype), P=len(ds), BM=BLOCK_M,
+        BR=block_r(max_rank), BN=2 * tile_half_n, PREC=_precision(mat_dtype), num_warps=TILE_WARPS,
+        num_stages=TILE_STAGES)
+
+
+@lora_delta_tiles_.register_fake
+def _(ds, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, multi_tiles, num_multi, max_rank,
+      tile_half_n, mat_dtype):
+    return None
+
+
+def _delta_args(ds, outs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end) -> tuple:
+    """The arguments both delta kernels start with (three d pointers, unused ones repeating the first)."""
+    return (*ds, *[ds[0]] * (3 - len(ds)), h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end,
+            ds[0].shape[0], table.shape[1], h.shape[2], *outs)
 
 
 @torch.library.custom_op("scute::epilogue_", mutates_args=("zs",))
@@ -250,7 +278,7 @@ def epilogue_(zs: list[Tensor], ds: list[Tensor], table: Tensor, token_slots: Te
     (slot −1) are not touched. Reference: `scute.ops.reference.epilogue_ref`.
 
     Shapes: zs = P ≤ 3 tensors [T, out_p] (contiguous, one dtype), ds as many tensors of the same shapes
-    (from `lora_delta_`; any, if the pool has no low-rank slot), token_slots [T] int32. A program per (token,
+    (from the delta ops; any, if the pool has no low-rank slot), token_slots [T] int32. A program per (token,
     `chunks_per_prog` chunks of 2·half_n columns of one projection).
     """
     num_tokens = zs[0].shape[0]
@@ -283,30 +311,38 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
         xs = input_transform(x, pool.table, meta.token_slots, pool.num_proj, pool.block_b, pool.min_block)
     if not pool.has_expand:
         return [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
-    # The low-rank deltas read only x: on the GPU the shrink and the delta kernels run on a side stream, beside
-    # the base GEMMs (bandwidth-bound too, but they leave part of it, and SMs, unused), and the epilogue waits
-    # for both. Their buffers are allocated here, on this stream, and used on the side stream only before the
-    # join (the caching allocator's rule for cross-stream use). Under torch.compile they run in line.
+    # The low-rank deltas read only x: on the GPU the shrink and the one-token delta run on a side stream, beside
+    # the base GEMMs (bandwidth-bound too, but they leave part of it, and SMs, unused), the multi-token delta on a
+    # second one beside the one-token delta (they write disjoint rows; at decode it usually has nothing to do, and
+    # its short launch is then off the chain), and the epilogue waits for all. Their buffers are allocated here,
+    # on this stream, and used on the side streams only before the join (the caching allocator's rule for
+    # cross-stream use). Under torch.compile they run in line.
     ds = [x.new_empty((x.shape[0], w.shape[0]), dtype=pool.delta_dtype(x.dtype)) for w in weights] \
         if pool.has_lowrank else [x.new_empty((1, 1), dtype=torch.float32)]
-    side = _side_stream(x.device) if pool.has_lowrank and not torch.compiler.is_compiling() else None
+    side = _side_streams(x.device) if pool.has_lowrank and not torch.compiler.is_compiling() else None
     if pool.has_lowrank:
         split_k = choose_split_k(x.shape[1], meta.tile_group.shape[0] * pool.num_proj, block_k)
         h = x.new_empty((split_k, x.shape[0], pool.h_width), dtype=torch.float32)
         tile_half_n = max(16, (tile_half_n or TILE_HALF_N) * 32 // max(block_r(pool.max_rank), 32))
         rows_hn = rows_half_n(meta.tile_group.shape[0], pool.out_features, pool.max_rank, half_n)
         chunks = choose_chunks_per_prog(meta.tile_group.shape[0], pool.out_features, rows_hn)
+        tiles = (meta.sorted_slots, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end)
         if side is not None:
-            side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            side[0].wait_stream(torch.cuda.current_stream(x.device))
+        with _on(side, 0):
             shrink_(h, x, pool.table, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end,
                     pool.num_proj, pool.max_rank, block_k)
-            lora_delta_(ds, h, pool.table, meta.sorted_slots, meta.sorted_idx, meta.tile_group, meta.tile_start,
-                        meta.tile_end, meta.multi_tiles, meta.num_multi, pool.max_rank, rows_hn, chunks, tile_half_n,
-                        pool.dtype)
+        if side is not None and x.shape[0] > 1:
+            side[1].wait_stream(side[0])
+        with _on(side, 1):
+            lora_delta_tiles_(ds, h, pool.table, *tiles, meta.multi_tiles, meta.num_multi, pool.max_rank,
+                              tile_half_n, pool.dtype)
+        with _on(side, 0):
+            lora_delta_rows_(ds, h, pool.table, *tiles, rows_hn, chunks, pool.dtype)
     zs = [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
     if side is not None:
-        torch.cuda.current_stream(x.device).wait_stream(side)
+        for stream in side[:1 if x.shape[0] == 1 else 2]:
+            torch.cuda.current_stream(x.device).wait_stream(stream)
     epilogue_(zs, ds, pool.table, meta.token_slots, EPILOGUE_HALF_N,
               choose_chunks_per_prog(x.shape[0], pool.out_features, EPILOGUE_HALF_N))
     return zs
@@ -321,17 +357,22 @@ def call_transient_bytes(num_tokens: int, in_features: int, out_features: Sequen
     return num_tokens * (num_proj * in_features * elem + split * num_proj * max_rank * 4 + sum(out_features) * 4)
 
 
-_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+_SIDE: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The device's side stream for the shrink (one per device, so that every shrink of a device runs in order:
-    they share the arrival counters); None off the GPU."""
+def _side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:
+    """The device's side streams: the shrink and the one-token delta, the multi-token delta (one pair per device,
+    so that every shrink of a device runs in order: they share the arrival counters); None off the GPU."""
     if device.type != "cuda":
         return None
     if device not in _SIDE:
-        _SIDE[device] = torch.cuda.Stream(device)
+        _SIDE[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
     return _SIDE[device]
+
+
+def _on(side: tuple[torch.cuda.Stream, ...] | None, i: int):
+    """Run on side stream `i` (in line when there is none)."""
+    return torch.cuda.stream(side[i]) if side is not None else contextlib.nullcontext()
 
 
 def scute_linear_triton(x: Tensor, weight: Tensor, bias: Tensor | None, pool: SlotPool, meta: LoraMeta) -> Tensor:
