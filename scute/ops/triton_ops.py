@@ -314,9 +314,9 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     # The low-rank deltas read only x: on the GPU the shrink and the one-token delta run on a side stream, beside
     # the base GEMMs (bandwidth-bound too, but they leave part of it, and SMs, unused), the multi-token delta on a
     # second one beside the one-token delta (they write disjoint rows; at decode it usually has nothing to do, and
-    # its short launch is then off the chain), and the epilogue waits for all. Their buffers are allocated here,
-    # on this stream, and used on the side streams only before the join (the caching allocator's rule for
-    # cross-stream use). Under torch.compile they run in line.
+    # its short launch is then off the chain), and each projection's epilogue waits for them and its GEMM. Their
+    # buffers and the outputs are allocated here, on this stream, and used on the side streams only before the
+    # join (the caching allocator's rule for cross-stream use). Under torch.compile they run in line.
     ds = [x.new_empty((x.shape[0], w.shape[0]), dtype=pool.delta_dtype(x.dtype)) for w in weights] \
         if pool.has_lowrank else [x.new_empty((1, 1), dtype=torch.float32)]
     side = _side_streams(x.device) if pool.has_lowrank and not torch.compiler.is_compiling() else None
@@ -339,12 +339,24 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
                               tile_half_n, pool.dtype)
         with _on(side, 0):
             lora_delta_rows_(ds, h, pool.table, *tiles, rows_hn, chunks, pool.dtype)
-    zs = [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
-    if side is not None:
-        for stream in side[:1 if x.shape[0] == 1 else 2]:
-            torch.cuda.current_stream(x.device).wait_stream(stream)
-    epilogue_(zs, ds, pool.table, meta.token_slots, EPILOGUE_HALF_N,
-              choose_chunks_per_prog(x.shape[0], pool.out_features, EPILOGUE_HALF_N))
+    if side is None:
+        zs = [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
+        epilogue_(zs, ds, pool.table, meta.token_slots, EPILOGUE_HALF_N,
+                  choose_chunks_per_prog(x.shape[0], pool.out_features, EPILOGUE_HALF_N))
+        return zs
+    # Each projection's epilogue runs on the side stream as soon as its GEMM and the deltas are done, beside the
+    # next projection's GEMM (the epilogue of the last one is the only one after the GEMMs).
+    main = torch.cuda.current_stream(x.device)
+    if x.shape[0] > 1:
+        side[0].wait_stream(side[1])
+    zs = []
+    for p, (w, b) in enumerate(zip(weights, biases)):
+        zs.append(F.linear(x if xs is None else xs[p], w, b))
+        side[0].wait_stream(main)
+        with _on(side, 0):
+            epilogue_([zs[p]], [ds[p]], pool.table[p:p + 1], meta.token_slots, EPILOGUE_HALF_N,
+                      choose_chunks_per_prog(x.shape[0], pool.out_features[p:p + 1], EPILOGUE_HALF_N))
+    main.wait_stream(side[0])
     return zs
 
 def call_transient_bytes(num_tokens: int, in_features: int, out_features: Sequence[int], num_slots: int,
