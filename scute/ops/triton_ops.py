@@ -306,10 +306,11 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     was built from. Shapes: x [T, in]; weights[p] [out_p, in]; returns ys[p] [T, out_p] in x.dtype.
     """
     x = x.contiguous()
-    streams = None if torch.compiler.is_compiling() else _side_streams(x.device)
-    inputs = _inputs(x, pool, meta, streams)
+    xs = None
+    if pool.has_input_transform:  # a pool property, not data: fixed for a captured graph (see pool.signature)
+        xs = input_transform(x, pool.table, meta.token_slots, pool.num_proj, pool.block_b, pool.min_block)
     if not pool.has_expand:
-        return [F.linear(inputs(p), w, b) for p, (w, b) in enumerate(zip(weights, biases))]
+        return [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
     # The low-rank deltas read only x: on the GPU the shrink and the one-token delta run on a side stream, beside
     # the base GEMMs (bandwidth-bound too, but they leave part of it, and SMs, unused), the multi-token delta on a
     # second one beside the one-token delta (they write disjoint rows; at decode it usually has nothing to do, and
@@ -318,7 +319,7 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     # join (the caching allocator's rule for cross-stream use). Under torch.compile they run in line.
     ds = [x.new_empty((x.shape[0], w.shape[0]), dtype=pool.delta_dtype(x.dtype)) for w in weights] \
         if pool.has_lowrank else [x.new_empty((1, 1), dtype=torch.float32)]
-    side = streams if pool.has_lowrank else None
+    side = _side_streams(x.device) if pool.has_lowrank and not torch.compiler.is_compiling() else None
     if pool.has_lowrank:
         split_k = choose_split_k(x.shape[1], meta.tile_group.shape[0] * pool.num_proj, block_k)
         h = x.new_empty((split_k, x.shape[0], pool.h_width), dtype=torch.float32)
@@ -339,7 +340,7 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
         with _on(side, 0):
             lora_delta_rows_(ds, h, pool.table, *tiles, rows_hn, chunks, pool.dtype)
     if side is None:
-        zs = [F.linear(inputs(p), w, b) for p, (w, b) in enumerate(zip(weights, biases))]
+        zs = [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
         epilogue_(zs, ds, pool.table, meta.token_slots, EPILOGUE_HALF_N,
                   choose_chunks_per_prog(x.shape[0], pool.out_features, EPILOGUE_HALF_N))
         return zs
@@ -350,42 +351,13 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
         side[0].wait_stream(side[1])
     zs = []
     for p, (w, b) in enumerate(zip(weights, biases)):
-        zs.append(F.linear(inputs(p), w, b))
+        zs.append(F.linear(x if xs is None else xs[p], w, b))
         side[0].wait_stream(main)
         with _on(side, 0):
             epilogue_([zs[p]], [ds[p]], pool.table[p:p + 1], meta.token_slots, EPILOGUE_HALF_N,
                       choose_chunks_per_prog(x.shape[0], pool.out_features[p:p + 1], EPILOGUE_HALF_N))
     main.wait_stream(side[0])
     return zs
-
-def _inputs(x: Tensor, pool: SlotPool, meta: LoraMeta, side: tuple[torch.cuda.Stream, ...] | None):
-    """The GEMM input of each projection, as a function of p that the caller calls right before GEMM p: x, or
-    its input transform if the pool has one (a pool property, not data: fixed for a captured graph). On the GPU
-    with several projections, the transform of projection p > 0 runs on a side stream beside the GEMMs before it
-    (GEMM p waits for it alone), so that only the first one delays the GEMMs."""
-    if not pool.has_input_transform:
-        return lambda p: x
-    args = (meta.token_slots, pool.block_b, pool.min_block)
-    if side is None or pool.num_proj == 1:
-        xs = input_transform(x, pool.table, args[0], pool.num_proj, *args[1:])
-        return lambda p: xs[p]
-    main = torch.cuda.current_stream(x.device)
-    xs = [input_transform(x, pool.table[:1], args[0], 1, *args[1:])[0]]
-    ready = [None]
-    side[1].wait_stream(main)
-    with torch.cuda.stream(side[1]):
-        for p in range(1, pool.num_proj):
-            xs.append(input_transform(x, pool.table[p:p + 1], args[0], 1, *args[1:])[0])
-            xs[p].record_stream(main)  # allocated on the side stream, read by the GEMM on this one
-            ready.append(torch.cuda.Event())
-            ready[p].record(side[1])
-
-    def get(p: int) -> Tensor:
-        if p > 0:
-            main.wait_event(ready[p])
-        return xs[p]
-    return get
-
 
 def call_transient_bytes(num_tokens: int, in_features: int, out_features: Sequence[int], num_slots: int,
                          max_rank: int, elem: int) -> int:
