@@ -105,8 +105,8 @@ class LinearGroup:
 
     On the Triton path the first member called with an input computes every member's output for it in one
     `scute_linears_triton` call: one launch per kernel instead of one per projection (and VeRA's shared A
-    multiplied once); on an H200, 21% less adapter time per Llama-3-8B layer at 64 tokens of 64 LoRAs and at one
-    token (docs/performance.md, the lora and lora_grouped rows). The other members claim their
+    multiplied once); on an H200, 21% less adapter time per Llama-3-8B layer at 64 tokens of 64 LoRAs and 45% at
+    one token (docs/performance.md, the lora and lora_grouped rows). The other members claim their
     output when called with the *same input tensor object* in the same forward; an output is handed out once.
     Unclaimed outputs wait in the forward context (``ctx.group_outputs``), so none outlives the step. A member
     whose output waits for another input computes alone: correctness never depends on the call pattern. A group

@@ -363,7 +363,8 @@ def call_transient_bytes(num_tokens: int, in_features: int, out_features: Sequen
                          max_rank: int, elem: int) -> int:
     """The most device memory one `scute_linears_triton` call allocates besides its outputs, for a pool of
     `num_slots` slots of rank ≤ `max_rank` with an input transform: x' [P, T, in] (`elem` bytes each), the
-    shrink's partials [S, T, P·max_rank] and the delta [T, Σ out_p] (float32). Freed when the call returns."""
+    shrink's partials [S, T, P·max_rank] and the delta [T, Σ out_p] (float32 at most: `SlotPool.delta_dtype`). Freed
+    when the call returns."""
     num_proj = len(out_features)
     split = choose_split_k(in_features, max_tiles(num_tokens, num_slots) * num_proj)
     return num_tokens * (num_proj * in_features * elem + split * num_proj * max_rank * 4 + sum(out_features) * 4)
