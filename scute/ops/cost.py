@@ -62,7 +62,7 @@ def layer_call_bytes(slots: Sequence[Sequence[Slots | None]], in_features: int, 
         cost.launches += 1
         cost.activations += n_tok * in_features * elem * (1 + n_proj)
     seen: set = set()
-    for s, column in live.items():
+    for column in live.values():
         cost.adapters += _slot_bytes(column, seen, elem)
     width = _h_width(live)
     if width:
@@ -87,7 +87,7 @@ def _slot_bytes(column: list[Slots | None], seen: set, elem: int) -> int:
     for sl in column:
         if sl is None:
             continue
-        for name, x in sl.tensors().items():
+        for x in sl.tensors().values():
             key = _storage_key(x, "vec" if x.dim() == 1 else "mat")
             if key in seen:
                 continue

@@ -7,9 +7,9 @@ A tile is up to BLOCK_M = 16 tokens of one adapter group (at decode: one token).
 tensor cores (`tl.dot` of x and A in their own dtype: exact products, fp32 sums; fp32 inputs in IEEE fp32, no
 tf32) over the grid (tile, K split x rank tile, projection); masked rows move no bytes. The delta d = B (m ⊙ h)
 (float32 sums, stored in `SlotPool.delta_dtype`) is two launches, each compiled to its own register count (at
-decode, the programs an SM holds are what hides their load latency): `delta_rows_kernel` runs a one-token tile (most tiles at decode) as a row, whose h is a
-rank-length vector (its product with a block of B rows is a multiply-sum along each row's contiguous rank values,
-in fp32, over rank steps of 16); `delta_tiles_kernel` runs a tile of several tokens as a tensor-core product (h
+decode, the programs an SM holds are what hides their load latency): `delta_rows_kernel` runs a one-token tile
+(most tiles at decode) as a row, whose h is a rank-length vector (its product with a block of B rows is a
+multiply-sum along each row's contiguous rank values, in fp32, over rank steps of 16); `delta_tiles_kernel` runs a tile of several tokens as a tensor-core product (h
 split in two 16-bit parts: about 16 mantissa bits), reading each B block once for all of them. The shrink's
 K-split partials of h are summed by the row kernel as it reads them, or once by the shrink for multi-token tiles
 and groups wider than one rank step (see `shrink_kernel`). None of these reads the base output, so they run

@@ -56,8 +56,8 @@ class SlotPool:
     (device int32 [num_slots]: each slot's group representative), ``group_key`` (host tuple of the same, None
     when every slot is its own group), ``h_width`` (rank rows of ``h`` per token), ``has_lowrank``,
     ``has_input_transform``, ``has_expand``, ``exact_delta`` (some slot adds its low-rank delta to a base output
-    it also scales, rotates or shifts: see `delta_dtype`), ``block_b`` / ``min_block`` (power-of-two cover of the largest OFT
-    block, smallest OFT block), ``max_rank`` (the largest rank: sizes the kernels' rank tiles).
+    it also scales, rotates or shifts: see `delta_dtype`), ``block_b`` / ``min_block`` (power-of-two cover of the
+    largest OFT block, smallest OFT block), ``max_rank`` (the largest rank: sizes the kernels' rank tiles).
     """
 
     # The engine runs its steps under torch.inference_mode; the pool is created on a first forward but updated

@@ -7,8 +7,9 @@ One adapted layer call (``P`` projections sharing the input ``x``; ``P = 1`` for
     d_p  = B_p (m ⊙ h)                              each adapter token's low-rank delta      (scute::lora_delta_rows_,
                                                     one-token tiles; scute::lora_delta_tiles_, the others)
     z_p  = F.linear(x'_p or x, W_p, b_p)            the base GEMM stays on cuBLAS; on the GPU the two lines
-                                                    above run beside it, on a side stream
-    z_p ← o ⊙ z_p + o2 ⊙ rot_g(z_p) + c + v ⊙ d_p    in place                                 (scute::epilogue_)
+                                                    above run beside it, on side streams
+    z_p ← o ⊙ z_p + o2 ⊙ rot_g(z_p) + c + v ⊙ d_p    in place, on the GPU on a side stream as soon as GEMM p and
+                                                    the deltas are done                      (scute::epilogue_)
 
 Tokens whose slot is −1 are never read or written by the kernels after the GEMM: their rows are exactly
 ``F.linear(x, W, b)``. Every launch has a fixed grid (sized by the number of tokens and slots, not by the data)
@@ -359,6 +360,7 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     main.wait_stream(side[0])
     return zs
 
+
 def call_transient_bytes(num_tokens: int, in_features: int, out_features: Sequence[int], num_slots: int,
                          max_rank: int, elem: int) -> int:
     """The most device memory one `scute_linears_triton` call allocates besides its outputs, for a pool of
@@ -374,8 +376,9 @@ _SIDE: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
 
 
 def _side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:
-    """The device's side streams: the shrink and the one-token delta, the multi-token delta (one pair per device,
-    so that every shrink of a device runs in order: they share the arrival counters); None off the GPU."""
+    """The device's side streams: the shrink, the one-token delta and the epilogues; the multi-token delta (one
+    pair per device, so that every shrink of a device runs in order: they share the arrival counters); None off
+    the GPU."""
     if device.type != "cuda":
         return None
     if device not in _SIDE:
