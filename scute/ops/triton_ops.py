@@ -321,6 +321,7 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     ds = [x.new_empty((x.shape[0], w.shape[0]), dtype=pool.delta_dtype(x.dtype)) for w in weights] \
         if pool.has_lowrank else [x.new_empty((1, 1), dtype=torch.float32)]
     side = _side_streams(x.device) if pool.has_lowrank and not torch.compiler.is_compiling() else None
+    main = torch.cuda.current_stream(x.device) if side is not None else None
     if pool.has_lowrank:
         split_k = choose_split_k(x.shape[1], meta.tile_group.shape[0] * pool.num_proj, block_k)
         h = x.new_empty((split_k, x.shape[0], pool.h_width), dtype=torch.float32)
@@ -329,17 +330,20 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
         chunks = choose_chunks_per_prog(meta.tile_group.shape[0], pool.out_features, rows_hn)
         tiles = (meta.sorted_slots, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end)
         if side is not None:
-            side[0].wait_stream(torch.cuda.current_stream(x.device))
+            side[0].wait_stream(main)
         with _on(side, 0):
             shrink_(h, x, pool.table, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end,
                     pool.num_proj, pool.max_rank, block_k)
-        if side is not None and x.shape[0] > 1:
+        fork = side is not None and x.shape[0] > 1  # a shape: for one token the tiles op launches nothing
+        if fork:
             side[1].wait_stream(side[0])
         with _on(side, 1):
             lora_delta_tiles_(ds, h, pool.table, *tiles, meta.multi_tiles, meta.num_multi, pool.max_rank,
                               tile_half_n, pool.dtype)
         with _on(side, 0):
             lora_delta_rows_(ds, h, pool.table, *tiles, rows_hn, chunks, pool.dtype)
+        if fork:
+            side[0].wait_stream(side[1])
     if side is None:
         zs = [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
         epilogue_(zs, ds, pool.table, meta.token_slots, EPILOGUE_HALF_N,
@@ -347,9 +351,6 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
         return zs
     # Each projection's epilogue runs on the side stream as soon as its GEMM and the deltas are done, beside the
     # next projection's GEMM (the epilogue of the last one is the only one after the GEMMs).
-    main = torch.cuda.current_stream(x.device)
-    if x.shape[0] > 1:
-        side[0].wait_stream(side[1])
     zs = []
     for p, (w, b) in enumerate(zip(weights, biases)):
         zs.append(F.linear(x if xs is None else xs[p], w, b))
