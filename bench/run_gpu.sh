@@ -3,7 +3,7 @@
 # Usage: bash bench/run_gpu.sh [tests] [engine] [profile] [bench] [sweep] [ab]   (default: tests profile sweep)
 # ab: the same rows for each source tree in $AB_TREES (directories holding scute/ and bench/, e.g. made by
 #     `git archive COMMIT scute bench | tar -x -C DIR`), one after the other on one machine: an A/B of commits
-#     (rows: $AB_BATCHES tokens, 1 and 64 adapters, $AB_VARIANTS; defaults below).
+#     (rows: $AB_BATCHES tokens, $AB_ADAPTERS adapters, $AB_VARIANTS; defaults below).
 set -u
 OUT=$(realpath -m "${OUT:-out/gpu}")
 mkdir -p "$OUT"
@@ -32,7 +32,7 @@ PY
            tail -25 "$OUT/bench.log" ;;
     ab) for tree in ${AB_TREES:-}; do
           name=$(basename "$tree")
-          (cd "$tree" && timeout 300 python3 bench/bench_ops.py --batches "${AB_BATCHES:-1,64,256}" --adapters 1,64 \
+          (cd "$tree" && timeout 300 python3 bench/bench_ops.py --batches "${AB_BATCHES:-1,64,256}" --adapters "${AB_ADAPTERS:-1,64}" \
              --variants "${AB_VARIANTS:-base,lora,lora_grouped,vera,mix_grouped}" --out "$OUT/ab_$name.json" \
              > "$OUT/ab_$name.log" 2>&1)
           echo "== $name"; grep -E "^ +(1|64|256) +(1|64) " "$OUT/ab_$name.log" | head -40
