@@ -35,7 +35,7 @@ PY
           (cd "$tree" && timeout 300 python3 bench/bench_ops.py --batches "${AB_BATCHES:-1,64,256}" --adapters "${AB_ADAPTERS:-1,64}" \
              --variants "${AB_VARIANTS:-base,lora,lora_grouped,vera,mix_grouped}" --out "$OUT/ab_$name.json" \
              > "$OUT/ab_$name.log" 2>&1)
-          echo "== $name"; grep -E "^ +(1|64|256) +(1|64) " "$OUT/ab_$name.log" | head -40
+          echo "== $name"; grep -E "^ +[0-9]+ +[0-9]+ " "$OUT/ab_$name.log" | head -60
         done ;;
   esac
   echo "[$step: $(( $(date +%s) - start )) s]"

@@ -97,7 +97,7 @@ def rows_half_n(num_tiles: int, out_features: Sequence[int], max_rank: int, half
     return half_n
 
 
-_PERSISTENT: dict[tuple, int] = {}
+_PERSISTENT: dict[tuple, int] = {}  # (kernel, device, launch options) -> programs per SM
 
 
 def persistent_programs(kernel, args: tuple, device: torch.device, **launch) -> int:
@@ -109,14 +109,12 @@ def persistent_programs(kernel, args: tuple, device: torch.device, **launch) -> 
     if device.type != "cuda":
         return 4
     key = (kernel, device, *launch.items())
-    if key not in _PERSISTENT:
+    if key not in _PERSISTENT:  # how many programs of this compiled kernel one SM holds
         compiled = kernel.warmup(*args, grid=(1,), **launch)
         compiled._init_handles()  # loads the binary: its register count is known from here
         regs = -(-max(compiled.n_regs, 1) // 8) * 8  # allocated per warp in units of 256 = 8 per thread
-        resident = max(65536 // (regs * 32 * launch["num_warps"]), 1)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        _PERSISTENT[key] = min(TILE_PROGRAMS_PER_SM, resident) * sms
-    return _PERSISTENT[key]
+        _PERSISTENT[key] = max(65536 // (regs * 32 * launch["num_warps"]), 1)
+    return min(TILE_PROGRAMS_PER_SM, _PERSISTENT[key]) * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def triton_cdiv(a: int, b: int) -> int:
