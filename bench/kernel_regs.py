@@ -65,14 +65,8 @@ def compile_stats(fn, args: dict, constexprs: dict, num_warps: int = 4, num_stag
 
 def main() -> None:
     rows = []
-    tile_args = {"d0_ptr": "*fp32", "d1_ptr": "*fp32", "d2_ptr": "*fp32", "hs_ptr": "*bf16", "tab_ptr": "*i64",
-                 "sorted_ptr": "*i32", "tile_group_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32",
-                 "num_tokens": "i32", "num_slots": "i32", "hs_width": "i32", "out0": "i32", "out1": "i32",
-                 "out2": "i32", "multi_tiles_ptr": "*i32", "num_multi_ptr": "*i32", "target_items": "i32"}
-    scale_args = {"hs_ptr": "*bf16", "h_ptr": "*fp32", "tab_ptr": "*i64", "sorted_slots_ptr": "*i32",
-                  "tile_group_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "num_tokens": "i32",
-                  "num_slots": "i32", "h_width": "i32", "hs_width": "i32"}
-    rows.append(("scale h BR=64 w=4", compile_stats(kernels.scale_h_kernel, scale_args, dict(BM=16, BR=64), 4)))
+    tile_args = {**{k: v for k, v in DELTA_ARGS.items() if k != "chunks_per_prog"}, "multi_tiles_ptr": "*i32",
+                 "num_multi_ptr": "*i32", "target_items": "i32"}
     for hb, warps in [(128, 4), (64, 2), (64, 1), (128, 1)]:
         cst = dict(B_TY=tl.bfloat16, P=3, SPLIT_K=4, BM=16, BR=16, BN=2 * hb, ONCE_ABOVE=16)
         rows.append((f"delta rows BN={2 * hb} warps={warps}",

@@ -213,16 +213,14 @@ def _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, h_width, BR: tl.const
 
 
 @triton.jit
-def _tile_delta(hs_rows, part, row_ok, r0, rank, b_ptr, ldb, n_out, cols, BR: tl.constexpr, PREC: tl.constexpr):
-    """(m ⊙ h)[rows, r0 : r0 + BR] @ B[cols, r0 : r0 + BR]ᵀ on tensor cores: [BM, len(cols)] fp32, from the parts
-    `scale_h_kernel` wrote (one fp32 part for fp32 B, in IEEE fp32; else hi and lo, two 16-bit parts)."""
-    r = r0 + tl.arange(0, BR)
-    mask = row_ok[:, None] & (r < rank)[None, :]
+def _tile_delta(h, b_ptr, ldb, r0, n_out, cols, BR: tl.constexpr, PREC: tl.constexpr):
+    """h [BM, BR] (fp32) @ B[cols, r0 : r0 + BR]ᵀ on tensor cores: [BM, len(cols)] fp32. 16-bit B multiplies h
+    as two 16-bit parts (hi = h rounded, lo = h − hi: about 16 mantissa bits); fp32 in IEEE fp32 (no tf32)."""
     bt = tl.trans(_b_block(b_ptr, ldb, r0, n_out, cols, BR))
-    hi = tl.load(hs_rows[:, None] + r[None, :], mask=mask, other=0.0)
     if b_ptr.dtype.element_ty == tl.float32:
-        return tl.dot(hi, bt, input_precision=PREC)
-    lo = tl.load(hs_rows[:, None] + part + r[None, :], mask=mask, other=0.0)
+        return tl.dot(h, bt, input_precision=PREC)
+    hi = h.to(b_ptr.dtype.element_ty)
+    lo = (h - hi.to(tl.float32)).to(b_ptr.dtype.element_ty)
     return tl.dot(lo, bt, tl.dot(hi, bt))
 
 
@@ -306,13 +304,13 @@ def delta_rows_kernel(d0_ptr, d1_ptr, d2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, 
 
 
 @triton.jit
-def delta_tiles_kernel(d0_ptr, d1_ptr, d2_ptr, hs_ptr, tab_ptr, sorted_ptr, tile_group_ptr, tile_start_ptr,
-                       tile_end_ptr, num_tokens, num_slots, hs_width, out0, out1, out2, multi_tiles_ptr,
-                       num_multi_ptr, target_items, B_TY: tl.constexpr, P: tl.constexpr, BM: tl.constexpr,
-                       BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+def delta_tiles_kernel(d0_ptr, d1_ptr, d2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr,
+                       tile_start_ptr, tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2,
+                       multi_tiles_ptr, num_multi_ptr, target_items, B_TY: tl.constexpr, P: tl.constexpr,
+                       BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
     """The tiles of several tokens (prefill, a popular adapter, a shared VeRA group): the semantics of
     `delta_rows_kernel` for all of a tile's rows at once, on tensor cores, reading each B block once for all of
-    them, over rank steps of BR, from m ⊙ h as `scale_h_kernel` left it (no m or flags to gather per item). Persistent: a fixed number of programs walks the items (multi-token tile, a run
+    them, over rank steps of BR. Persistent: a fixed number of programs walks the items (multi-token tile, a run
     of chunks of BN columns of one projection) of this step (`LoraMeta.multi_tiles`), so a step without any
     (most decode steps) costs one short launch, not a grid of programs that all return. An item's setup (its rows,
     slots, m, first h) is paid once for its chunks; the run length is set here, from this step's number of
@@ -337,62 +335,35 @@ def delta_tiles_kernel(d0_ptr, d1_ptr, d2_ptr, hs_ptr, tab_ptr, sorted_ptr, tile
                                                 num_slots, BM)
         if g >= 0:
             c_lo = prog * chunks_per_item
-            _delta_tile(_pick(p, d0_ptr, d1_ptr, d2_ptr, P), n_out, hs_ptr, tab_ptr, sorted_ptr, p, start, end, c_lo,
-                        tl.minimum(c_lo + chunks_per_item, tl.cdiv(n_out, BN)), grow, num_tokens * P * hs_width,
-                        hs_width, B_TY, P, BM, BR, BN, PREC)
+            _delta_tile(_pick(p, d0_ptr, d1_ptr, d2_ptr, P), n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p,
+                        num_slots, start, end, c_lo, tl.minimum(c_lo + chunks_per_item, tl.cdiv(n_out, BN)), grow,
+                        h_width, B_TY, BM, BR, BN, PREC)
 
 
 @triton.jit
-def _delta_tile(d_ptr, n_out, hs_ptr, tab_ptr, sorted_ptr, p, start, end, c_lo, c_hi, grow, part, hs_width,
-                B_TY: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+def _delta_tile(d_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, num_slots, start, end, c_lo, c_hi,
+                grow, h_width, B_TY: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
                 PREC: tl.constexpr):
     """One item of `delta_tiles_kernel`: chunks [c_lo, c_hi) of a multi-token tile."""
     rank = tl.load(tab_ptr + grow + F_RANK).to(tl.int32)
+    hoff = tl.load(tab_ptr + grow + F_BHOFF).to(tl.int32)
     b_ptr, ldb = _b_of_group(tab_ptr, grow, B_TY)
     pos = start + tl.arange(0, BM)
     row_ok = pos < end
     tok = tl.load(sorted_ptr + pos, mask=row_ok, other=0)
-    hs_rows = hs_ptr + (pos.to(tl.int64) * P + p) * hs_width
-    d_rows = d_ptr + tok.to(tl.int64) * n_out
-    for chunk in range(c_lo, c_hi):
-        cols = chunk * BN + tl.arange(0, BN)
-        d = _tile_delta(hs_rows, part, row_ok, 0, rank, b_ptr, ldb, n_out, cols, BR, PREC)
-        for r0 in range(BR, rank, BR):
-            d += _tile_delta(hs_rows, part, row_ok, r0, rank, b_ptr, ldb, n_out, cols, BR, PREC)
-        tl.store(d_rows[:, None] + cols[None, :], d.to(d_rows.dtype.element_ty),
-                 mask=row_ok[:, None] & (cols < n_out)[None, :])
-
-
-@triton.jit
-def scale_h_kernel(hs_ptr, h_ptr, tab_ptr, sorted_slots_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr,
-                   num_tokens, num_slots, h_width, hs_width, BM: tl.constexpr, BR: tl.constexpr):
-    """Program (tile, projection p) of a multi-token tile: hs[:, i, p, 0 : r] = m_a ⊙ h[0, i, hoff : hoff + r]
-    for each of its sorted rows i (slot a, group rank r in p), as the multi-token delta multiplies it: one fp32
-    part if hs is fp32, else two parts of hs's 16-bit dtype (hi = rounded, lo = the rest: about 16 mantissa
-    bits). Done once per row and projection here, not per chunk of columns in the delta (its m gather and
-    split held ~90 of its 255 registers on sm_90)."""
-    tile, p = tl.program_id(0), tl.program_id(1)
-    g, start, end, grow = _group_of_program(tab_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr, tile, p,
-                                            num_slots, BM)
-    if g < 0 or end - start < 2:
-        return
-    rank = tl.load(tab_ptr + grow + F_RANK).to(tl.int32)
-    hoff = tl.load(tab_ptr + grow + F_BHOFF).to(tl.int32)
-    pos = start + tl.arange(0, BM)
-    row_ok = pos < end
     srow = (p * num_slots + tl.load(sorted_slots_ptr + pos, mask=row_ok, other=0)) * NF
     m = _ptr(tab_ptr, srow + F_M, tl.float32)
     m_live = (tl.load(tab_ptr + srow + F_FLAGS, mask=row_ok, other=0) & HAS_M) != 0
-    out = hs_ptr + (pos.to(tl.int64) * tl.num_programs(1) + p) * hs_width
-    part = num_tokens * tl.num_programs(1) * hs_width
-    for r0 in range(0, rank, BR):
-        h = _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, h_width, BR)
-        r = r0 + tl.arange(0, BR)
-        mask = row_ok[:, None] & (r < rank)[None, :]
-        hi = h.to(hs_ptr.dtype.element_ty)
-        tl.store(out[:, None] + r[None, :], hi, mask=mask)
-        if hs_ptr.dtype.element_ty != tl.float32:
-            tl.store(out[:, None] + part + r[None, :], (h - hi.to(tl.float32)).to(hs_ptr.dtype.element_ty), mask=mask)
+    h0 = _h_tile(h_ptr, m, m_live, pos, row_ok, 0, rank, hoff, h_width, BR)
+    d_rows = d_ptr + tok.to(tl.int64) * n_out
+    for chunk in range(c_lo, c_hi):
+        cols = chunk * BN + tl.arange(0, BN)
+        d = _tile_delta(h0, b_ptr, ldb, 0, n_out, cols, BR, PREC)
+        for r0 in range(BR, rank, BR):
+            h = _h_tile(h_ptr, m, m_live, pos, row_ok, r0, rank, hoff, h_width, BR)
+            d += _tile_delta(h, b_ptr, ldb, r0, n_out, cols, BR, PREC)
+        tl.store(d_rows[:, None] + cols[None, :], d.to(d_rows.dtype.element_ty),
+                 mask=row_ok[:, None] & (cols < n_out)[None, :])
 
 
 @triton.jit

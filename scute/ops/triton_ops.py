@@ -103,9 +103,8 @@ _PERSISTENT: dict[tuple, int] = {}  # (kernel, device, launch options) -> progra
 def persistent_programs(kernel, args: tuple, device: torch.device, **launch) -> int:
     """Programs of a persistent launch of `kernel` on `device`: `TILE_PROGRAMS_PER_SM` per SM, or as many as its
     registers let one SM hold if fewer (a program that does not fit waits for a whole earlier one to finish: at
-    255 registers and 3 programs per SM, the multi-token delta ran in 2 rounds of 1/3 of the work instead of one
-    round of 1/2). 4 in the CPU interpreter. Compiles `kernel` for `args` (no launch) the first time per launch
-    configuration."""
+    255 registers, 3 programs per SM would run in 2 rounds of 1/3 of the work instead of one round of 1/2). 4 in
+    the CPU interpreter. Compiles `kernel` for `args` (no launch) the first time per launch configuration."""
     if device.type != "cuda":
         return 4
     key = (kernel, device, *launch.items())
@@ -245,47 +244,34 @@ def _(ds, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, 
     return None
 
 
-@torch.library.custom_op("scute::lora_delta_tiles_", mutates_args=("ds", "hs"))
-def lora_delta_tiles_(ds: list[Tensor], hs: Tensor, h: Tensor, table: Tensor, sorted_slots: Tensor,
-                      sorted_idx: Tensor, tile_group: Tensor, tile_start: Tensor, tile_end: Tensor,
-                      multi_tiles: Tensor, num_multi: Tensor, max_rank: int, tile_half_n: int) -> None:
+@torch.library.custom_op("scute::lora_delta_tiles_", mutates_args=("ds",))
+def lora_delta_tiles_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, sorted_idx: Tensor,
+                      tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, multi_tiles: Tensor,
+                      num_multi: Tensor, max_rank: int, tile_half_n: int, mat_dtype: torch.dtype) -> None:
     """The semantics of `lora_delta_rows_` for the tokens of multi-token tiles (prefill, a popular adapter, a
     shared VeRA group), from h[0] (the shrink sums these tiles' splits there). The two write disjoint rows of ds,
-    so they may run at the same time. Two launches: m ⊙ h of each multi-token row and projection into the
-    scratch hs (`scale_h_kernel`), then a persistent walk of the (multi-token tile, run of chunks of
-    2·tile_half_n columns) items (`delta_tiles_kernel`).
+    so they may run at the same time.
 
-    Shapes: as in `lora_delta_rows_`; hs = `tiles_scratch(...)` [parts, T, P, W] in the pool's matrix dtype (its
-    contents on return are scratch); multi_tiles [NT], num_multi [1] (`LoraMeta`); max_rank ≥ every rank in the
-    table.
+    Shapes: as in `lora_delta_rows_`; multi_tiles [NT], num_multi [1] (`LoraMeta`); max_rank ≥ every rank in the
+    table. A persistent walk of the (multi-token tile, run of chunks of 2·tile_half_n columns) items.
     """
     num_tokens = ds[0].shape[0]
     if num_tokens < 2:
         return
-    kernels, br, num_slots = _kernels(), block_r(max_rank), table.shape[1]
-    kernels.scale_h_kernel[(tile_group.shape[0], len(ds))](
-        hs, h, table, sorted_slots, tile_group, tile_start, tile_end, num_tokens, num_slots, h.shape[2], hs.shape[3],
-        BM=BLOCK_M, BR=br, num_warps=4)
     outs = [d.shape[1] for d in ds] + [0] * (3 - len(ds))
-    args = (*ds, *[ds[0]] * (3 - len(ds)), hs, table, sorted_idx, tile_group, tile_start, tile_end, num_tokens,
-            num_slots, hs.shape[3], *outs, multi_tiles, num_multi)
-    launch = dict(B_TY=_tl_dtype(hs.dtype), P=len(ds), BM=BLOCK_M, BR=br, BN=2 * tile_half_n,
-                  PREC=_precision(hs.dtype), num_warps=TILE_WARPS, num_stages=TILE_STAGES)
-    programs = persistent_programs(kernels.delta_tiles_kernel, (*args, 1), ds[0].device, **launch)
-    kernels.delta_tiles_kernel[(programs,)](*args, TILE_ITEMS_PER_PROGRAM * programs, **launch)
+    kernel = _kernels().delta_tiles_kernel
+    args = (*_delta_args(ds, outs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end), multi_tiles,
+            num_multi)
+    launch = dict(B_TY=_tl_dtype(mat_dtype), P=len(ds), BM=BLOCK_M, BR=block_r(max_rank), BN=2 * tile_half_n,
+                  PREC=_precision(mat_dtype), num_warps=TILE_WARPS, num_stages=TILE_STAGES)
+    programs = persistent_programs(kernel, (*args, 1), ds[0].device, **launch)
+    kernel[(programs,)](*args, TILE_ITEMS_PER_PROGRAM * programs, **launch)
 
 
 @lora_delta_tiles_.register_fake
-def _(ds, hs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, multi_tiles, num_multi, max_rank,
-      tile_half_n):
+def _(ds, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, multi_tiles, num_multi, max_rank,
+      tile_half_n, mat_dtype):
     return None
-
-
-def tiles_scratch(num_tokens: int, num_proj: int, max_rank: int, mat_dtype: torch.dtype, device) -> Tensor:
-    """The multi-token delta's m ⊙ h: [parts, T, P, W] in the pool's matrix dtype, W = max_rank rounded up to 16
-    (16-byte aligned rows); two parts (hi, lo) for a 16-bit pool, one for float32: 4 bytes per element either way."""
-    parts = 1 if mat_dtype == torch.float32 else 2
-    return torch.empty((parts, num_tokens, num_proj, -(-max(max_rank, 1) // 16) * 16), dtype=mat_dtype, device=device)
 
 
 def _delta_args(ds, outs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end) -> tuple:
@@ -351,7 +337,6 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     if pool.has_lowrank:
         split_k = choose_split_k(x.shape[1], meta.tile_group.shape[0] * pool.num_proj, block_k)
         h = x.new_empty((split_k, x.shape[0], pool.h_width), dtype=torch.float32)
-        hs = tiles_scratch(x.shape[0], pool.num_proj, pool.max_rank, pool.dtype, x.device)
         tile_half_n = max(16, (tile_half_n or TILE_HALF_N) * 32 // max(block_r(pool.max_rank), 32))
         rows_hn = rows_half_n(meta.tile_group.shape[0], pool.out_features, pool.max_rank, half_n)
         chunks = choose_chunks_per_prog(meta.tile_group.shape[0], pool.out_features, rows_hn)
@@ -365,8 +350,8 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
         if fork:
             side[1].wait_stream(side[0])
         with _on(side, 1):
-            lora_delta_tiles_(ds, hs, h, pool.table, *tiles, meta.multi_tiles, meta.num_multi, pool.max_rank,
-                              tile_half_n)
+            lora_delta_tiles_(ds, h, pool.table, *tiles, meta.multi_tiles, meta.num_multi, pool.max_rank,
+                              tile_half_n, pool.dtype)
         with _on(side, 0):
             lora_delta_rows_(ds, h, pool.table, *tiles, rows_hn, chunks, pool.dtype)
         if fork:
@@ -393,13 +378,11 @@ def call_transient_bytes(num_tokens: int, in_features: int, out_features: Sequen
                          max_rank: int, elem: int) -> int:
     """The most device memory one `scute_linears_triton` call allocates besides its outputs, for a pool of
     `num_slots` slots of rank ≤ `max_rank` with an input transform: x' [P, T, in] (`elem` bytes each), the
-    shrink's partials [S, T, P·max_rank], the multi-token delta's m ⊙ h (`tiles_scratch`: [T, P, W], 4 bytes
-    each) and the delta [T, Σ out_p] (float32 at most: `SlotPool.delta_dtype`). Freed when the call returns."""
+    shrink's partials [S, T, P·max_rank] and the delta [T, Σ out_p] (float32 at most: `SlotPool.delta_dtype`). Freed
+    when the call returns."""
     num_proj = len(out_features)
     split = choose_split_k(in_features, max_tiles(num_tokens, num_slots) * num_proj)
-    width = -(-max(max_rank, 1) // 16) * 16
-    return num_tokens * (num_proj * in_features * elem + split * num_proj * max_rank * 4 + num_proj * width * 4
-                         + sum(out_features) * 4)
+    return num_tokens * (num_proj * in_features * elem + split * num_proj * max_rank * 4 + sum(out_features) * 4)
 
 
 _SIDE: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
