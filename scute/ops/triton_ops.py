@@ -319,17 +319,16 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     was built from. Shapes: x [T, in]; weights[p] [out_p, in]; returns ys[p] [T, out_p] in x.dtype.
     """
     x = x.contiguous()
-    xs = None
-    if pool.has_input_transform:  # a pool property, not data: fixed for a captured graph (see pool.signature)
-        xs = input_transform(x, pool.table, meta.token_slots, pool.num_proj, pool.block_b, pool.min_block)
     if not pool.has_expand:
+        xs = _input_transform(x, pool, meta)
         return [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
     # The low-rank deltas read only x: on the GPU the shrink and the one-token delta run on a side stream, beside
     # the base GEMMs (bandwidth-bound too, but they leave part of it, and SMs, unused), the multi-token delta on a
     # second one beside the one-token delta (they write disjoint rows; at decode it usually has nothing to do, and
     # its short launch is then off the chain), and each projection's epilogue waits for them and its GEMM. Their
     # buffers and the outputs are allocated here, on this stream, and used on the side streams only before the
-    # join (the caching allocator's rule for cross-stream use). Under torch.compile they run in line.
+    # join (the caching allocator's rule for cross-stream use). The shrink reads x, not x', so the side stream
+    # forks before the input transform, which runs on this stream beside it. Under torch.compile they run in line.
     ds = [x.new_empty((x.shape[0], w.shape[0]), dtype=pool.delta_dtype(x.dtype)) for w in weights] \
         if pool.has_lowrank else [x.new_empty((1, 1), dtype=torch.float32)]
     side = _side_streams(x.device) if pool.has_lowrank and not torch.compiler.is_compiling() else None
@@ -342,7 +341,7 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
         chunks = choose_chunks_per_prog(meta.tile_group.shape[0], pool.out_features, rows_hn)
         tiles = (meta.sorted_slots, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end)
         if side is not None:
-            side[0].wait_stream(main)
+            side[0].wait_stream(main)  # the fork: x is ready
         with _on(side, 0):
             shrink_(h, x, pool.table, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end,
                     pool.num_proj, pool.max_rank, block_k)
@@ -356,6 +355,7 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
             lora_delta_rows_(ds, h, pool.table, *tiles, rows_hn, chunks, pool.dtype)
         if fork:
             side[0].wait_stream(side[1])
+    xs = _input_transform(x, pool, meta)
     if side is None:
         zs = [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
         epilogue_(zs, ds, pool.table, meta.token_slots, EPILOGUE_HALF_N,
@@ -372,6 +372,14 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
                       choose_chunks_per_prog(x.shape[0], pool.out_features[p:p + 1], EPILOGUE_HALF_N))
     main.wait_stream(side[0])
     return zs
+
+
+def _input_transform(x: Tensor, pool: SlotPool, meta: LoraMeta) -> Tensor | None:
+    """x' of every projection, or None for a pool without an input transform (a pool property, not data: fixed
+    for a captured graph, see `SlotPool.signature`)."""
+    if not pool.has_input_transform:
+        return None
+    return input_transform(x, pool.table, meta.token_slots, pool.num_proj, pool.block_b, pool.min_block)
 
 
 def call_transient_bytes(num_tokens: int, in_features: int, out_features: Sequence[int], num_slots: int,
