@@ -327,6 +327,7 @@ def apply(cfg: dict) -> None:
     triton_ops.TILE_ITEMS_PER_PROGRAM, triton_ops.TILE_PROGRAMS_PER_SM = cfg["tile_items"], cfg["tile_programs"]
     triton_ops.TILE_WARPS = cfg["tile_warps"]
     triton_ops.EPILOGUE_HALF_N, triton_ops.EPILOGUE_WARPS = cfg["epilogue_half_n"], cfg["epilogue_warps"]
+    triton_ops.persistent_programs.cache_clear()
 
 
 def sweep(layer: Layer, bw: float, lat: float, default: dict) -> tuple[list[dict], dict]:

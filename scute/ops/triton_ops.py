@@ -97,23 +97,14 @@ def rows_half_n(num_tiles: int, out_features: Sequence[int], max_rank: int, half
     return half_n
 
 
-_PERSISTENT: dict[tuple, int] = {}  # (kernel, device, launch options) -> programs per SM
-
-
-def persistent_programs(kernel, args: tuple, device: torch.device, **launch) -> int:
-    """Programs of a persistent launch of `kernel` on `device`: `TILE_PROGRAMS_PER_SM` per SM, or as many as its
-    registers let one SM hold if fewer (a program that does not fit waits for a whole earlier one to finish: at
-    255 registers, 3 programs per SM would run in 2 rounds of 1/3 of the work instead of one round of 1/2). 4 in
-    the CPU interpreter. Compiles `kernel` for `args` (no launch) the first time per launch configuration."""
+@functools.cache
+def persistent_programs(device: torch.device) -> int:
+    """Programs of a persistent launch on `device` (a few per SM; 4 in the CPU interpreter). Not capped by what
+    an SM holds: at 255 registers only 2 of the 3 fit, yet capping to 2 cost the mix at B=256/64 31 µs and gained
+    VeRA prefill 12 (A/B run 3 of the seventh session)."""
     if device.type != "cuda":
         return 4
-    key = (kernel, device, *launch.items())
-    if key not in _PERSISTENT:  # how many programs of this compiled kernel one SM holds
-        compiled = kernel.warmup(*args, grid=(1,), **launch)
-        compiled._init_handles()  # loads the binary: its register count is known from here
-        regs = -(-max(compiled.n_regs, 1) // 8) * 8  # allocated per warp in units of 256 = 8 per thread
-        _PERSISTENT[key] = max(65536 // (regs * 32 * launch["num_warps"]), 1)
-    return min(TILE_PROGRAMS_PER_SM, _PERSISTENT[key]) * torch.cuda.get_device_properties(device).multi_processor_count
+    return TILE_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -259,13 +250,12 @@ def lora_delta_tiles_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: 
     if num_tokens < 2:
         return
     outs = [d.shape[1] for d in ds] + [0] * (3 - len(ds))
-    kernel = _kernels().delta_tiles_kernel
-    args = (*_delta_args(ds, outs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end), multi_tiles,
-            num_multi)
-    launch = dict(B_TY=_tl_dtype(mat_dtype), P=len(ds), BM=BLOCK_M, BR=block_r(max_rank), BN=2 * tile_half_n,
-                  PREC=_precision(mat_dtype), num_warps=TILE_WARPS, num_stages=TILE_STAGES)
-    programs = persistent_programs(kernel, (*args, 1), ds[0].device, **launch)
-    kernel[(programs,)](*args, TILE_ITEMS_PER_PROGRAM * programs, **launch)
+    programs = persistent_programs(ds[0].device)
+    _kernels().delta_tiles_kernel[(programs,)](
+        *_delta_args(ds, outs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end), multi_tiles,
+        num_multi, TILE_ITEMS_PER_PROGRAM * programs, B_TY=_tl_dtype(mat_dtype), P=len(ds), BM=BLOCK_M,
+        BR=block_r(max_rank), BN=2 * tile_half_n, PREC=_precision(mat_dtype), num_warps=TILE_WARPS,
+        num_stages=TILE_STAGES)
 
 
 @lora_delta_tiles_.register_fake
