@@ -185,12 +185,7 @@ def test_row_and_tile_chunks_differ(popularity, monkeypatch):
     check(y, x, w, b, slots, ts, FP32_TOL)
 
 
-@pytest.mark.parametrize("shrink_rank_tile", [64, 256])
-def test_ranks_1_to_256_in_one_batch(shrink_rank_tile, monkeypatch):
-    """Also with the shrink's rank tile capped at 64: the r=100 and r=256 groups then span several rank tiles
-    of its grid."""
-    monkeypatch.setattr(triton_ops, "SHRINK_MAX_BLOCK_R", shrink_rank_tile)
-    assert triton_ops.rank_tiles(256) == 256 // shrink_rank_tile
+def test_ranks_1_to_256_in_one_batch():
     gen, w, b = _case(torch.float32, seed=3)
     ranks = [1, 2, 15, 16, 17, 31, 64, 100, 256]
     slots = [random_slots("lora", IN, OUT, rank=r, dtype=torch.float32, device=DEVICE, generator=gen) for r in ranks]

@@ -37,10 +37,7 @@ TILE_HALF_N = 128  # multi-token tiles: chunk = 2·TILE_HALF_N columns at rank t
 # narrows it (the B block of a rank step stays 2·TILE_HALF_N x 32 elements)
 ROW_BLOCK_R = 16  # rank step of one-token tiles, whatever the pool's largest rank
 MAX_BLOCK_R = 64  # rank tile: the pool's largest rank rounded up to a power of two in [16, 64]; larger ranks
-# get several rank steps (the multi-token delta's loop)
-SHRINK_MAX_BLOCK_R = 256  # the shrink's rank tile, up to 256 (its grid has one program per rank tile: most of
-# them return at once for a pool whose wide rank is one group's, and wait for SMs beside the GEMMs all the same)
-SHRINK_TILE = 16384  # ...with its K tile narrowed to keep the [BK, BR] block of A within this many elements
+# get several rank tiles (the shrink's grid, the multi-token delta's loop)
 TARGET_PROGRAMS = 1024  # the shrink's split-K aims at this many programs (~8 per SM on an H200)...
 MAX_SPLIT_K = 16  # ...whose partials the one-token delta sums in one load of SPLIT_K x ROW_BLOCK_R
 TARGET_EXPAND_PROGRAMS = 4096  # the one-token delta and the epilogue give each program enough chunks to bring
@@ -62,15 +59,14 @@ def _kernels():
     return kernels
 
 
-def block_r(max_rank: int, cap: int | None = None) -> int:
-    """Rank tile of a pool whose largest rank is `max_rank`: a power of two in [16, cap] (tl.dot needs 16;
-    cap defaults to MAX_BLOCK_R)."""
-    return min(max(16, 1 << (max(max_rank, 1) - 1).bit_length()), cap or MAX_BLOCK_R)
+def block_r(max_rank: int) -> int:
+    """Rank tile of a pool whose largest rank is `max_rank`: a power of two in [16, MAX_BLOCK_R] (tl.dot needs 16)."""
+    return min(max(16, 1 << (max(max_rank, 1) - 1).bit_length()), MAX_BLOCK_R)
 
 
 def rank_tiles(max_rank: int) -> int:
-    """The shrink's rank tiles for a pool whose largest rank is `max_rank` (its grid has one program per tile)."""
-    return triton_cdiv(max_rank, block_r(max_rank, SHRINK_MAX_BLOCK_R))
+    """Rank tiles of a pool whose largest rank is `max_rank` (the shrink's grid has one program per tile)."""
+    return triton_cdiv(max_rank, block_r(max_rank))
 
 
 def choose_split_k(in_features: int, programs: int, block_k: int = BLOCK_K) -> int:
@@ -166,15 +162,14 @@ def shrink_(h: Tensor, x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group:
     in_features = x.shape[1]
     if num_tokens == 0:
         return
-    br, rt = block_r(max_rank, SHRINK_MAX_BLOCK_R), rank_tiles(max_rank)
-    bk = min(block_k, max(SHRINK_TILE // br, 16))
-    k_per_split = triton_cdiv(triton_cdiv(in_features, split_k), bk) * bk
+    k_per_split = triton_cdiv(triton_cdiv(in_features, split_k), block_k) * block_k
+    rt = rank_tiles(max_rank)
     grid = (tile_group.shape[0], split_k * rt, num_proj)
     _kernels().shrink_kernel[grid](
         x, h, arrival_counters(x.device, grid[0] * rt * num_proj), table, sorted_idx, tile_group, tile_start,
         tile_end, num_tokens, in_features, table.shape[1], h_width, k_per_split, SPLIT_K=split_k, RT=rt, BM=BLOCK_M,
-        BR=br, BK=bk, PREC=_precision(x.dtype), ONCE_ABOVE=ROW_BLOCK_R, num_warps=SHRINK_WARPS,
-        num_stages=SHRINK_STAGES)
+        BR=block_r(max_rank), BK=block_k, PREC=_precision(x.dtype), ONCE_ABOVE=ROW_BLOCK_R,
+        num_warps=SHRINK_WARPS, num_stages=SHRINK_STAGES)
 
 
 @shrink_.register_fake
