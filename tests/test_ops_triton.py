@@ -314,12 +314,10 @@ def test_meta(popularity):
 
 
 @pytest.mark.parametrize(("blocks", "law", "rows"), [("mixed", "uniform", 1), ("equal", "uniform", 1),
-                                                   ("equal", "skewed", 2), ("mixed", "oft", 4), ("equal", "oft", 4)])
+                                                   ("equal", "skewed", 2), ("mixed", "identical", 4)])
 def test_input_transform_matches_reference(blocks, law, rows, monkeypatch):
     """Blocks of 8 and 4 in one pool (runtime block strides), or every block 8 wide (constant strides, B_EXACT);
-    one sorted row per program, or 2 or 4 (as for large steps; 7 tokens: the last program's rows run short).
-    'oft': five tokens of OFT slot 8, then slot 9 and a base token: with 4 rows per program the first program
-    applies slot 8's blocks, loaded once, to four rows; the second has rows of three slots."""
+    one sorted row per program, or 2 or 4 (as for large steps; 7 tokens: the last program's rows run short)."""
     monkeypatch.setattr(triton_ops, "PRE_PASS_TOKENS", 7 // rows)
     assert triton_ops.pre_pass_rows(7) == rows
     gen, _, _ = _case(torch.float32, seed=12)
@@ -328,10 +326,7 @@ def test_input_transform_matches_reference(blocks, law, rows, monkeypatch):
         kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
         slots[9] = random_slots("oft", IN, OUT, block=8, block_share=True, **kw)
         slots[3] = random_slots("oft", IN, OUT, block=8, **kw)
-    if law == "oft":
-        ts = torch.tensor([8, -1, 8, 9, 8, 8, 8], device=DEVICE)
-    else:
-        ts = token_slots(law, 7, len(slots), generator=gen).to(DEVICE)
+    ts = token_slots(law, 7, len(slots), generator=gen).to(DEVICE)
     x = torch.randn(7, IN, generator=gen).to(DEVICE)
     pool = SlotPool(IN, (OUT,), len(slots), DEVICE, torch.float32)
     pool.update([slots])

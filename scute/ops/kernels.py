@@ -67,36 +67,18 @@ def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, sorted_ptr, sorted_slots_ptr,
                            ROWS: tl.constexpr):
     """Program (ROWS sorted rows, chunk c, projection p): x'[p, t] = T_{p,slot}(x[t]) on its chunk for each of its
     tokens t; a copy if no T. Rows come in slot order (`LoraMeta.sorted_idx`), so in a large step the rows of one
-    adapter share a program, which loads the first row's T blocks once and applies them to every row of that slot
-    (one program per token re-read them per token: 64 MB per projection from L2 for 256 tokens of one OFT
-    adapter); at decode ROWS is 1, each row its own program. B_EXACT: every block of the pool is BB wide (the
-    usual case), so block strides are constants and x and T are read in 16-byte vectors (with a runtime block size
-    Triton reads them one element at a time)."""
+    adapter share a program and read its T blocks from L1 after the first (one program per token re-read them
+    from L2 per token: 64 MB per projection for 256 tokens of one OFT adapter); at decode ROWS is 1, each row
+    its own program. B_EXACT: every block of the pool is BB wide (the usual case), so block strides are constants
+    and x and T are read in 16-byte vectors (with a runtime block size Triton reads them one element at a time)."""
     first, c, p = tl.program_id(0) * ROWS, tl.program_id(1), tl.program_id(2)
     if ROWS == 1:  # no loop: the decode kernel as it was (a loop of one row held 6 more registers)
         _input_transform_row(x_ptr, xt_ptr, tab_ptr, tl.load(sorted_slots_ptr + first), tl.load(sorted_ptr + first),
                              c, p, num_tokens, in_features, num_slots, BC, BB, NBP, B_EXACT)
     else:
-        s0 = tl.load(sorted_slots_ptr + first)
-        row0 = (p * num_slots + tl.maximum(s0, 0)) * NF
-        flags0 = tl.where(s0 >= 0, tl.load(tab_ptr + row0 + F_FLAGS), 0)
-        if (flags0 & HAS_TB) != 0:
-            b, k, cols, xmask = _t_cols(tab_ptr, row0, c, in_features, BB, NBP, B_EXACT)
-            tk = _t_load(tab_ptr, row0, b, k, xmask, x_ptr.dtype.element_ty, BB)
-            t_vec0 = _ptr(tab_ptr, row0 + F_T, tl.float32)
-            for i in range(first, tl.minimum(first + ROWS, num_tokens)):
-                t = tl.load(sorted_ptr + i)
-                slot = tl.load(sorted_slots_ptr + i)
-                if slot == s0:
-                    xk = _x_blocks(x_ptr + t.to(tl.int64) * in_features, cols, xmask, t_vec0, flags0)
-                    _store_t_blocks(xt_ptr + (p * num_tokens + t).to(tl.int64) * in_features, tk, xk, cols, xmask)
-                else:
-                    _input_transform_row(x_ptr, xt_ptr, tab_ptr, slot, t, c, p, num_tokens, in_features,
-                                         num_slots, BC, BB, NBP, B_EXACT)
-        else:
-            for i in range(first, tl.minimum(first + ROWS, num_tokens)):
-                _input_transform_row(x_ptr, xt_ptr, tab_ptr, tl.load(sorted_slots_ptr + i), tl.load(sorted_ptr + i),
-                                     c, p, num_tokens, in_features, num_slots, BC, BB, NBP, B_EXACT)
+        for i in range(first, tl.minimum(first + ROWS, num_tokens)):
+            _input_transform_row(x_ptr, xt_ptr, tab_ptr, tl.load(sorted_slots_ptr + i), tl.load(sorted_ptr + i), c,
+                                 p, num_tokens, in_features, num_slots, BC, BB, NBP, B_EXACT)
 
 
 @triton.jit
@@ -109,9 +91,27 @@ def _input_transform_row(x_ptr, xt_ptr, tab_ptr, slot, t, c, p, num_tokens, in_f
     out_row = xt_ptr + (p * num_tokens + t).to(tl.int64) * in_features
     t_vec = _ptr(tab_ptr, row + F_T, tl.float32)
     if (flags & HAS_TB) != 0:
-        b, k, cols, xmask = _t_cols(tab_ptr, row, c, in_features, BB, NBP, B_EXACT)
-        xk = _x_blocks(x_row, cols, xmask, t_vec, flags)  # x before T: 35 registers on sm_90, 51 the other way
-        _store_t_blocks(out_row, _t_load(tab_ptr, row, b, k, xmask, x_ptr.dtype.element_ty, BB), xk, cols, xmask)
+        # Block-diagonal T: NBP blocks of size b per program, x'_k = T_k (t ⊙ x)_k as a broadcast-multiply-sum
+        # (blocks are 4..64 wide: too small and too many for tensor cores to pay).
+        b = tl.load(tab_ptr + row + F_TBB).to(tl.int32)
+        if B_EXACT:
+            b = BB
+        shared_block = tl.load(tab_ptr + row + F_TBN) == 1
+        tb = _ptr(tab_ptr, row + F_TB, x_ptr.dtype.element_ty)
+        k = c * NBP + tl.arange(0, NBP)
+        i = tl.arange(0, BB)
+        kmask = k < in_features // b
+        xmask = kmask[:, None] & (i < b)[None, :]
+        cols = k[:, None] * b + i[None, :]
+        xk = tl.load(x_row + cols, mask=xmask, other=0.0).to(tl.float32)
+        if (flags & HAS_T) != 0:
+            xk = xk * tl.load(t_vec + cols, mask=xmask, other=0.0)
+        kb = tl.where(shared_block, 0, k)
+        blk = tb + kb[:, None, None] * b * b + i[None, :, None] * b + i[None, None, :]
+        tmask = xmask[:, :, None] & (i < b)[None, None, :]
+        tk = tl.load(blk, mask=tmask, other=0.0).to(tl.float32)
+        y = tl.sum(tk * xk[:, None, :], axis=2)
+        tl.store(out_row + cols, y.to(xt_ptr.dtype.element_ty), mask=xmask)
     else:  # names differ from the other branch's: a runtime `if` merges same-named variables, shapes must agree
         ccols = c * BC + tl.arange(0, BC)
         cmask = ccols < in_features
@@ -119,44 +119,6 @@ def _input_transform_row(x_ptr, xt_ptr, tab_ptr, slot, t, c, p, num_tokens, in_f
         if (flags & HAS_T) != 0:
             xv = (xv.to(tl.float32) * tl.load(t_vec + ccols, mask=cmask, other=0.0)).to(x_ptr.dtype.element_ty)
         tl.store(out_row + ccols, xv, mask=cmask)
-
-
-@triton.jit
-def _t_cols(tab_ptr, row, c, in_features, BB: tl.constexpr, NBP: tl.constexpr, B_EXACT: tl.constexpr):
-    """Chunk c of the block-diagonal T at table row `row`: its block size b, its NBP block indices k, the x
-    columns they cover and their mask."""
-    b = tl.load(tab_ptr + row + F_TBB).to(tl.int32)
-    if B_EXACT:
-        b = BB
-    k = c * NBP + tl.arange(0, NBP)
-    i = tl.arange(0, BB)
-    xmask = (k < in_features // b)[:, None] & (i < b)[None, :]
-    return b, k, k[:, None] * b + i[None, :], xmask
-
-
-@triton.jit
-def _t_load(tab_ptr, row, b, k, xmask, ty: tl.constexpr, BB: tl.constexpr):
-    """Blocks k of the block-diagonal T at table row `row` ([NBP, BB, BB] fp32, zeros past a block of size b)."""
-    i = tl.arange(0, BB)
-    kb = tl.where(tl.load(tab_ptr + row + F_TBN) == 1, 0, k)  # one block shared by every chunk
-    blk = _ptr(tab_ptr, row + F_TB, ty) + kb[:, None, None] * b * b + i[None, :, None] * b + i[None, None, :]
-    return tl.load(blk, mask=xmask[:, :, None] & (i < b)[None, None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _x_blocks(x_row, cols, xmask, t_vec, flags):
-    """One row's chunk of x (t ⊙ x if the slot has a diagonal T too), in fp32, shaped as the blocks."""
-    xk = tl.load(x_row + cols, mask=xmask, other=0.0).to(tl.float32)
-    if (flags & HAS_T) != 0:
-        xk = xk * tl.load(t_vec + cols, mask=xmask, other=0.0)
-    return xk
-
-
-@triton.jit
-def _store_t_blocks(out_row, tk, xk, cols, xmask):
-    """x'_k = T_k x_k on one row's chunk, as a broadcast-multiply-sum (blocks are 4..64 wide: too small and too many
-    for tensor cores to pay)."""
-    tl.store(out_row + cols, tl.sum(tk * xk[:, None, :], axis=2).to(out_row.dtype.element_ty), mask=xmask)
 
 
 # ---------------------------------------------------------------------------------------------- shrink
