@@ -62,29 +62,13 @@ def _ptr(tab_ptr, at, ty: tl.constexpr):
 
 # ---------------------------------------------------------------------------------------------- input transform
 @triton.jit
-def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, sorted_ptr, sorted_slots_ptr, num_tokens, in_features,
-                           num_slots, BC: tl.constexpr, BB: tl.constexpr, NBP: tl.constexpr, B_EXACT: tl.constexpr,
-                           ROWS: tl.constexpr):
-    """Program (ROWS sorted rows, chunk c, projection p): x'[p, t] = T_{p,slot}(x[t]) on its chunk for each of its
-    tokens t; a copy if no T. Rows come in slot order (`LoraMeta.sorted_idx`), so in a large step the rows of one
-    adapter share a program and read its T blocks from L1 after the first (one program per token re-read them
-    from L2 per token: 64 MB per projection for 256 tokens of one OFT adapter); at decode ROWS is 1, each row
-    its own program. B_EXACT: every block of the pool is BB wide (the usual case), so block strides are constants
-    and x and T are read in 16-byte vectors (with a runtime block size Triton reads them one element at a time)."""
-    first, c, p = tl.program_id(0) * ROWS, tl.program_id(1), tl.program_id(2)
-    if ROWS == 1:  # no loop: the decode kernel as it was (a loop of one row held 6 more registers)
-        _input_transform_row(x_ptr, xt_ptr, tab_ptr, tl.load(sorted_slots_ptr + first), tl.load(sorted_ptr + first),
-                             c, p, num_tokens, in_features, num_slots, BC, BB, NBP, B_EXACT)
-    else:
-        for i in range(first, tl.minimum(first + ROWS, num_tokens)):
-            _input_transform_row(x_ptr, xt_ptr, tab_ptr, tl.load(sorted_slots_ptr + i), tl.load(sorted_ptr + i), c,
-                                 p, num_tokens, in_features, num_slots, BC, BB, NBP, B_EXACT)
-
-
-@triton.jit
-def _input_transform_row(x_ptr, xt_ptr, tab_ptr, slot, t, c, p, num_tokens, in_features, num_slots,
-                         BC: tl.constexpr, BB: tl.constexpr, NBP: tl.constexpr, B_EXACT: tl.constexpr):
-    """Token t's (slot `slot`) chunk c of x'[p, t]."""
+def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, slots_ptr, num_tokens, in_features, num_slots,
+                           BC: tl.constexpr, BB: tl.constexpr, NBP: tl.constexpr, B_EXACT: tl.constexpr):
+    """Program (token t, chunk c, projection p): x'[p, t] = T_{p,slot}(x[t]) on its chunk; a copy if no T.
+    B_EXACT: every block of the pool is BB wide (the usual case), so block strides are constants and x and T are
+    read in 16-byte vectors (with a runtime block size Triton reads them one element at a time)."""
+    t, c, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(slots_ptr + t)
     row = (p * num_slots + tl.maximum(slot, 0)) * NF
     flags = tl.where(slot >= 0, tl.load(tab_ptr + row + F_FLAGS), 0)
     x_row = x_ptr + t.to(tl.int64) * in_features

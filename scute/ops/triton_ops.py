@@ -40,7 +40,6 @@ MAX_BLOCK_R = 64  # rank tile: the pool's largest rank rounded up to a power of 
 # get several rank tiles (the shrink's grid, the multi-token delta's loop)
 TARGET_PROGRAMS = 1024  # the shrink's split-K aims at this many programs (~8 per SM on an H200)...
 MAX_SPLIT_K = 16  # ...whose partials the one-token delta sums in one load of SPLIT_K x ROW_BLOCK_R
-PRE_PASS_TOKENS = 64  # the input transform gives each program one more sorted row per this many tokens
 TARGET_EXPAND_PROGRAMS = 4096  # the one-token delta and the epilogue give each program enough chunks to bring
 # their grid to this
 # Triton launch options (module constants: the bench tunes them). HALF_N 64 and 1 warp for the one-token delta
@@ -114,18 +113,18 @@ def triton_cdiv(a: int, b: int) -> int:
 
 # ---------------------------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("scute::input_transform", mutates_args=())
-def input_transform(x: Tensor, table: Tensor, sorted_idx: Tensor, sorted_slots: Tensor, num_proj: int,
-                    block_b: int, min_block: int) -> Tensor:
+def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, num_proj: int, block_b: int,
+                    min_block: int) -> Tensor:
     """Each token's input transform, for each projection of the pool.
 
-    Semantics (a = the slot of token t, i.e. sorted_slots[i] for t = sorted_idx[i]):
-        out[p, t] = T_{p,a}(x[t]):  t ⊙ x[t] (diag), then chunk k ← t_blocks[k or 0] @ chunk k
-        out[p, t] = x[t]            if a == −1 or slot a of projection p has no T
+    Semantics:
+        out[p, t] = T_{p,a}(x[t]) with a = token_slots[t]:  t ⊙ x[t] (diag), then chunk k ← t_blocks[k or 0] @ chunk k
+        out[p, t] = x[t]                                    if a == −1 or slot a of projection p has no T
     Reference: `scute.ops.reference.input_transform_ref` (per projection).
 
     Shapes: x [T, in] (fp16/bf16/fp32, contiguous), table [P, M, NUM_FIELDS] int64 (`SlotPool.table`),
-    sorted_idx, sorted_slots [T] int32 (`LoraMeta`: the tokens in slot order, and their slots); block_b = power
-    of two ≥ the largest OFT block, min_block = the smallest one. Returns [P, T, in] in x.dtype.
+    token_slots [T] int32; block_b = power of two ≥ the largest OFT block, min_block = the smallest one.
+    Returns [P, T, in] in x.dtype.
     """
     out = x.new_empty((num_proj, *x.shape))
     num_tokens, in_features = x.shape
@@ -134,21 +133,14 @@ def input_transform(x: Tensor, table: Tensor, sorted_idx: Tensor, sorted_slots: 
     block_c = 1024  # copy chunk per program (tokens without a block transform)
     blocks_per_prog = max(1, 4096 // (block_b * block_b))  # ~4k elements of T per program: no register spill
     chunks = max(triton_cdiv(in_features, block_c), triton_cdiv(in_features // min_block, blocks_per_prog))
-    rows = pre_pass_rows(num_tokens)
-    _kernels().input_transform_kernel[(triton_cdiv(num_tokens, rows), chunks, num_proj)](
-        x, out, table, sorted_idx, sorted_slots, num_tokens, in_features, table.shape[1],
-        BC=block_c, BB=block_b, NBP=blocks_per_prog, B_EXACT=min_block == block_b, ROWS=rows)
+    _kernels().input_transform_kernel[(num_tokens, chunks, num_proj)](
+        x, out, table, token_slots, num_tokens, in_features, table.shape[1],
+        BC=block_c, BB=block_b, NBP=blocks_per_prog, B_EXACT=min_block == block_b)
     return out
 
 
-def pre_pass_rows(num_tokens: int) -> int:
-    """Sorted rows per program of the input transform: 1 up to PRE_PASS_TOKENS tokens (decode: the latency of
-    one row), then a power of two up to 8, one per PRE_PASS_TOKENS tokens."""
-    return min(8, 1 << (max(num_tokens // PRE_PASS_TOKENS, 1).bit_length() - 1))
-
-
 @input_transform.register_fake
-def _(x, table, sorted_idx, sorted_slots, num_proj, block_b, min_block):
+def _(x, table, token_slots, num_proj, block_b, min_block):
     return x.new_empty((num_proj, *x.shape))
 
 
@@ -377,8 +369,7 @@ def _input_transform(x: Tensor, pool: SlotPool, meta: LoraMeta) -> Tensor | None
     for a captured graph, see `SlotPool.signature`)."""
     if not pool.has_input_transform:
         return None
-    return input_transform(x, pool.table, meta.sorted_idx, meta.sorted_slots, pool.num_proj, pool.block_b,
-                           pool.min_block)
+    return input_transform(x, pool.table, meta.token_slots, pool.num_proj, pool.block_b, pool.min_block)
 
 
 def call_transient_bytes(num_tokens: int, in_features: int, out_features: Sequence[int], num_slots: int,
