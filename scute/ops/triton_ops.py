@@ -35,7 +35,8 @@ HALF_N = 64  # one-token delta chunk = 2·HALF_N output columns, rank steps of 1
 EPILOGUE_HALF_N = 512  # the epilogue's chunk: EPILOGUE_HALF_N column pairs
 TILE_HALF_N = 128  # multi-token tiles: chunk = 2·TILE_HALF_N columns at rank tile 16 or 32; a larger rank tile
 # narrows it (the B block of a rank step stays 2·TILE_HALF_N x 32 elements)
-ROW_BLOCK_R = 16  # rank step of one-token tiles, whatever the pool's largest rank
+ROW_BLOCK_R = 16  # rank step of one-token tiles, up to ROW_MAX_BLOCK_R for a pool of wide ranks whose chunks
+ROW_MAX_BLOCK_R = 64  # are narrow enough (`row_block_r`)
 MAX_BLOCK_R = 64  # rank tile: the pool's largest rank rounded up to a power of two in [16, 64]; larger ranks
 # get several rank tiles (the shrink's grid, the multi-token delta's loop)
 TARGET_PROGRAMS = 1024  # the shrink's split-K aims at this many programs (~8 per SM on an H200)...
@@ -59,9 +60,10 @@ def _kernels():
     return kernels
 
 
-def block_r(max_rank: int) -> int:
-    """Rank tile of a pool whose largest rank is `max_rank`: a power of two in [16, MAX_BLOCK_R] (tl.dot needs 16)."""
-    return min(max(16, 1 << (max(max_rank, 1) - 1).bit_length()), MAX_BLOCK_R)
+def block_r(max_rank: int, cap: int | None = None) -> int:
+    """Rank tile of a pool whose largest rank is `max_rank`: a power of two in [16, cap] (tl.dot needs 16; cap
+    defaults to MAX_BLOCK_R)."""
+    return min(max(16, 1 << (max(max_rank, 1) - 1).bit_length()), cap or MAX_BLOCK_R)
 
 
 def rank_tiles(max_rank: int) -> int:
@@ -83,6 +85,14 @@ def choose_chunks_per_prog(num_tiles: int, out_features: Sequence[int], half_n: 
     TARGET_EXPAND_PROGRAMS."""
     chunks = sum(triton_cdiv(o, 2 * half_n) for o in out_features)
     return max(1, triton_cdiv(num_tiles * chunks, TARGET_EXPAND_PROGRAMS))
+
+
+def row_block_r(max_rank: int, half_n: int) -> int:
+    """Rank step of the one-token delta: the pool's largest rank rounded up to a power of two in [ROW_BLOCK_R,
+    ROW_MAX_BLOCK_R], as long as the [2·half_n, step] block of B stays within the 2·HALF_N x ROW_BLOCK_R elements
+    of a rank-16 pool (one warp's registers). A VeRA token at decode (rank 256, chunks of 32 columns) then walks 4
+    rank steps instead of 16, each a load the one warp waits for."""
+    return max(ROW_BLOCK_R, min(block_r(max_rank, ROW_MAX_BLOCK_R), ROW_BLOCK_R * HALF_N // half_n))
 
 
 def rows_half_n(num_tiles: int, out_features: Sequence[int], max_rank: int, half_n: int = HALF_N) -> int:
@@ -205,7 +215,7 @@ def _precision(dtype: torch.dtype) -> str:
 @torch.library.custom_op("scute::lora_delta_rows_", mutates_args=("ds",))
 def lora_delta_rows_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, sorted_idx: Tensor,
                      tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, half_n: int, chunks_per_prog: int,
-                     mat_dtype: torch.dtype) -> None:
+                     max_rank: int, mat_dtype: torch.dtype) -> None:
     """The low-rank delta of the tokens of one-token tiles (most tokens at decode), for each projection.
 
     Semantics (token t with slot a ≥ 0 at sorted position i, projection p, group g of a with rank r > 0):
@@ -217,7 +227,7 @@ def lora_delta_rows_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: T
 
     Shapes: ds = P ≤ 3 tensors [T, out_p] (contiguous, one dtype), mat_dtype the pool's matrix dtype, h from
     `shrink_`, sorted_slots [T] int32, the rest as in `shrink_`. A program per (tile, `chunks_per_prog` chunks of
-    2·half_n columns of one projection).
+    2·half_n columns of one projection), in rank steps of `row_block_r(max_rank, half_n)`.
     """
     num_tokens = ds[0].shape[0]
     if num_tokens == 0:
@@ -226,12 +236,14 @@ def lora_delta_rows_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: T
     progs = sum(triton_cdiv(n, 2 * half_n * chunks_per_prog) for n in outs)
     _kernels().delta_rows_kernel[(tile_group.shape[0], progs)](
         *_delta_args(ds, outs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end),
-        chunks_per_prog, B_TY=_tl_dtype(mat_dtype), P=len(ds), SPLIT_K=h.shape[0], BM=BLOCK_M, BR=ROW_BLOCK_R,
-        BN=2 * half_n, ONCE_ABOVE=ROW_BLOCK_R, num_warps=EXPAND_WARPS, num_stages=EXPAND_STAGES)
+        chunks_per_prog, B_TY=_tl_dtype(mat_dtype), P=len(ds), SPLIT_K=h.shape[0], BM=BLOCK_M,
+        BR=row_block_r(max_rank, half_n), BN=2 * half_n, ONCE_ABOVE=ROW_BLOCK_R, num_warps=EXPAND_WARPS,
+        num_stages=EXPAND_STAGES)
 
 
 @lora_delta_rows_.register_fake
-def _(ds, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, half_n, chunks_per_prog, mat_dtype):
+def _(ds, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, half_n, chunks_per_prog, max_rank,
+      mat_dtype):
     return None
 
 
@@ -342,7 +354,7 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
             lora_delta_tiles_(ds, h, pool.table, *tiles, meta.multi_tiles, meta.num_multi, pool.max_rank,
                               tile_half_n, pool.dtype)
         with _on(side, 0):
-            lora_delta_rows_(ds, h, pool.table, *tiles, rows_hn, chunks, pool.dtype)
+            lora_delta_rows_(ds, h, pool.table, *tiles, rows_hn, chunks, pool.max_rank, pool.dtype)
         if fork:
             side[0].wait_stream(side[1])
     xs = _input_transform(x, pool, meta)
