@@ -35,7 +35,6 @@ HALF_N = 64  # one-token delta chunk = 2·HALF_N output columns, rank steps of 1
 EPILOGUE_HALF_N = 512  # the epilogue's chunk: EPILOGUE_HALF_N column pairs
 TILE_HALF_N = 128  # multi-token tiles: chunk = 2·TILE_HALF_N columns at rank tile 16 or 32; a larger rank tile
 # narrows it (the B block of a rank step stays 2·TILE_HALF_N x 32 elements)
-TILE_NARROW_TOKENS = 64  # ...and a pool of wide ranks in a step of at most this many tokens gets 32-column chunks
 ROW_BLOCK_R = 16  # rank step of one-token tiles, up to ROW_MAX_BLOCK_R for a pool of wide ranks whose chunks
 ROW_MAX_BLOCK_R = 64  # are narrow enough (`row_block_r`)
 MAX_BLOCK_R = 64  # rank tile: the pool's largest rank rounded up to a power of two in [16, 64]; larger ranks
@@ -94,16 +93,6 @@ def row_block_r(max_rank: int, half_n: int) -> int:
     of a rank-16 pool (one warp's registers). A VeRA token at decode (rank 256, chunks of 32 columns) then walks 4
     rank steps instead of 16, each a load the one warp waits for."""
     return max(ROW_BLOCK_R, min(block_r(max_rank, ROW_MAX_BLOCK_R), ROW_BLOCK_R * HALF_N // half_n))
-
-
-def tiles_half_n(num_tokens: int, max_rank: int, half_n: int = TILE_HALF_N) -> int:
-    """Half-chunk of the multi-token delta: `half_n` at rank tiles of 16 or 32, narrowed for wider ones (the B
-    block of a rank step stays 2·half_n x 32 elements); down to 16 for a pool of wide ranks in a step of at most
-    TILE_NARROW_TOKENS tokens, where a multi-token tile is usually one small group (the mix's VeRA tokens) whose
-    few column chunks, each a chain of serial rank steps, would leave most programs idle."""
-    if num_tokens <= TILE_NARROW_TOKENS and block_r(max_rank) >= MAX_BLOCK_R:
-        return 16
-    return max(16, half_n * 32 // max(block_r(max_rank), 32))
 
 
 def rows_half_n(num_tiles: int, out_features: Sequence[int], max_rank: int, half_n: int = HALF_N) -> int:
@@ -349,7 +338,7 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     if pool.has_lowrank:
         split_k = choose_split_k(x.shape[1], meta.tile_group.shape[0] * pool.num_proj, block_k)
         h = x.new_empty((split_k, x.shape[0], pool.h_width), dtype=torch.float32)
-        tile_half_n = tiles_half_n(x.shape[0], pool.max_rank, tile_half_n or TILE_HALF_N)
+        tile_half_n = max(16, (tile_half_n or TILE_HALF_N) * 32 // max(block_r(pool.max_rank), 32))
         rows_hn = rows_half_n(meta.tile_group.shape[0], pool.out_features, pool.max_rank, half_n)
         chunks = choose_chunks_per_prog(meta.tile_group.shape[0], pool.out_features, rows_hn)
         tiles = (meta.sorted_slots, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end)
