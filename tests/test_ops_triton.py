@@ -185,6 +185,16 @@ def test_row_and_tile_chunks_differ(popularity, monkeypatch):
     check(y, x, w, b, slots, ts, FP32_TOL)
 
 
+def test_row_rank_step():
+    """The one-token delta's rank step: 16 for a rank-16 pool; for a pool of wide ranks, as wide as its chunk allows
+    within the block of a rank-16 pool (2·HALF_N x 16 elements), up to 64 (the tests' wide pools run at 64)."""
+    assert triton_ops.row_block_r(16, triton_ops.HALF_N) == 16
+    assert triton_ops.row_block_r(256, 64) == 16 and triton_ops.row_block_r(256, 32) == 32
+    assert triton_ops.row_block_r(256, 16) == 64 and triton_ops.row_block_r(100, 16) == 64
+    assert triton_ops.row_block_r(32, 16) == 32
+    assert triton_ops.rows_half_n(1, [OUT], 256) == 16  # a VeRA-wide pool at decode: narrow chunks, 64-rank steps
+
+
 def test_ranks_1_to_256_in_one_batch():
     gen, w, b = _case(torch.float32, seed=3)
     ranks = [1, 2, 15, 16, 17, 31, 64, 100, 256]
