@@ -82,9 +82,9 @@ def main() -> None:
     for bk, stages in [(128, 3), (64, 2)]:
         cst = dict(SPLIT_K=4, RT=1, BM=16, BR=16, BK=bk, PREC="tf32", ONCE_ABOVE=16)
         rows.append((f"shrink BK={bk} stages={stages}", compile_stats(kernels.shrink_kernel, SHRINK_ARGS, cst, 4, stages)))
-    for exact in (False, True):
-        cst = dict(BC=1024, BB=32, NBP=4, B_EXACT=exact)
-        rows.append((f"input transform BB=32 exact={exact}",
+    for exact, iters in ((False, 1), (True, 1), (True, 4)):
+        cst = dict(BC=1024, BB=32, NBP=4, B_EXACT=exact, ITERS=iters)
+        rows.append((f"input transform BB=32 exact={exact} iters={iters}",
                      compile_stats(kernels.input_transform_kernel, INPUT_ARGS, cst, 4)))
     print(f"{'kernel':<40} {'regs':>5} {'spill B':>8} {'progs/SM':>9} {'vec ld':>7} {'scalar ld':>10}")
     for name, s in rows:

@@ -323,9 +323,12 @@ def test_meta(popularity):
         assert all(torch.equal(getattr(out, f), getattr(meta, f)) for f in ("sorted_idx", "tile_group", "tile_end"))
 
 
-@pytest.mark.parametrize("blocks", ["mixed", "equal"])
-def test_input_transform_matches_reference(blocks):
-    """Blocks of 8 and 4 in one pool (runtime block strides), or every block 8 wide (constant strides, B_EXACT)."""
+@pytest.mark.parametrize(("blocks", "iters"), [("mixed", 1), ("equal", 1), ("mixed", 4), ("equal", 2)])
+def test_input_transform_matches_reference(blocks, iters, monkeypatch):
+    """Blocks of 8 and 4 in one pool (runtime block strides), or every block 8 wide (constant strides, B_EXACT);
+    one chunk per program, or 2 or 4 (as in large steps; the last program's chunks run past the input)."""
+    monkeypatch.setattr(triton_ops, "PRE_PASS_TOKENS", 7 // iters)
+    assert triton_ops.pre_pass_iters(7) == iters
     gen, _, _ = _case(torch.float32, seed=12)
     slots = mixed_slots(torch.float32, gen)
     if blocks == "equal":
@@ -337,6 +340,23 @@ def test_input_transform_matches_reference(blocks):
     pool = SlotPool(IN, (OUT,), len(slots), DEVICE, torch.float32)
     pool.update([slots])
     assert (pool.min_block == pool.block_b) == (blocks == "equal")
+    out = input_transform(x, pool.table, ts.to(torch.int32), 1, pool.block_b, pool.min_block)
+    torch.testing.assert_close(out[0], input_transform_ref(x, slots, ts), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("iters", [1, 4])
+def test_input_transform_several_chunks_per_program(iters, monkeypatch):
+    """A wide input (2048: 4 chunks of copies, 4 of 64 blocks of 8) with 1 or 4 chunks per program: OFT, diagonal
+    (IA3 feed-forward), LoRA (a copy) and base tokens."""
+    monkeypatch.setattr(triton_ops, "PRE_PASS_TOKENS", 7 // iters)
+    in_f, gen = 2048, torch.Generator().manual_seed(13)
+    kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
+    slots = [random_slots("oft", in_f, OUT, block=8, **kw), random_slots("ia3", in_f, OUT, feedforward=True, **kw),
+             random_slots("lora", in_f, OUT, rank=4, **kw)]
+    ts = torch.tensor([0, 2, -1, 1, 0, 0, 1], device=DEVICE)
+    x = torch.randn(7, in_f, generator=gen).to(DEVICE)
+    pool = SlotPool(in_f, (OUT,), len(slots), DEVICE, torch.float32)
+    pool.update([slots])
     out = input_transform(x, pool.table, ts.to(torch.int32), 1, pool.block_b, pool.min_block)
     torch.testing.assert_close(out[0], input_transform_ref(x, slots, ts), rtol=1e-5, atol=1e-5)
 

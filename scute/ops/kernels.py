@@ -63,10 +63,13 @@ def _ptr(tab_ptr, at, ty: tl.constexpr):
 # ---------------------------------------------------------------------------------------------- input transform
 @triton.jit
 def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, slots_ptr, num_tokens, in_features, num_slots,
-                           BC: tl.constexpr, BB: tl.constexpr, NBP: tl.constexpr, B_EXACT: tl.constexpr):
-    """Program (token t, chunk c, projection p): x'[p, t] = T_{p,slot}(x[t]) on its chunk; a copy if no T.
-    B_EXACT: every block of the pool is BB wide (the usual case), so block strides are constants and x and T are
-    read in 16-byte vectors (with a runtime block size Triton reads them one element at a time)."""
+                           BC: tl.constexpr, BB: tl.constexpr, NBP: tl.constexpr, B_EXACT: tl.constexpr,
+                           ITERS: tl.constexpr):
+    """Program (token t, chunks [c·ITERS, (c + 1)·ITERS), projection p): x'[p, t] = T_{p,slot}(x[t]) on its
+    chunks; a copy if no T. B_EXACT: every block of the pool is BB wide (the usual case), so block strides are
+    constants and x and T are read in 16-byte vectors (with a runtime block size Triton reads them one element at
+    a time). ITERS > 1 in large steps: a program's setup (its slot's table row, then T's pointer) is a chain of
+    dependent loads as long as its work, so at 256 tokens one chunk per program ran ~15 waves of mostly setup."""
     t, c, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots_ptr + t)
     row = (p * num_slots + tl.maximum(slot, 0)) * NF
@@ -82,27 +85,29 @@ def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, slots_ptr, num_tokens, in_fea
             b = BB
         shared_block = tl.load(tab_ptr + row + F_TBN) == 1
         tb = _ptr(tab_ptr, row + F_TB, x_ptr.dtype.element_ty)
-        k = c * NBP + tl.arange(0, NBP)
         i = tl.arange(0, BB)
-        kmask = k < in_features // b
-        xmask = kmask[:, None] & (i < b)[None, :]
-        cols = k[:, None] * b + i[None, :]
-        xk = tl.load(x_row + cols, mask=xmask, other=0.0).to(tl.float32)
-        if (flags & HAS_T) != 0:
-            xk = xk * tl.load(t_vec + cols, mask=xmask, other=0.0)
-        kb = tl.where(shared_block, 0, k)
-        blk = tb + kb[:, None, None] * b * b + i[None, :, None] * b + i[None, None, :]
-        tmask = xmask[:, :, None] & (i < b)[None, None, :]
-        tk = tl.load(blk, mask=tmask, other=0.0).to(tl.float32)
-        y = tl.sum(tk * xk[:, None, :], axis=2)
-        tl.store(out_row + cols, y.to(xt_ptr.dtype.element_ty), mask=xmask)
+        for j in tl.static_range(ITERS):
+            k = (c * ITERS + j) * NBP + tl.arange(0, NBP)
+            kmask = k < in_features // b
+            xmask = kmask[:, None] & (i < b)[None, :]
+            cols = k[:, None] * b + i[None, :]
+            xk = tl.load(x_row + cols, mask=xmask, other=0.0).to(tl.float32)
+            if (flags & HAS_T) != 0:
+                xk = xk * tl.load(t_vec + cols, mask=xmask, other=0.0)
+            kb = tl.where(shared_block, 0, k)
+            blk = tb + kb[:, None, None] * b * b + i[None, :, None] * b + i[None, None, :]
+            tmask = xmask[:, :, None] & (i < b)[None, None, :]
+            tk = tl.load(blk, mask=tmask, other=0.0).to(tl.float32)
+            y = tl.sum(tk * xk[:, None, :], axis=2)
+            tl.store(out_row + cols, y.to(xt_ptr.dtype.element_ty), mask=xmask)
     else:  # names differ from the other branch's: a runtime `if` merges same-named variables, shapes must agree
-        ccols = c * BC + tl.arange(0, BC)
-        cmask = ccols < in_features
-        xv = tl.load(x_row + ccols, mask=cmask, other=0.0)
-        if (flags & HAS_T) != 0:
-            xv = (xv.to(tl.float32) * tl.load(t_vec + ccols, mask=cmask, other=0.0)).to(x_ptr.dtype.element_ty)
-        tl.store(out_row + ccols, xv, mask=cmask)
+        for j in tl.static_range(ITERS):
+            ccols = (c * ITERS + j) * BC + tl.arange(0, BC)
+            cmask = ccols < in_features
+            xv = tl.load(x_row + ccols, mask=cmask, other=0.0)
+            if (flags & HAS_T) != 0:
+                xv = (xv.to(tl.float32) * tl.load(t_vec + ccols, mask=cmask, other=0.0)).to(x_ptr.dtype.element_ty)
+            tl.store(out_row + ccols, xv, mask=cmask)
 
 
 # ---------------------------------------------------------------------------------------------- shrink

@@ -41,6 +41,7 @@ MAX_BLOCK_R = 64  # rank tile: the pool's largest rank rounded up to a power of 
 # get several rank tiles (the shrink's grid, the multi-token delta's loop)
 TARGET_PROGRAMS = 1024  # the shrink's split-K aims at this many programs (~8 per SM on an H200)...
 MAX_SPLIT_K = 16  # ...whose partials the one-token delta sums in one load of SPLIT_K x ROW_BLOCK_R
+PRE_PASS_TOKENS = 64  # the input transform's programs take one more chunk per this many tokens (`pre_pass_iters`)
 TARGET_EXPAND_PROGRAMS = 4096  # the one-token delta and the epilogue give each program enough chunks to bring
 # their grid to this
 # Triton launch options (module constants: the bench tunes them). HALF_N 64 and 1 warp for the one-token delta
@@ -143,10 +144,18 @@ def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, num_proj: int
     block_c = 1024  # copy chunk per program (tokens without a block transform)
     blocks_per_prog = max(1, 4096 // (block_b * block_b))  # ~4k elements of T per program: no register spill
     chunks = max(triton_cdiv(in_features, block_c), triton_cdiv(in_features // min_block, blocks_per_prog))
-    _kernels().input_transform_kernel[(num_tokens, chunks, num_proj)](
+    iters = pre_pass_iters(num_tokens)
+    _kernels().input_transform_kernel[(num_tokens, triton_cdiv(chunks, iters), num_proj)](
         x, out, table, token_slots, num_tokens, in_features, table.shape[1],
-        BC=block_c, BB=block_b, NBP=blocks_per_prog, B_EXACT=min_block == block_b)
+        BC=block_c, BB=block_b, NBP=blocks_per_prog, B_EXACT=min_block == block_b, ITERS=iters)
     return out
+
+
+def pre_pass_iters(num_tokens: int) -> int:
+    """Chunks per program of the input transform: 1 below 2·PRE_PASS_TOKENS tokens (decode: the latency of one
+    chunk), then a power of two up to 8, about one per PRE_PASS_TOKENS tokens (fewer, longer programs: each pays
+    its setup once)."""
+    return min(8, 1 << (max(num_tokens // PRE_PASS_TOKENS, 1).bit_length() - 1))
 
 
 @input_transform.register_fake
