@@ -9,8 +9,9 @@ tf32) over the grid (tile, K split x rank tile, projection); masked rows move no
 (float32 sums, stored in `SlotPool.delta_dtype`) is two launches, each compiled to its own register count (at
 decode, the programs an SM holds are what hides their load latency): `delta_rows_kernel` runs a one-token tile
 (most tiles at decode) as a row, whose h is a rank-length vector (its product with a block of B rows is a
-multiply-sum along each row's contiguous rank values, in fp32, over rank steps of 16); `delta_tiles_kernel` runs a tile of several tokens as a tensor-core product (h
-split in two 16-bit parts: about 16 mantissa bits), reading each B block once for all of them. The shrink's
+multiply-sum along each row's contiguous rank values, in fp32, over rank steps of 16, or up to 64 in a pool of
+wide ranks: `triton_ops.row_block_r`); `delta_tiles_kernel` runs a tile of several tokens as a tensor-core
+product (h split in two 16-bit parts: about 16 mantissa bits), reading each B block once for all of them. The shrink's
 K-split partials of h are summed by the row kernel as it reads them, or once by the shrink for multi-token tiles
 and groups wider than one rank step (see `shrink_kernel`). None of these reads the base output, so they run
 beside the base GEMM; `epilogue_kernel` then applies o ⊙ z + o2 ⊙ rot(z) + c + v ⊙ d to each adapter token.
@@ -282,7 +283,8 @@ def delta_rows_kernel(d0_ptr, d1_ptr, d2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, 
     """Program (tile, n-range) of a one-token tile (most tiles at decode; `delta_tiles_kernel` takes the others):
     d[t, cols] = B (m ⊙ h) (float32) over `chunks_per_prog` chunks of BN columns of one projection. The token's h is a
     rank-length vector; its product with a block of B rows is a multiply-sum along each row's contiguous rank
-    values in fp32, over rank steps of BR, so a wide rank elsewhere in the pool costs this token nothing."""
+    values in fp32, over rank steps of BR (16, or up to 64 in a pool of wide ranks), so a token walks only as
+    many steps as its own rank needs."""
     tile, pid_n = tl.program_id(0), tl.program_id(1)
     p, prog, n_out = _proj_of_program(pid_n, out0, out1, out2, chunks_per_prog * BN, P)
     g, start, end, grow = _group_of_program(tab_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr, tile, p,

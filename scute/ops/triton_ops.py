@@ -31,7 +31,7 @@ from scute.ops.meta import BLOCK_M, LoraMeta, max_tiles
 from scute.ops.pool import SlotPool
 
 BLOCK_K = 128  # shrink K tile
-HALF_N = 64  # one-token delta chunk = 2·HALF_N output columns, rank steps of 16
+HALF_N = 64  # one-token delta chunk = 2·HALF_N output columns (rank steps: `row_block_r`)
 EPILOGUE_HALF_N = 512  # the epilogue's chunk: EPILOGUE_HALF_N column pairs
 TILE_HALF_N = 128  # multi-token tiles: chunk = 2·TILE_HALF_N columns at rank tile 16 or 32; a larger rank tile
 # narrows it (the B block of a rank step stays 2·TILE_HALF_N x 32 elements)
