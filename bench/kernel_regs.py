@@ -42,7 +42,7 @@ INPUT_ARGS = {"x_ptr": "*bf16", "xt_ptr": "*bf16", "tab_ptr": "*i64", "slots_ptr
 
 def compile_stats(fn, args: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 1) -> dict:
     """Compile `fn` for sm_90 as a launch on the bench's shapes would (pointers 16-byte aligned, sizes multiples
-    of 16: Triton specialises both) and return its registers, spill bytes and global load/store widths."""
+    of 16: Triton specialises both) and return its registers, spill bytes and global load/store widths, and which tensor-core instruction its dots use."""
     signature = {**args, **{k: "constexpr" for k in constexprs}}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args) if name not in ("chunks_per_prog", "target_items")}
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
@@ -60,7 +60,8 @@ def compile_stats(fn, args: dict, constexprs: dict, num_warps: int = 4, num_stag
     return dict(regs=regs, spill_bytes=int(spill.group(1)) if spill else 0,
                 programs_per_sm=min(65536 // (regs * 32 * num_warps), 32),
                 vector_loads=sum(n for k, n in widths.items() if k.startswith("ld") and ".v" in k),
-                scalar_loads=sum(n for k, n in widths.items() if k.startswith("ld") and ".v" not in k))
+                scalar_loads=sum(n for k, n in widths.items() if k.startswith("ld") and ".v" not in k),
+                mma="wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "-")
 
 
 def main() -> None:
@@ -86,10 +87,10 @@ def main() -> None:
         cst = dict(BC=1024, BB=32, NBP=4, B_EXACT=exact, ITERS=iters)
         rows.append((f"input transform BB=32 exact={exact} iters={iters}",
                      compile_stats(kernels.input_transform_kernel, INPUT_ARGS, cst, 4)))
-    print(f"{'kernel':<40} {'regs':>5} {'spill B':>8} {'progs/SM':>9} {'vec ld':>7} {'scalar ld':>10}")
+    print(f"{'kernel':<40} {'regs':>5} {'spill B':>8} {'progs/SM':>9} {'vec ld':>7} {'scalar ld':>10} {'mma':>9}")
     for name, s in rows:
         print(f"{name:<40} {s['regs']:>5} {s['spill_bytes']:>8} {s['programs_per_sm']:>9} {s['vector_loads']:>7} "
-              f"{s['scalar_loads']:>10}")
+              f"{s['scalar_loads']:>10} {s['mma']:>9}")
 
 
 if __name__ == "__main__":
