@@ -42,9 +42,11 @@ INPUT_ARGS = {"x_ptr": "*bf16", "xt_ptr": "*bf16", "tab_ptr": "*i64", "slots_ptr
 
 def compile_stats(fn, args: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 1) -> dict:
     """Compile `fn` for sm_90 as a launch on the bench's shapes would (pointers 16-byte aligned, sizes multiples
-    of 16: Triton specialises both) and return its registers, spill bytes and global load/store widths, and which tensor-core instruction its dots use."""
+    of 16: Triton specialises both) and return its registers, spill bytes, global load/store widths and which
+    tensor-core instruction its dots use."""
     signature = {**args, **{k: "constexpr" for k in constexprs}}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args) if name not in ("chunks_per_prog", "target_items")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args)
+             if name not in ("chunks_per_prog", "target_items")}
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     ptx = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -82,7 +84,8 @@ def main() -> None:
                      compile_stats(kernels.epilogue_kernel, EPILOGUE_ARGS, dict(P=3, HB=hb), warps)))
     for bk, stages in [(128, 3), (64, 2)]:
         cst = dict(SPLIT_K=4, RT=1, BM=16, BR=16, BK=bk, PREC="tf32", ONCE_ABOVE=16)
-        rows.append((f"shrink BK={bk} stages={stages}", compile_stats(kernels.shrink_kernel, SHRINK_ARGS, cst, 4, stages)))
+        rows.append((f"shrink BK={bk} stages={stages}",
+                     compile_stats(kernels.shrink_kernel, SHRINK_ARGS, cst, 4, stages)))
     for exact, iters in ((False, 1), (True, 1), (True, 4)):
         cst = dict(BC=1024, BB=32, NBP=4, B_EXACT=exact, ITERS=iters)
         rows.append((f"input transform BB=32 exact={exact} iters={iters}",
