@@ -36,8 +36,11 @@ SHRINK_ARGS = {"x_ptr": "*bf16", "h_ptr": "*fp32", "count_ptr": "*i32", "tab_ptr
 EPILOGUE_ARGS = {"z0_ptr": "*bf16", "z1_ptr": "*bf16", "z2_ptr": "*bf16", "d0_ptr": "*fp32", "d1_ptr": "*fp32",
                  "d2_ptr": "*fp32", "tab_ptr": "*i64", "slots_ptr": "*i32", "num_slots": "i32", "out0": "i32",
                  "out1": "i32", "out2": "i32", "chunks_per_prog": "i32"}
-INPUT_ARGS = {"x_ptr": "*bf16", "xt_ptr": "*bf16", "tab_ptr": "*i64", "slots_ptr": "*i32", "num_tokens": "i32",
-              "in_features": "i32", "num_slots": "i32"}
+INPUT_ARGS = {"x_ptr": "*bf16", "xt_ptr": "*bf16", "tab_ptr": "*i64", "slots_ptr": "*i32", "count_ptr": "*i32",
+              "num_tokens": "i32", "in_features": "i32", "num_slots": "i32"}
+INPUT_TILE_ARGS = {"x_ptr": "*bf16", "xt_ptr": "*bf16", "tab_ptr": "*i64", "sorted_ptr": "*i32", "count_ptr": "*i32",
+                   "tile_group_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "num_tokens": "i32",
+                   "in_features": "i32", "num_slots": "i32"}
 
 
 def compile_stats(fn, args: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 1) -> dict:
@@ -86,10 +89,14 @@ def main() -> None:
         cst = dict(SPLIT_K=4, RT=1, BM=16, BR=16, BK=bk, PREC="tf32", ONCE_ABOVE=16)
         rows.append((f"shrink BK={bk} stages={stages}",
                      compile_stats(kernels.shrink_kernel, SHRINK_ARGS, cst, 4, stages)))
-    for exact, iters in ((False, 1), (True, 1), (True, 4)):
-        cst = dict(BC=1024, BB=32, NBP=4, B_EXACT=exact, ITERS=iters)
-        rows.append((f"input transform BB=32 exact={exact} iters={iters}",
+    for exact, iters, skip in ((False, 1, False), (True, 1, False), (True, 4, False), (True, 4, True)):
+        cst = dict(BC=1024, BB=32, NBP=4, B_EXACT=exact, ITERS=iters, SKIP_TILED=skip)
+        rows.append((f"input transform BB=32 exact={exact} it={iters} skip={skip}",
                      compile_stats(kernels.input_transform_kernel, INPUT_ARGS, cst, 4)))
+    for exact in (False, True):
+        cst = dict(BM=16, BB=32, NBP=4, B_EXACT=exact, PREC="tf32")
+        rows.append((f"input tiles BB=32 NBP=4 exact={exact}",
+                     compile_stats(kernels.input_tiles_kernel, INPUT_TILE_ARGS, cst, 4)))
     print(f"{'kernel':<40} {'regs':>5} {'spill B':>8} {'progs/SM':>9} {'vec ld':>7} {'scalar ld':>10} {'mma':>9}")
     for name, s in rows:
         print(f"{name:<40} {s['regs']:>5} {s['spill_bytes']:>8} {s['programs_per_sm']:>9} {s['vector_loads']:>7} "

@@ -323,32 +323,43 @@ def test_meta(popularity):
         assert all(torch.equal(getattr(out, f), getattr(meta, f)) for f in ("sorted_idx", "tile_group", "tile_end"))
 
 
-@pytest.mark.parametrize(("blocks", "iters"), [("mixed", 1), ("equal", 1), ("mixed", 4), ("equal", 2)])
-def test_input_transform_matches_reference(blocks, iters, monkeypatch):
-    """Blocks of 8 and 4 in one pool (runtime block strides), or every block 8 wide (constant strides, B_EXACT);
-    one chunk per program, or 2 or 4 (as in large steps; the last program's chunks run past the input)."""
+def _pre_pass(x, pool, ts):
+    meta = build_lora_meta(ts, pool.slot_group)
+    return input_transform(x, pool.table, meta.token_slots, meta.sorted_idx, meta.num_tokens_per_slot,
+                           meta.tile_group, meta.tile_start, meta.tile_end, 1, pool.block_b, pool.min_block)
+
+
+@pytest.mark.parametrize(("blocks", "iters", "tiled"), [
+    ("mixed", 1, False), ("equal", 1, False), ("mixed", 4, False), ("equal", 2, False), ("sixteen", 1, False),
+    ("mixed", 1, True), ("equal", 2, True), ("sixteen", 1, True)])
+def test_input_transform_matches_reference(blocks, iters, tiled, monkeypatch):
+    """Blocks of 8 and 4 in one pool (runtime block strides), or every block 8 or 16 wide (constant strides,
+    B_EXACT); one chunk per program, or 2 or 4 (as in large steps; the last program's chunks run past the input);
+    tiled: the OFT slots' tokens (3 and 2 of them) as tiles on tensor cores, as from PRE_PASS_TILE_TOKENS tokens."""
     monkeypatch.setattr(triton_ops, "PRE_PASS_TOKENS", 7 // iters)
+    monkeypatch.setattr(triton_ops, "PRE_PASS_TILE_TOKENS", 1 if tiled else 1 << 30)
     assert triton_ops.pre_pass_iters(7) == iters
     gen, _, _ = _case(torch.float32, seed=12)
     slots = mixed_slots(torch.float32, gen)
-    if blocks == "equal":
-        kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
-        slots[9] = random_slots("oft", IN, OUT, block=8, block_share=True, **kw)
-        slots[3] = random_slots("oft", IN, OUT, block=8, **kw)
-    ts = token_slots("uniform", 7, len(slots), generator=gen).to(DEVICE)
+    kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
+    if blocks != "mixed":
+        block = 8 if blocks == "equal" else 16
+        slots[9] = random_slots("oft", IN, OUT, block=block, block_share=True, **kw)
+        slots[8] = random_slots("oft", IN, OUT, block=block, **kw)
+    ts = torch.tensor([8, 9, 8, -1, 9, 0, 8], device=DEVICE)
     x = torch.randn(7, IN, generator=gen).to(DEVICE)
     pool = SlotPool(IN, (OUT,), len(slots), DEVICE, torch.float32)
     pool.update([slots])
-    assert (pool.min_block == pool.block_b) == (blocks == "equal")
-    out = input_transform(x, pool.table, ts.to(torch.int32), 1, pool.block_b, pool.min_block)
-    torch.testing.assert_close(out[0], input_transform_ref(x, slots, ts), rtol=1e-5, atol=1e-5)
+    assert (pool.min_block == pool.block_b) == (blocks != "mixed")
+    torch.testing.assert_close(_pre_pass(x, pool, ts)[0], input_transform_ref(x, slots, ts), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("iters", [1, 4])
-def test_input_transform_several_chunks_per_program(iters, monkeypatch):
+@pytest.mark.parametrize(("iters", "tiled"), [(1, False), (4, False), (4, True)])
+def test_input_transform_several_chunks_per_program(iters, tiled, monkeypatch):
     """A wide input (2048: 4 chunks of copies, 4 of 64 blocks of 8) with 1 or 4 chunks per program: OFT, diagonal
-    (IA3 feed-forward), LoRA (a copy) and base tokens."""
+    (IA3 feed-forward), LoRA (a copy) and base tokens; tiled: the OFT tokens as a tile (64 programs of 4 blocks)."""
     monkeypatch.setattr(triton_ops, "PRE_PASS_TOKENS", 7 // iters)
+    monkeypatch.setattr(triton_ops, "PRE_PASS_TILE_TOKENS", 1 if tiled else 1 << 30)
     in_f, gen = 2048, torch.Generator().manual_seed(13)
     kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
     slots = [random_slots("oft", in_f, OUT, block=8, **kw), random_slots("ia3", in_f, OUT, feedforward=True, **kw),
@@ -357,8 +368,7 @@ def test_input_transform_several_chunks_per_program(iters, monkeypatch):
     x = torch.randn(7, in_f, generator=gen).to(DEVICE)
     pool = SlotPool(in_f, (OUT,), len(slots), DEVICE, torch.float32)
     pool.update([slots])
-    out = input_transform(x, pool.table, ts.to(torch.int32), 1, pool.block_b, pool.min_block)
-    torch.testing.assert_close(out[0], input_transform_ref(x, slots, ts), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_pre_pass(x, pool, ts)[0], input_transform_ref(x, slots, ts), rtol=1e-5, atol=1e-5)
 
 
 def test_scute_linear_module(monkeypatch):

@@ -191,8 +191,11 @@ def _exact_delta(sl: Slots | None) -> bool:
 
 
 def _share_key(column: list[Slots | None]) -> tuple | None:
-    """A key equal for slots that may share a group (shared A and B in every projection they adapt), else None."""
+    """A key equal for slots that may share a group (shared A and B in every projection they adapt), else None. A
+    slot with a block-diagonal T is its own group (the input transform's tiles apply one slot's T to a group)."""
     if not any(sl is not None and sl.A is not None for sl in column):
+        return None
+    if any(sl is not None and sl.t_blocks is not None for sl in column):
         return None
     key = []
     for sl in column:

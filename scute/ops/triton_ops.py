@@ -42,6 +42,8 @@ MAX_BLOCK_R = 64  # rank tile: the pool's largest rank rounded up to a power of 
 TARGET_PROGRAMS = 1024  # the shrink's split-K aims at this many programs (~8 per SM on an H200)...
 MAX_SPLIT_K = 16  # ...whose partials the one-token delta sums in one load of SPLIT_K x ROW_BLOCK_R
 PRE_PASS_TOKENS = 64  # the input transform's programs take one more chunk per this many tokens (`pre_pass_iters`)
+PRE_PASS_TILE_TOKENS = 128  # ...and from this many tokens on, block transforms of slots with 2+ tokens run as tiles
+TILE_BLOCKS = 4  # blocks of T per program of those tiles
 TARGET_EXPAND_PROGRAMS = 4096  # the one-token delta and the epilogue give each program enough chunks to bring
 # their grid to this
 # Triton launch options (module constants: the bench tunes them). HALF_N 64 and 1 warp for the one-token delta
@@ -124,7 +126,8 @@ def triton_cdiv(a: int, b: int) -> int:
 
 # ---------------------------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("scute::input_transform", mutates_args=())
-def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, num_proj: int, block_b: int,
+def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, sorted_idx: Tensor, num_tokens_per_slot: Tensor,
+                    tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, num_proj: int, block_b: int,
                     min_block: int) -> Tensor:
     """Each token's input transform, for each projection of the pool.
 
@@ -134,8 +137,10 @@ def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, num_proj: int
     Reference: `scute.ops.reference.input_transform_ref` (per projection).
 
     Shapes: x [T, in] (fp16/bf16/fp32, contiguous), table [P, M, NUM_FIELDS] int64 (`SlotPool.table`),
-    token_slots [T] int32; block_b = power of two ≥ the largest OFT block, min_block = the smallest one.
-    Returns [P, T, in] in x.dtype.
+    token_slots [T] int32, the rest of `LoraMeta` as named; block_b = power of two ≥ the largest OFT block,
+    min_block = the smallest one. Returns [P, T, in] in x.dtype. From PRE_PASS_TILE_TOKENS tokens on, the tokens
+    of a block-diagonal T whose slot has two or more run as tiles on tensor cores (`input_tiles_kernel`, a second
+    launch): each block of T read once per tile, not once per token.
     """
     out = x.new_empty((num_proj, *x.shape))
     num_tokens, in_features = x.shape
@@ -144,10 +149,17 @@ def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, num_proj: int
     block_c = 1024  # copy chunk per program (tokens without a block transform)
     blocks_per_prog = max(1, 4096 // (block_b * block_b))  # ~4k elements of T per program: no register spill
     chunks = max(triton_cdiv(in_features, block_c), triton_cdiv(in_features // min_block, blocks_per_prog))
-    iters = pre_pass_iters(num_tokens)
-    _kernels().input_transform_kernel[(num_tokens, triton_cdiv(chunks, iters), num_proj)](
-        x, out, table, token_slots, num_tokens, in_features, table.shape[1],
-        BC=block_c, BB=block_b, NBP=blocks_per_prog, B_EXACT=min_block == block_b, ITERS=iters)
+    iters, tiled = pre_pass_iters(num_tokens), num_tokens >= PRE_PASS_TILE_TOKENS
+    kernels = _kernels()
+    kernels.input_transform_kernel[(num_tokens, triton_cdiv(chunks, iters), num_proj)](
+        x, out, table, token_slots, num_tokens_per_slot, num_tokens, in_features, table.shape[1],
+        BC=block_c, BB=block_b, NBP=blocks_per_prog, B_EXACT=min_block == block_b, ITERS=iters, SKIP_TILED=tiled)
+    if tiled:
+        kernels.input_tiles_kernel[(tile_group.shape[0], triton_cdiv(in_features // min_block, TILE_BLOCKS),
+                                    num_proj)](
+            x, out, table, sorted_idx, num_tokens_per_slot, tile_group, tile_start, tile_end, num_tokens,
+            in_features, table.shape[1], BM=BLOCK_M, BB=max(16, block_b), NBP=TILE_BLOCKS,
+            B_EXACT=min_block == block_b and block_b >= 16, PREC=_precision(x.dtype))
     return out
 
 
@@ -159,7 +171,8 @@ def pre_pass_iters(num_tokens: int) -> int:
 
 
 @input_transform.register_fake
-def _(x, table, token_slots, num_proj, block_b, min_block):
+def _(x, table, token_slots, sorted_idx, num_tokens_per_slot, tile_group, tile_start, tile_end, num_proj, block_b,
+      min_block):
     return x.new_empty((num_proj, *x.shape))
 
 
@@ -390,7 +403,9 @@ def _input_transform(x: Tensor, pool: SlotPool, meta: LoraMeta) -> Tensor | None
     for a captured graph, see `SlotPool.signature`)."""
     if not pool.has_input_transform:
         return None
-    return input_transform(x, pool.table, meta.token_slots, pool.num_proj, pool.block_b, pool.min_block)
+    return input_transform(x, pool.table, meta.token_slots, meta.sorted_idx, meta.num_tokens_per_slot,
+                           meta.tile_group, meta.tile_start, meta.tile_end, pool.num_proj, pool.block_b,
+                           pool.min_block)
 
 
 def call_transient_bytes(num_tokens: int, in_features: int, out_features: Sequence[int], num_slots: int,
