@@ -338,6 +338,7 @@ def test_input_transform_matches_reference(blocks, iters, tiled, monkeypatch):
     tiled: the OFT slots' tokens (3 and 2 of them) as tiles on tensor cores, as from PRE_PASS_TILE_TOKENS tokens."""
     monkeypatch.setattr(triton_ops, "PRE_PASS_TOKENS", 7 // iters)
     monkeypatch.setattr(triton_ops, "PRE_PASS_TILE_TOKENS", 1 if tiled else 1 << 30)
+    monkeypatch.setattr(triton_ops, "PRE_PASS_TILE_MIN", 2)
     assert triton_ops.pre_pass_iters(7) == iters
     gen, _, _ = _case(torch.float32, seed=12)
     slots = mixed_slots(torch.float32, gen)
@@ -360,6 +361,7 @@ def test_input_transform_several_chunks_per_program(iters, tiled, monkeypatch):
     (IA3 feed-forward), LoRA (a copy) and base tokens; tiled: the OFT tokens as a tile (64 programs of 4 blocks)."""
     monkeypatch.setattr(triton_ops, "PRE_PASS_TOKENS", 7 // iters)
     monkeypatch.setattr(triton_ops, "PRE_PASS_TILE_TOKENS", 1 if tiled else 1 << 30)
+    monkeypatch.setattr(triton_ops, "PRE_PASS_TILE_MIN", 2)
     in_f, gen = 2048, torch.Generator().manual_seed(13)
     kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
     slots = [random_slots("oft", in_f, OUT, block=8, **kw), random_slots("ia3", in_f, OUT, feedforward=True, **kw),

@@ -64,7 +64,7 @@ def _ptr(tab_ptr, at, ty: tl.constexpr):
 # ---------------------------------------------------------------------------------------------- input transform
 @triton.jit
 def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, slots_ptr, count_ptr, num_tokens, in_features, num_slots,
-                           BC: tl.constexpr, BB: tl.constexpr, NBP: tl.constexpr, B_EXACT: tl.constexpr,
+                           tile_min, BC: tl.constexpr, BB: tl.constexpr, NBP: tl.constexpr, B_EXACT: tl.constexpr,
                            ITERS: tl.constexpr, SKIP_TILED: tl.constexpr):
     """Program (token t, chunks [c·ITERS, (c + 1)·ITERS), projection p): x'[p, t] = T_{p,slot}(x[t]) on its
     chunks; a copy if no T. B_EXACT: every block of the pool is BB wide (the usual case), so block strides are
@@ -72,15 +72,15 @@ def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, slots_ptr, count_ptr, num_tok
     a time). ITERS > 1 in large steps: fewer, longer programs, each paying its setup (its slot's table row, then
     T's pointer: dependent loads) once. On the H200 that saved 3-12 µs per layer at 256 tokens, far less than
     predicted: the pre-pass there is bound by its arithmetic (docs/performance.md, "Where the time goes").
-    SKIP_TILED: tokens of a block-diagonal T whose slot has two tokens or more (count_ptr: tokens per slot) are
-    left to `input_tiles_kernel`."""
+    SKIP_TILED: tokens of a block-diagonal T whose slot has `tile_min` tokens or more (count_ptr: tokens per
+    slot) are left to `input_tiles_kernel`."""
     t, c, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots_ptr + t)
     row = (p * num_slots + tl.maximum(slot, 0)) * NF
     flags = tl.where(slot >= 0, tl.load(tab_ptr + row + F_FLAGS), 0)
     if SKIP_TILED:
         if (flags & HAS_TB) != 0:
-            if tl.load(count_ptr + slot) >= 2:
+            if tl.load(count_ptr + slot) >= tile_min:
                 return
     x_row = x_ptr + t.to(tl.int64) * in_features
     out_row = xt_ptr + (p * num_tokens + t).to(tl.int64) * in_features
@@ -120,22 +120,23 @@ def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, slots_ptr, count_ptr, num_tok
 
 @triton.jit
 def input_tiles_kernel(x_ptr, xt_ptr, tab_ptr, sorted_ptr, count_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr,
-                       num_tokens, in_features, num_slots, BM: tl.constexpr, BB: tl.constexpr, NBP: tl.constexpr,
-                       B_EXACT: tl.constexpr, PREC: tl.constexpr):
-    """Program (tile, NBP blocks from c·NBP, projection p) of a slot with a block-diagonal T and two tokens or more
-    (`input_transform_kernel` with SKIP_TILED takes every other token): x'[p, rows, block k] = T_k (t ⊙ x)[rows,
-    block k] for the tile's rows, each block a [BM, BB] @ [BB, BB]ᵀ tensor-core product (blocks of b < BB columns
-    padded with zeros; BB ≥ 16). A slot with a block transform is its own group (`SlotPool`), so the tile's group
-    is its slot. 16-bit x and T: exact products, fp32 sums; with a diagonal t as well, t ⊙ x and T in fp32 (IEEE)."""
+                       num_tokens, in_features, num_slots, tile_min, BM: tl.constexpr, BB: tl.constexpr,
+                       NBP: tl.constexpr, ITERS: tl.constexpr, B_EXACT: tl.constexpr, PREC: tl.constexpr):
+    """Program (tile, ITERS·NBP blocks from c·ITERS·NBP, projection p) of a slot with a block-diagonal T and
+    `tile_min` tokens or more (`input_transform_kernel` with SKIP_TILED takes every other token): x'[p, rows,
+    block k] = T_k (t ⊙ x)[rows, block k] for the tile's rows, each block a [BM, BB] @ [BB, BB]ᵀ tensor-core
+    product (blocks of b < BB columns padded with zeros; BB ≥ 16). A slot with a block transform is its own group
+    (`SlotPool`), so the tile's group is its slot. 16-bit x and T: exact products, fp32 sums; with a diagonal t as well, t ⊙ x and T in fp32 (IEEE).
+    The grid has a program per tile, whatever its slot: ITERS > 1 makes it smaller (most programs return at once,
+    and a grid of them cost OFT at 256 tokens of 64 adapters 33 µs at ITERS = 1)."""
     tile, c, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.load(tile_group_ptr + tile)
     if g < 0:
         return
     row = (p * num_slots + g) * NF
     flags = tl.load(tab_ptr + row + F_FLAGS)
-    if (flags & HAS_TB) == 0:
-        return
-    if tl.load(count_ptr + g) < 2:
+    count = tl.load(count_ptr + g)
+    if ((flags & HAS_TB) == 0) | (count < tile_min):
         return
     b = tl.load(tab_ptr + row + F_TBB).to(tl.int32)
     if B_EXACT:
@@ -151,20 +152,21 @@ def input_tiles_kernel(x_ptr, xt_ptr, tab_ptr, sorted_ptr, count_ptr, tile_group
     out_rows = xt_ptr + (p * num_tokens + tok) * in_features
     i = tl.arange(0, BB)
     i_ok = i < b
-    for j in tl.static_range(NBP):
-        k = c * NBP + j
-        col_ok = i_ok & ((k + i * 0) < in_features // b)  # a tensor: the interpreter rejects a scalar bool mask
-        cols = k * b + i
-        mask = row_ok[:, None] & col_ok[None, :]
-        xk = tl.load(x_rows[:, None] + cols[None, :], mask=mask, other=0.0)
-        blk = tb + tl.where(shared_block, 0, k).to(tl.int64) * b * b
-        tk = tl.load(blk + i[:, None] * b + i[None, :], mask=col_ok[:, None] & i_ok[None, :], other=0.0)
-        if (flags & HAS_T) != 0:
-            xf = xk.to(tl.float32) * tl.load(t_vec + cols, mask=col_ok, other=0.0)[None, :]
-            y = tl.dot(xf, tl.trans(tk.to(tl.float32)), input_precision="ieee")
-        else:
-            y = tl.dot(xk, tl.trans(tk), input_precision=PREC)
-        tl.store(out_rows[:, None] + cols[None, :], y.to(xt_ptr.dtype.element_ty), mask=mask)
+    for it in range(ITERS):
+        for j in tl.static_range(NBP):
+            k = (c * ITERS + it) * NBP + j
+            col_ok = i_ok & ((k + i * 0) < in_features // b)  # a tensor: the interpreter rejects a scalar bool mask
+            cols = k * b + i
+            mask = row_ok[:, None] & col_ok[None, :]
+            xk = tl.load(x_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+            blk = tb + tl.where(shared_block, 0, k).to(tl.int64) * b * b
+            tk = tl.load(blk + i[:, None] * b + i[None, :], mask=col_ok[:, None] & i_ok[None, :], other=0.0)
+            if (flags & HAS_T) != 0:
+                xf = xk.to(tl.float32) * tl.load(t_vec + cols, mask=col_ok, other=0.0)[None, :]
+                y = tl.dot(xf, tl.trans(tk.to(tl.float32)), input_precision="ieee")
+            else:
+                y = tl.dot(xk, tl.trans(tk), input_precision=PREC)
+            tl.store(out_rows[:, None] + cols[None, :], y.to(xt_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------- shrink

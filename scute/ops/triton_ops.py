@@ -42,8 +42,11 @@ MAX_BLOCK_R = 64  # rank tile: the pool's largest rank rounded up to a power of 
 TARGET_PROGRAMS = 1024  # the shrink's split-K aims at this many programs (~8 per SM on an H200)...
 MAX_SPLIT_K = 16  # ...whose partials the one-token delta sums in one load of SPLIT_K x ROW_BLOCK_R
 PRE_PASS_TOKENS = 64  # the input transform's programs take one more chunk per this many tokens (`pre_pass_iters`)
-PRE_PASS_TILE_TOKENS = 128  # ...and from this many tokens on, block transforms of slots with 2+ tokens run as tiles
-TILE_BLOCKS = 4  # blocks of T per program of those tiles
+PRE_PASS_TILE_TOKENS = 128  # ...and from this many tokens on, block transforms of slots with PRE_PASS_TILE_MIN
+PRE_PASS_TILE_MIN = 16  # tokens or more run as tiles (A/B run 1 of the eighth session: 256 tokens of one OFT adapter
+# 116 -> 84 us with tiles from 2 tokens, 64 adapters of 4 tokens each 142 -> 188)
+TILE_BLOCKS = 4  # blocks of T per step of a program of those tiles...
+TILE_ITERS = 4  # ...and steps per program
 TARGET_EXPAND_PROGRAMS = 4096  # the one-token delta and the epilogue give each program enough chunks to bring
 # their grid to this
 # Triton launch options (module constants: the bench tunes them). HALF_N 64 and 1 warp for the one-token delta
@@ -139,8 +142,8 @@ def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, sorted_idx: T
     Shapes: x [T, in] (fp16/bf16/fp32, contiguous), table [P, M, NUM_FIELDS] int64 (`SlotPool.table`),
     token_slots [T] int32, the rest of `LoraMeta` as named; block_b = power of two ≥ the largest OFT block,
     min_block = the smallest one. Returns [P, T, in] in x.dtype. From PRE_PASS_TILE_TOKENS tokens on, the tokens
-    of a block-diagonal T whose slot has two or more run as tiles on tensor cores (`input_tiles_kernel`, a second
-    launch): each block of T read once per tile, not once per token.
+    of a block-diagonal T whose slot has PRE_PASS_TILE_MIN or more run as tiles on tensor cores
+    (`input_tiles_kernel`, a second launch): each block of T read once per tile, not once per token.
     """
     out = x.new_empty((num_proj, *x.shape))
     num_tokens, in_features = x.shape
@@ -152,14 +155,14 @@ def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, sorted_idx: T
     iters, tiled = pre_pass_iters(num_tokens), num_tokens >= PRE_PASS_TILE_TOKENS
     kernels = _kernels()
     kernels.input_transform_kernel[(num_tokens, triton_cdiv(chunks, iters), num_proj)](
-        x, out, table, token_slots, num_tokens_per_slot, num_tokens, in_features, table.shape[1],
+        x, out, table, token_slots, num_tokens_per_slot, num_tokens, in_features, table.shape[1], PRE_PASS_TILE_MIN,
         BC=block_c, BB=block_b, NBP=blocks_per_prog, B_EXACT=min_block == block_b, ITERS=iters, SKIP_TILED=tiled)
     if tiled:
-        kernels.input_tiles_kernel[(tile_group.shape[0], triton_cdiv(in_features // min_block, TILE_BLOCKS),
-                                    num_proj)](
+        steps = triton_cdiv(in_features // min_block, TILE_BLOCKS * TILE_ITERS)
+        kernels.input_tiles_kernel[(tile_group.shape[0], steps, num_proj)](
             x, out, table, sorted_idx, num_tokens_per_slot, tile_group, tile_start, tile_end, num_tokens,
-            in_features, table.shape[1], BM=BLOCK_M, BB=max(16, block_b), NBP=TILE_BLOCKS,
-            B_EXACT=min_block == block_b and block_b >= 16, PREC=_precision(x.dtype))
+            in_features, table.shape[1], PRE_PASS_TILE_MIN, BM=BLOCK_M, BB=max(16, block_b), NBP=TILE_BLOCKS,
+            ITERS=TILE_ITERS, B_EXACT=min_block == block_b and block_b >= 16, PREC=_precision(x.dtype))
     return out
 
 
