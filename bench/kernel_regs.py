@@ -38,8 +38,8 @@ EPILOGUE_ARGS = {"z0_ptr": "*bf16", "z1_ptr": "*bf16", "z2_ptr": "*bf16", "d0_pt
                  "out1": "i32", "out2": "i32", "chunks_per_prog": "i32"}
 INPUT_ARGS = {"x_ptr": "*bf16", "xt_ptr": "*bf16", "tab_ptr": "*i64", "slots_ptr": "*i32", "count_ptr": "*i32",
               "num_tokens": "i32", "in_features": "i32", "num_slots": "i32", "tile_min": "i32"}
-INPUT_TILE_ARGS = {"x_ptr": "*bf16", "xt_ptr": "*bf16", "tab_ptr": "*i64", "sorted_ptr": "*i32", "count_ptr": "*i32",
-                   "tile_group_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "num_tokens": "i32",
+INPUT_TILE_ARGS = {"x_ptr": "*bf16", "xt_ptr": "*bf16", "tab_ptr": "*i64", "sorted_ptr": "*i32",
+                   "sorted_slots_ptr": "*i32", "count_ptr": "*i32", "start_ptr": "*i32", "num_tokens": "i32",
                    "in_features": "i32", "num_slots": "i32", "tile_min": "i32"}
 
 
@@ -94,7 +94,7 @@ def main() -> None:
         rows.append((f"input transform BB=32 exact={exact} it={iters} skip={skip}",
                      compile_stats(kernels.input_transform_kernel, INPUT_ARGS, cst, 4)))
     for exact in (False, True):
-        cst = dict(BM=16, BB=32, NBP=4, ITERS=4, B_EXACT=exact, PREC="tf32")
+        cst = dict(BM=16, BB=32, NBP=4, B_EXACT=exact, PREC="tf32")
         rows.append((f"input tiles BB=32 NBP=4 exact={exact}",
                      compile_stats(kernels.input_tiles_kernel, INPUT_TILE_ARGS, cst, 4)))
     print(f"{'kernel':<40} {'regs':>5} {'spill B':>8} {'progs/SM':>9} {'vec ld':>7} {'scalar ld':>10} {'mma':>9}")

@@ -325,8 +325,14 @@ def test_meta(popularity):
 
 def _pre_pass(x, pool, ts):
     meta = build_lora_meta(ts, pool.slot_group)
-    return input_transform(x, pool.table, meta.token_slots, meta.sorted_idx, meta.num_tokens_per_slot,
-                           meta.tile_group, meta.tile_start, meta.tile_end, 1, pool.block_b, pool.min_block)
+    return input_transform(x, pool.table, meta.token_slots, meta.sorted_idx, meta.sorted_slots,
+                           meta.num_tokens_per_slot, meta.slot_start, 1, pool.block_b, pool.min_block)
+
+
+def _shuffled(counts: dict, gen) -> torch.Tensor:
+    """Token slots with `counts[slot]` tokens of each slot, in a random order."""
+    ts = torch.tensor([s for s, n in counts.items() for _ in range(n)])
+    return ts[torch.randperm(ts.shape[0], generator=gen)].to(DEVICE)
 
 
 @pytest.mark.parametrize(("blocks", "iters", "tiled"), [
@@ -335,20 +341,23 @@ def _pre_pass(x, pool, ts):
 def test_input_transform_matches_reference(blocks, iters, tiled, monkeypatch):
     """Blocks of 8 and 4 in one pool (runtime block strides), or every block 8 or 16 wide (constant strides,
     B_EXACT); one chunk per program, or 2 or 4 (as in large steps; the last program's chunks run past the input);
-    tiled: the OFT slots' tokens (3 and 2 of them) as tiles on tensor cores, as from PRE_PASS_TILE_TOKENS tokens."""
-    monkeypatch.setattr(triton_ops, "PRE_PASS_TOKENS", 7 // iters)
-    monkeypatch.setattr(triton_ops, "PRE_PASS_TILE_TOKENS", 1 if tiled else 1 << 30)
-    monkeypatch.setattr(triton_ops, "PRE_PASS_TILE_MIN", 2)
-    assert triton_ops.pre_pass_iters(7) == iters
+    tiled: as from PRE_PASS_TILE_TOKENS tokens, OFT slots of 17 and 16 tokens (slot 10 an OFT too) run as windows
+    of 16 on tensor cores, one window holding the last of slot 8, slot 9's 3 tokens (left to the row kernel)
+    and the first of slot 10."""
     gen, _, _ = _case(torch.float32, seed=12)
+    ts = _shuffled({8: 17, 9: 3, 10: 16, 0: 2, -1: 2}, gen) if tiled else \
+        torch.tensor([8, 9, 8, -1, 9, 0, 8], device=DEVICE)
+    monkeypatch.setattr(triton_ops, "PRE_PASS_TOKENS", ts.shape[0] // iters)
+    monkeypatch.setattr(triton_ops, "PRE_PASS_TILE_TOKENS", 1 if tiled else 1 << 30)
+    assert triton_ops.pre_pass_iters(ts.shape[0]) == iters
     slots = mixed_slots(torch.float32, gen)
     kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
+    block = {"mixed": 8, "equal": 8, "sixteen": 16}[blocks]
+    slots[10] = random_slots("oft", IN, OUT, block=block, **kw)
     if blocks != "mixed":
-        block = 8 if blocks == "equal" else 16
         slots[9] = random_slots("oft", IN, OUT, block=block, block_share=True, **kw)
         slots[8] = random_slots("oft", IN, OUT, block=block, **kw)
-    ts = torch.tensor([8, 9, 8, -1, 9, 0, 8], device=DEVICE)
-    x = torch.randn(7, IN, generator=gen).to(DEVICE)
+    x = torch.randn(ts.shape[0], IN, generator=gen).to(DEVICE)
     pool = SlotPool(IN, (OUT,), len(slots), DEVICE, torch.float32)
     pool.update([slots])
     assert (pool.min_block == pool.block_b) == (blocks != "mixed")
@@ -358,16 +367,16 @@ def test_input_transform_matches_reference(blocks, iters, tiled, monkeypatch):
 @pytest.mark.parametrize(("iters", "tiled"), [(1, False), (4, False), (4, True)])
 def test_input_transform_several_chunks_per_program(iters, tiled, monkeypatch):
     """A wide input (2048: 4 chunks of copies, 4 of 64 blocks of 8) with 1 or 4 chunks per program: OFT, diagonal
-    (IA3 feed-forward), LoRA (a copy) and base tokens; tiled: the OFT tokens as a tile (64 programs of 4 blocks)."""
-    monkeypatch.setattr(triton_ops, "PRE_PASS_TOKENS", 7 // iters)
-    monkeypatch.setattr(triton_ops, "PRE_PASS_TILE_TOKENS", 1 if tiled else 1 << 30)
-    monkeypatch.setattr(triton_ops, "PRE_PASS_TILE_MIN", 2)
+    (IA3 feed-forward), LoRA (a copy) and base tokens; tiled: 18 tokens of the OFT slot as windows of 16 (64
+    programs of 4 blocks each)."""
     in_f, gen = 2048, torch.Generator().manual_seed(13)
+    ts = _shuffled({0: 18, 1: 2, 2: 1, -1: 1}, gen) if tiled else torch.tensor([0, 2, -1, 1, 0, 0, 1], device=DEVICE)
+    monkeypatch.setattr(triton_ops, "PRE_PASS_TOKENS", ts.shape[0] // iters)
+    monkeypatch.setattr(triton_ops, "PRE_PASS_TILE_TOKENS", 1 if tiled else 1 << 30)
     kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
     slots = [random_slots("oft", in_f, OUT, block=8, **kw), random_slots("ia3", in_f, OUT, feedforward=True, **kw),
              random_slots("lora", in_f, OUT, rank=4, **kw)]
-    ts = torch.tensor([0, 2, -1, 1, 0, 0, 1], device=DEVICE)
-    x = torch.randn(7, in_f, generator=gen).to(DEVICE)
+    x = torch.randn(ts.shape[0], in_f, generator=gen).to(DEVICE)
     pool = SlotPool(in_f, (OUT,), len(slots), DEVICE, torch.float32)
     pool.update([slots])
     torch.testing.assert_close(_pre_pass(x, pool, ts)[0], input_transform_ref(x, slots, ts), rtol=1e-5, atol=1e-5)

@@ -119,54 +119,62 @@ def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, slots_ptr, count_ptr, num_tok
 
 
 @triton.jit
-def input_tiles_kernel(x_ptr, xt_ptr, tab_ptr, sorted_ptr, count_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr,
-                       num_tokens, in_features, num_slots, tile_min, BM: tl.constexpr, BB: tl.constexpr,
-                       NBP: tl.constexpr, ITERS: tl.constexpr, B_EXACT: tl.constexpr, PREC: tl.constexpr):
-    """Program (tile, ITERS·NBP blocks from c·ITERS·NBP, projection p) of a slot with a block-diagonal T and
-    `tile_min` tokens or more (`input_transform_kernel` with SKIP_TILED takes every other token): x'[p, rows,
-    block k] = T_k (t ⊙ x)[rows, block k] for the tile's rows, each block a [BM, BB] @ [BB, BB]ᵀ tensor-core
-    product (blocks of b < BB columns padded with zeros; BB ≥ 16). A slot with a block transform is its own group
-    (`SlotPool`), so the tile's group is its slot. 16-bit x and T: exact products, fp32 sums; with a diagonal t as well, t ⊙ x and T in fp32 (IEEE).
-    The grid has a program per tile, whatever its slot: ITERS > 1 makes it smaller (most programs return at once,
-    and a grid of them cost OFT at 256 tokens of 64 adapters 33 µs at ITERS = 1)."""
-    tile, c, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    g = tl.load(tile_group_ptr + tile)
-    if g < 0:
-        return
-    row = (p * num_slots + g) * NF
-    flags = tl.load(tab_ptr + row + F_FLAGS)
-    count = tl.load(count_ptr + g)
-    if ((flags & HAS_TB) == 0) | (count < tile_min):
-        return
+def input_tiles_kernel(x_ptr, xt_ptr, tab_ptr, sorted_ptr, sorted_slots_ptr, count_ptr, start_ptr, num_tokens,
+                       in_features, num_slots, tile_min, BM: tl.constexpr, BB: tl.constexpr, NBP: tl.constexpr,
+                       B_EXACT: tl.constexpr, PREC: tl.constexpr):
+    """Program (window w of BM sorted positions, NBP blocks from c·NBP, projection p): the window's tokens of a
+    slot with a block-diagonal T and `tile_min` tokens or more (`input_transform_kernel` with SKIP_TILED takes
+    every other token): x'[p, rows, block k] = T_k (t ⊙ x)[rows, block k], each block a [BM, BB] @ [BB, BB]ᵀ
+    tensor-core product (blocks of b < BB columns padded with zeros; BB ≥ 16). Tokens are sorted by group, and a
+    slot with a block transform is its own group (`SlotPool`), so a window holds the tokens of at most two such
+    slots of `tile_min` ≥ BM tokens: the slot of its first position and that of its last. A grid over windows, not
+    over the meta's tiles: at 256 tokens of 64 adapters a program per tile, nearly all returning at once, cost
+    OFT 33 µs. 16-bit x and T: exact products, fp32 sums; with a diagonal t as well, t ⊙ x and T in fp32 (IEEE)."""
+    w, c, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pos = w * BM + tl.arange(0, BM)
+    first = tl.load(sorted_slots_ptr + w * BM)
+    for side in tl.static_range(2):
+        slot = first
+        if side == 1:
+            slot = tl.load(sorted_slots_ptr + tl.minimum(w * BM + BM, num_tokens) - 1)
+        row = (p * num_slots + tl.maximum(slot, 0)) * NF
+        flags = tl.where(slot >= 0, tl.load(tab_ptr + row + F_FLAGS), 0)
+        count = tl.load(count_ptr + tl.maximum(slot, 0))
+        if ((flags & HAS_TB) != 0) & (count >= tile_min) & ((side == 0) | (slot != first)):
+            lo = tl.load(start_ptr + slot)
+            _input_tile(x_ptr, xt_ptr, tab_ptr, sorted_ptr, row, flags, pos, (pos >= lo) & (pos < lo + count), c, p,
+                        num_tokens, in_features, BM, BB, NBP, B_EXACT, PREC)
+
+
+@triton.jit
+def _input_tile(x_ptr, xt_ptr, tab_ptr, sorted_ptr, row, flags, pos, row_ok, c, p, num_tokens, in_features,
+                BM: tl.constexpr, BB: tl.constexpr, NBP: tl.constexpr, B_EXACT: tl.constexpr, PREC: tl.constexpr):
+    """`input_tiles_kernel`'s blocks [c·NBP, (c + 1)·NBP) for the rows of one slot (table row `row`)."""
     b = tl.load(tab_ptr + row + F_TBB).to(tl.int32)
     if B_EXACT:
         b = BB
     shared_block = tl.load(tab_ptr + row + F_TBN) == 1
     tb = _ptr(tab_ptr, row + F_TB, x_ptr.dtype.element_ty)
     t_vec = _ptr(tab_ptr, row + F_T, tl.float32)
-    start = tl.load(tile_start_ptr + tile)
-    pos = start + tl.arange(0, BM)
-    row_ok = pos < tl.minimum(start + BM, tl.load(tile_end_ptr + tile))
     tok = tl.load(sorted_ptr + pos, mask=row_ok, other=0).to(tl.int64)
     x_rows = x_ptr + tok * in_features
     out_rows = xt_ptr + (p * num_tokens + tok) * in_features
     i = tl.arange(0, BB)
     i_ok = i < b
-    for it in range(ITERS):
-        for j in tl.static_range(NBP):
-            k = (c * ITERS + it) * NBP + j
-            col_ok = i_ok & ((k + i * 0) < in_features // b)  # a tensor: the interpreter rejects a scalar bool mask
-            cols = k * b + i
-            mask = row_ok[:, None] & col_ok[None, :]
-            xk = tl.load(x_rows[:, None] + cols[None, :], mask=mask, other=0.0)
-            blk = tb + tl.where(shared_block, 0, k).to(tl.int64) * b * b
-            tk = tl.load(blk + i[:, None] * b + i[None, :], mask=col_ok[:, None] & i_ok[None, :], other=0.0)
-            if (flags & HAS_T) != 0:
-                xf = xk.to(tl.float32) * tl.load(t_vec + cols, mask=col_ok, other=0.0)[None, :]
-                y = tl.dot(xf, tl.trans(tk.to(tl.float32)), input_precision="ieee")
-            else:
-                y = tl.dot(xk, tl.trans(tk), input_precision=PREC)
-            tl.store(out_rows[:, None] + cols[None, :], y.to(xt_ptr.dtype.element_ty), mask=mask)
+    for j in tl.static_range(NBP):
+        k = c * NBP + j
+        col_ok = i_ok & ((k + i * 0) < in_features // b)  # a tensor: the interpreter rejects a scalar bool mask
+        cols = k * b + i
+        mask = row_ok[:, None] & col_ok[None, :]
+        xk = tl.load(x_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+        blk = tb + tl.where(shared_block, 0, k).to(tl.int64) * b * b
+        tk = tl.load(blk + i[:, None] * b + i[None, :], mask=col_ok[:, None] & i_ok[None, :], other=0.0)
+        if (flags & HAS_T) != 0:
+            xf = xk.to(tl.float32) * tl.load(t_vec + cols, mask=col_ok, other=0.0)[None, :]
+            y = tl.dot(xf, tl.trans(tk.to(tl.float32)), input_precision="ieee")
+        else:
+            y = tl.dot(xk, tl.trans(tk), input_precision=PREC)
+        tl.store(out_rows[:, None] + cols[None, :], y.to(xt_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------- shrink

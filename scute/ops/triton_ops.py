@@ -43,10 +43,9 @@ TARGET_PROGRAMS = 1024  # the shrink's split-K aims at this many programs (~8 pe
 MAX_SPLIT_K = 16  # ...whose partials the one-token delta sums in one load of SPLIT_K x ROW_BLOCK_R
 PRE_PASS_TOKENS = 64  # the input transform's programs take one more chunk per this many tokens (`pre_pass_iters`)
 PRE_PASS_TILE_TOKENS = 128  # ...and from this many tokens on, block transforms of slots with PRE_PASS_TILE_MIN
-PRE_PASS_TILE_MIN = 16  # tokens or more run as tiles (A/B run 1 of the eighth session: 256 tokens of one OFT adapter
+PRE_PASS_TILE_MIN = 16  # tokens or more (≥ BLOCK_M) run as tiles (A/B run 1 of the eighth session: 256 tokens of one OFT adapter
 # 116 -> 84 us with tiles from 2 tokens, 64 adapters of 4 tokens each 142 -> 188)
-TILE_BLOCKS = 4  # blocks of T per step of a program of those tiles...
-TILE_ITERS = 4  # ...and steps per program
+TILE_BLOCKS = 4  # blocks of T per program of those tiles
 TARGET_EXPAND_PROGRAMS = 4096  # the one-token delta and the epilogue give each program enough chunks to bring
 # their grid to this
 # Triton launch options (module constants: the bench tunes them). HALF_N 64 and 1 warp for the one-token delta
@@ -129,8 +128,8 @@ def triton_cdiv(a: int, b: int) -> int:
 
 # ---------------------------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("scute::input_transform", mutates_args=())
-def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, sorted_idx: Tensor, num_tokens_per_slot: Tensor,
-                    tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, num_proj: int, block_b: int,
+def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, sorted_idx: Tensor, sorted_slots: Tensor,
+                    num_tokens_per_slot: Tensor, slot_start: Tensor, num_proj: int, block_b: int,
                     min_block: int) -> Tensor:
     """Each token's input transform, for each projection of the pool.
 
@@ -143,7 +142,7 @@ def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, sorted_idx: T
     token_slots [T] int32, the rest of `LoraMeta` as named; block_b = power of two ≥ the largest OFT block,
     min_block = the smallest one. Returns [P, T, in] in x.dtype. From PRE_PASS_TILE_TOKENS tokens on, the tokens
     of a block-diagonal T whose slot has PRE_PASS_TILE_MIN or more run as tiles on tensor cores
-    (`input_tiles_kernel`, a second launch): each block of T read once per tile, not once per token.
+    (`input_tiles_kernel`, a second launch): each block of T read once per BLOCK_M tokens, not once per token.
     """
     out = x.new_empty((num_proj, *x.shape))
     num_tokens, in_features = x.shape
@@ -153,16 +152,17 @@ def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, sorted_idx: T
     blocks_per_prog = max(1, 4096 // (block_b * block_b))  # ~4k elements of T per program: no register spill
     chunks = max(triton_cdiv(in_features, block_c), triton_cdiv(in_features // min_block, blocks_per_prog))
     iters, tiled = pre_pass_iters(num_tokens), num_tokens >= PRE_PASS_TILE_TOKENS
+    tile_min = max(PRE_PASS_TILE_MIN, BLOCK_M)  # a window of BLOCK_M then holds at most two such slots
     kernels = _kernels()
     kernels.input_transform_kernel[(num_tokens, triton_cdiv(chunks, iters), num_proj)](
-        x, out, table, token_slots, num_tokens_per_slot, num_tokens, in_features, table.shape[1], PRE_PASS_TILE_MIN,
+        x, out, table, token_slots, num_tokens_per_slot, num_tokens, in_features, table.shape[1], tile_min,
         BC=block_c, BB=block_b, NBP=blocks_per_prog, B_EXACT=min_block == block_b, ITERS=iters, SKIP_TILED=tiled)
     if tiled:
-        steps = triton_cdiv(in_features // min_block, TILE_BLOCKS * TILE_ITERS)
-        kernels.input_tiles_kernel[(tile_group.shape[0], steps, num_proj)](
-            x, out, table, sorted_idx, num_tokens_per_slot, tile_group, tile_start, tile_end, num_tokens,
-            in_features, table.shape[1], PRE_PASS_TILE_MIN, BM=BLOCK_M, BB=max(16, block_b), NBP=TILE_BLOCKS,
-            ITERS=TILE_ITERS, B_EXACT=min_block == block_b and block_b >= 16, PREC=_precision(x.dtype))
+        grid = (triton_cdiv(num_tokens, BLOCK_M), triton_cdiv(in_features // min_block, TILE_BLOCKS), num_proj)
+        kernels.input_tiles_kernel[grid](
+            x, out, table, sorted_idx, sorted_slots, num_tokens_per_slot, slot_start, num_tokens, in_features,
+            table.shape[1], tile_min, BM=BLOCK_M, BB=max(16, block_b), NBP=TILE_BLOCKS,
+            B_EXACT=min_block == block_b and block_b >= 16, PREC=_precision(x.dtype))
     return out
 
 
@@ -174,7 +174,7 @@ def pre_pass_iters(num_tokens: int) -> int:
 
 
 @input_transform.register_fake
-def _(x, table, token_slots, sorted_idx, num_tokens_per_slot, tile_group, tile_start, tile_end, num_proj, block_b,
+def _(x, table, token_slots, sorted_idx, sorted_slots, num_tokens_per_slot, slot_start, num_proj, block_b,
       min_block):
     return x.new_empty((num_proj, *x.shape))
 
@@ -406,9 +406,8 @@ def _input_transform(x: Tensor, pool: SlotPool, meta: LoraMeta) -> Tensor | None
     for a captured graph, see `SlotPool.signature`)."""
     if not pool.has_input_transform:
         return None
-    return input_transform(x, pool.table, meta.token_slots, meta.sorted_idx, meta.num_tokens_per_slot,
-                           meta.tile_group, meta.tile_start, meta.tile_end, pool.num_proj, pool.block_b,
-                           pool.min_block)
+    return input_transform(x, pool.table, meta.token_slots, meta.sorted_idx, meta.sorted_slots,
+                           meta.num_tokens_per_slot, meta.slot_start, pool.num_proj, pool.block_b, pool.min_block)
 
 
 def call_transient_bytes(num_tokens: int, in_features: int, out_features: Sequence[int], num_slots: int,
