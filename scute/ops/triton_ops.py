@@ -43,8 +43,8 @@ TARGET_PROGRAMS = 1024  # the shrink's split-K aims at this many programs (~8 pe
 MAX_SPLIT_K = 16  # ...whose partials the one-token delta sums in one load of SPLIT_K x ROW_BLOCK_R
 PRE_PASS_TOKENS = 64  # the input transform's programs take one more chunk per this many tokens (`pre_pass_iters`)
 PRE_PASS_TILE_TOKENS = 128  # ...and from this many tokens on, block transforms of slots with PRE_PASS_TILE_MIN
-PRE_PASS_TILE_MIN = 16  # tokens or more (≥ BLOCK_M) run as tiles (A/B run 1 of the eighth session: 256 tokens of one OFT adapter
-# 116 -> 84 us with tiles from 2 tokens, 64 adapters of 4 tokens each 142 -> 188)
+PRE_PASS_TILE_MIN = 16  # tokens or more (≥ BLOCK_M) run as tiles (tiles from 2 tokens a slot: 256 tokens of one
+# OFT adapter 116 -> 84 us, of 64 adapters 142 -> 188: the eighth session's A/B run 1)
 TILE_BLOCKS = 4  # blocks of T per program of those tiles
 TARGET_EXPAND_PROGRAMS = 4096  # the one-token delta and the epilogue give each program enough chunks to bring
 # their grid to this
@@ -154,15 +154,24 @@ def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, sorted_idx: T
     iters, tiled = pre_pass_iters(num_tokens), num_tokens >= PRE_PASS_TILE_TOKENS
     tile_min = max(PRE_PASS_TILE_MIN, BLOCK_M)  # a window of BLOCK_M then holds at most two such slots
     kernels = _kernels()
+    # The two launches write disjoint tokens of out: on the GPU the windows run on a side stream beside the row
+    # kernel (a grid of windows that all return at once, where no slot has enough tokens, then costs no time on
+    # the critical path: at 256 tokens of 64 OFT adapters in line it cost 13 µs a layer).
+    side = _side_streams(x.device) if tiled and not torch.compiler.is_compiling() else None
+    if side is not None:
+        side[2].wait_stream(torch.cuda.current_stream(x.device))
+    if tiled:
+        with _on(side, 2):
+            grid = (triton_cdiv(num_tokens, BLOCK_M), triton_cdiv(in_features // min_block, TILE_BLOCKS), num_proj)
+            kernels.input_tiles_kernel[grid](
+                x, out, table, sorted_idx, sorted_slots, num_tokens_per_slot, slot_start, num_tokens, in_features,
+                table.shape[1], tile_min, BM=BLOCK_M, BB=max(16, block_b), NBP=TILE_BLOCKS,
+                B_EXACT=min_block == block_b and block_b >= 16, PREC=_precision(x.dtype))
     kernels.input_transform_kernel[(num_tokens, triton_cdiv(chunks, iters), num_proj)](
         x, out, table, token_slots, num_tokens_per_slot, num_tokens, in_features, table.shape[1], tile_min,
         BC=block_c, BB=block_b, NBP=blocks_per_prog, B_EXACT=min_block == block_b, ITERS=iters, SKIP_TILED=tiled)
-    if tiled:
-        grid = (triton_cdiv(num_tokens, BLOCK_M), triton_cdiv(in_features // min_block, TILE_BLOCKS), num_proj)
-        kernels.input_tiles_kernel[grid](
-            x, out, table, sorted_idx, sorted_slots, num_tokens_per_slot, slot_start, num_tokens, in_features,
-            table.shape[1], tile_min, BM=BLOCK_M, BB=max(16, block_b), NBP=TILE_BLOCKS,
-            B_EXACT=min_block == block_b and block_b >= 16, PREC=_precision(x.dtype))
+    if side is not None:
+        torch.cuda.current_stream(x.device).wait_stream(side[2])
     return out
 
 
@@ -421,17 +430,17 @@ def call_transient_bytes(num_tokens: int, in_features: int, out_features: Sequen
     return num_tokens * (num_proj * in_features * elem + split * num_proj * max_rank * 4 + sum(out_features) * 4)
 
 
-_SIDE: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+_SIDE: dict[torch.device, tuple[torch.cuda.Stream, ...]] = {}
 
 
-def _side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:
-    """The device's side streams: the shrink, the one-token delta and the epilogues; the multi-token delta (one
-    pair per device, so that every shrink of a device runs in order: they share the arrival counters); None off
-    the GPU."""
+def _side_streams(device: torch.device) -> tuple[torch.cuda.Stream, ...] | None:
+    """The device's side streams: the shrink, the one-token delta and the epilogues; the multi-token delta; the
+    pre-pass's windows (one set per device, so that every shrink of a device runs in order: they share the
+    arrival counters); None off the GPU."""
     if device.type != "cuda":
         return None
     if device not in _SIDE:
-        _SIDE[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        _SIDE[device] = tuple(torch.cuda.Stream(device) for _ in range(3))
     return _SIDE[device]
 
 
