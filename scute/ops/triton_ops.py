@@ -151,7 +151,8 @@ def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, sorted_idx: T
     block_c = 1024  # copy chunk per program (tokens without a block transform)
     blocks_per_prog = max(1, 4096 // (block_b * block_b))  # ~4k elements of T per program: no register spill
     chunks = max(triton_cdiv(in_features, block_c), triton_cdiv(in_features // min_block, blocks_per_prog))
-    iters, tiled = pre_pass_iters(num_tokens), num_tokens >= PRE_PASS_TILE_TOKENS
+    # block_b 1: the pool has no block-diagonal T (IA3's diagonal alone), and windows would be a grid of nothing
+    iters, tiled = pre_pass_iters(num_tokens), num_tokens >= PRE_PASS_TILE_TOKENS and block_b > 1
     tile_min = max(PRE_PASS_TILE_MIN, BLOCK_M)  # a window of BLOCK_M then holds at most two such slots
     kernels = _kernels()
     # The two launches write disjoint tokens of out: on the GPU the windows run on a side stream beside the row
