@@ -127,9 +127,9 @@ def input_tiles_kernel(x_ptr, xt_ptr, tab_ptr, sorted_ptr, sorted_slots_ptr, cou
     every other token): x'[p, rows, block k] = T_k (t ⊙ x)[rows, block k], each block a [BM, BB] @ [BB, BB]ᵀ
     tensor-core product (blocks of b < BB columns padded with zeros; BB ≥ 16). Tokens are sorted by group, and a
     slot with a block transform is its own group (`SlotPool`), so a window holds the tokens of at most two such
-    slots of `tile_min` ≥ BM tokens: the slot of its first position and that of its last. A grid over windows, not
-    over the meta's tiles: at 256 tokens of 64 adapters a program per tile, nearly all returning at once, cost
-    OFT 33 µs. 16-bit x and T: exact products, fp32 sums; with a diagonal t as well, t ⊙ x and T in fp32 (IEEE)."""
+    slots of `tile_min` ≥ BM tokens: the slot of its first position and that of its last (a grid over windows,
+    fixed by the number of tokens alone). 16-bit x and T: exact products, fp32 sums; with a diagonal t as well,
+    t ⊙ x and T in fp32 (IEEE)."""
     w, c, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pos = w * BM + tl.arange(0, BM)
     first = tl.load(sorted_slots_ptr + w * BM)
