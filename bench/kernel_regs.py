@@ -1,5 +1,6 @@
 """Registers, spills and load widths of the adapter kernels on sm_90 (H100/H200), compiled on a machine without a
-GPU: Triton compiles to PTX, the ptxas bundled with Triton assembles it with ``-v``.
+GPU: Triton compiles to PTX, the ptxas bundled with Triton assembles it with ``-v``, and its nvdisasm shows the
+SASS, whose innermost tensor-core loop is counted (instructions per iteration / MMAs among them).
 
 Why: an SM holds 65536 registers, so a kernel of 4-warp programs at 255 registers runs 2 programs per SM, at 128
 registers 4; at decode every program waits on a chain of dependent loads, and the programs in flight are what
@@ -24,6 +25,7 @@ from triton.backends.compiler import GPUTarget
 from scute.ops import kernels
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+NVDISASM = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
 TARGET = GPUTarget("cuda", 90, 32)
 
 DELTA_ARGS = {"d0_ptr": "*fp32", "d1_ptr": "*fp32", "d2_ptr": "*fp32", "h_ptr": "*fp32", "tab_ptr": "*i64",
@@ -52,13 +54,13 @@ def compile_stats(fn, args: dict, constexprs: dict, num_warps: int = 4, num_stag
              if name not in ("chunks_per_prog", "target_items")}
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     ptx = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(re.sub(r"\.version \d+\.\d+", ".version 8.7", ptx, count=1))
-    try:
-        log = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True,
-                             check=True).stderr
-    finally:
-        os.unlink(f.name)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(re.sub(r"\.version \d+\.\d+", ".version 8.7", ptx, count=1))
+        log = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True,
+                             text=True, check=True).stderr
+        sass = subprocess.run([NVDISASM, "-c", path + ".cubin"], capture_output=True, text=True, check=True).stdout
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spill = re.search(r"(\d+) bytes spill stores", log)
     widths = Counter(re.findall(r"\b(ld\.global[\w.:]*|st\.global[\w.:]*)", ptx))
@@ -66,7 +68,31 @@ def compile_stats(fn, args: dict, constexprs: dict, num_warps: int = 4, num_stag
                 programs_per_sm=min(65536 // (regs * 32 * num_warps), 32),
                 vector_loads=sum(n for k, n in widths.items() if k.startswith("ld") and ".v" in k),
                 scalar_loads=sum(n for k, n in widths.items() if k.startswith("ld") and ".v" not in k),
-                mma="wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "-")
+                mma="wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "-", **mma_loop(sass))
+
+
+def mma_loop(sass: str) -> dict:
+    """The innermost loop of the SASS that holds tensor-core instructions (the body between a backward branch
+    and its target): its instructions and its HMMA/HGMMA count, one iteration's static mix (a rank step of the
+    multi-token delta, a K step of the shrink). An issue-bound loop wants few instructions per MMA."""
+    labels, code, pending = {}, [], []
+    for line in sass.splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            pending.append(m.group(1))
+        elif m := re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;", line):
+            addr = int(m.group(1), 16)
+            labels.update({name: addr for name in pending})
+            pending = []
+            code.append((addr, m.group(2)))
+    best = None
+    for addr, text in code:
+        m = re.search(r"BRA\s.*`\((\.L_x_\d+)\)", text)
+        if m and labels.get(m.group(1), addr) < addr:
+            body = [t for a, t in code if labels[m.group(1)] <= a <= addr]
+            mma = sum(1 for t in body if re.search(r"\bH(G)?MMA\b", t))
+            if mma and (best is None or len(body) < best[0]):
+                best = (len(body), mma)
+    return dict(loop_insts=best[0] if best else 0, loop_mma=best[1] if best else 0)
 
 
 def main() -> None:
@@ -78,7 +104,7 @@ def main() -> None:
         rows.append((f"delta rows BN={2 * hb} warps={warps}",
                      compile_stats(kernels.delta_rows_kernel, DELTA_ARGS, cst, warps)))
     for hb, br, warps, stages in [(128, 16, 4, 1), (64, 64, 4, 1), (32, 64, 4, 1), (128, 16, 8, 1), (32, 128, 4, 1),
-                                  (16, 256, 4, 1), (32, 256, 8, 1)]:
+                                  (16, 256, 4, 1), (32, 256, 8, 1), (128, 16, 2, 1), (64, 64, 2, 1), (64, 64, 1, 1)]:
         cst = dict(B_TY=tl.bfloat16, P=3, BM=16, BR=br, BN=2 * hb, PREC="tf32")
         rows.append((f"delta tiles BN={2 * hb} BR={br} w={warps} st={stages}",
                      compile_stats(kernels.delta_tiles_kernel, tile_args, cst, warps, stages)))
@@ -97,10 +123,12 @@ def main() -> None:
         cst = dict(BM=16, BB=32, NBP=4, B_EXACT=exact, PREC="tf32")
         rows.append((f"input tiles BB=32 NBP=4 exact={exact}",
                      compile_stats(kernels.input_tiles_kernel, INPUT_TILE_ARGS, cst, 4)))
-    print(f"{'kernel':<40} {'regs':>5} {'spill B':>8} {'progs/SM':>9} {'vec ld':>7} {'scalar ld':>10} {'mma':>9}")
+    print(f"{'kernel':<40} {'regs':>5} {'spill B':>8} {'progs/SM':>9} {'vec ld':>7} {'scalar ld':>10} {'mma':>9} "
+          f"{'loop inst/mma':>14}")
     for name, s in rows:
+        loop = f"{s['loop_insts']}/{s['loop_mma']}" if s["loop_mma"] else "-"
         print(f"{name:<40} {s['regs']:>5} {s['spill_bytes']:>8} {s['programs_per_sm']:>9} {s['vector_loads']:>7} "
-              f"{s['scalar_loads']:>10} {s['mma']:>9}")
+              f"{s['scalar_loads']:>10} {s['mma']:>9} {loop:>14}")
 
 
 if __name__ == "__main__":
