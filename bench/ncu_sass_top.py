@@ -27,7 +27,8 @@ def _num(v: str) -> float:
 
 
 def main(path: str) -> None:
-    rows = list(csv.reader(open(path)))
+    with open(path) as f:
+        rows = list(csv.reader(f))
     at = next(i for i, r in enumerate(rows) if "Source" in r)
     hdr, data = rows[at], [r for r in rows[at + 1:] if len(r) == len(rows[at])]
     src = hdr.index("Source")
