@@ -104,7 +104,8 @@ def main() -> None:
         rows.append((f"delta rows BN={2 * hb} warps={warps}",
                      compile_stats(kernels.delta_rows_kernel, DELTA_ARGS, cst, warps)))
     for hb, br, warps, stages in [(128, 16, 4, 1), (64, 64, 4, 1), (32, 64, 4, 1), (128, 16, 8, 1), (32, 128, 4, 1),
-                                  (16, 256, 4, 1), (32, 256, 8, 1), (128, 16, 2, 1), (64, 64, 2, 1), (64, 64, 1, 1)]:
+                                  (16, 256, 4, 1), (32, 256, 8, 1), (128, 32, 4, 1), (128, 16, 2, 1), (64, 64, 2, 1),
+                                  (64, 64, 1, 1)]:
         cst = dict(B_TY=tl.bfloat16, P=3, BM=16, BR=br, BN=2 * hb, PREC="tf32")
         rows.append((f"delta tiles BN={2 * hb} BR={br} w={warps} st={stages}",
                      compile_stats(kernels.delta_tiles_kernel, tile_args, cst, warps, stages)))

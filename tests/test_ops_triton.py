@@ -384,8 +384,8 @@ def test_input_transform_several_chunks_per_program(iters, tiled, monkeypatch):
 
 def test_input_windows_and_rows_split_the_tokens():
     """The two pre-pass launches write disjoint tokens (on the GPU they run at once: a token written by both would
-    be a race that the result cannot show): the windows exactly the tokens of OFT slots with 16 or more, the row
-    kernel every other token. Slot 9's 3 OFT tokens open a window (sorted positions 16-18)."""
+    be a race that the result cannot show): the windows exactly the tokens of OFT slots with WINDOW_MIN_TOKENS
+    (16) or more, the row kernel every other token. Slot 9's 3 OFT tokens open a window (sorted positions 16-18)."""
     gen, _, _ = _case(torch.float32, seed=14)
     slots = mixed_slots(torch.float32, gen)
     slots[10] = random_slots("oft", IN, OUT, block=8, dtype=torch.float32, device=DEVICE, generator=gen)
@@ -394,17 +394,14 @@ def test_input_windows_and_rows_split_the_tokens():
     pool = SlotPool(IN, (OUT,), len(slots), DEVICE, torch.float32)
     pool.update([slots])
     meta = build_lora_meta(ts, pool.slot_group)
-    assert meta.sorted_slots[16].item() == 9
-    kernels, n = triton_ops._kernels(), ts.shape[0]
-    tile_min, bm = max(triton_ops.PRE_PASS_TILE_MIN, BLOCK_M), BLOCK_M
+    assert meta.sorted_slots[16].item() == 9 and triton_ops.WINDOW_MIN_TOKENS == 16
+    n = ts.shape[0]
     windows = torch.full((1, n, IN), float("nan"), device=DEVICE)
-    kernels.input_tiles_kernel[(triton_ops.triton_cdiv(n, bm), IN // pool.min_block, 1)](
-        x, windows, pool.table, meta.sorted_idx, meta.sorted_slots, meta.num_tokens_per_slot, meta.slot_start, n, IN,
-        pool.table.shape[1], tile_min, BM=bm, BB=max(16, pool.block_b), NBP=1, B_EXACT=False, PREC="ieee")
+    triton_ops.input_windows(windows, x, pool.table, meta.sorted_idx, meta.sorted_slots, meta.num_tokens_per_slot,
+                             meta.slot_start, pool.block_b, pool.min_block)
     rows = torch.full((1, n, IN), float("nan"), device=DEVICE)
-    kernels.input_transform_kernel[(n, IN // pool.min_block, 1)](
-        x, rows, pool.table, meta.token_slots, meta.num_tokens_per_slot, n, IN, pool.table.shape[1], tile_min,
-        BC=IN, BB=pool.block_b, NBP=1, B_EXACT=False, ITERS=1, SKIP_TILED=True)
+    triton_ops.input_rows(rows, x, pool.table, meta.token_slots, meta.num_tokens_per_slot, pool.block_b,
+                          pool.min_block, True)
     big = torch.isin(ts, torch.tensor([8, 10], device=DEVICE)).cpu()
     assert torch.equal(windows[0].isfinite().all(1).cpu(), big)
     assert torch.equal(rows[0].isfinite().all(1).cpu(), ~big)

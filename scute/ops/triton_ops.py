@@ -42,9 +42,10 @@ MAX_BLOCK_R = 64  # rank tile: the pool's largest rank rounded up to a power of 
 TARGET_PROGRAMS = 1024  # the shrink's split-K aims at this many programs (~8 per SM on an H200)...
 MAX_SPLIT_K = 16  # ...whose partials the one-token delta sums in one load of SPLIT_K x ROW_BLOCK_R
 PRE_PASS_TOKENS = 64  # the input transform's programs take one more chunk per this many tokens (`pre_pass_iters`)
-PRE_PASS_TILE_TOKENS = 128  # ...and from this many tokens on, block transforms of slots with PRE_PASS_TILE_MIN
-PRE_PASS_TILE_MIN = 16  # tokens or more (≥ BLOCK_M) run as tiles (tiles from 2 tokens a slot: 256 tokens of one
-# OFT adapter 116 -> 84 us, of 64 adapters 142 -> 188: the eighth session's A/B run 1)
+PRE_PASS_TILE_TOKENS = 128  # ...and from this many tokens on, block transforms of slots with WINDOW_MIN_TOKENS
+WINDOW_MIN_TOKENS = BLOCK_M  # tokens or more run in windows of BLOCK_M tokens (at least BLOCK_M: a window then holds
+# two such slots at most; tiles from 2 tokens a slot: 256 tokens of one OFT adapter 116 -> 84 us, of 64 adapters
+# 142 -> 188, the eighth session's A/B run 1)
 TILE_BLOCKS = 4  # blocks of T per program of those tiles
 TARGET_EXPAND_PROGRAMS = 4096  # the one-token delta and the epilogue give each program enough chunks to bring
 # their grid to this
@@ -141,21 +142,15 @@ def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, sorted_idx: T
     Shapes: x [T, in] (fp16/bf16/fp32, contiguous), table [P, M, NUM_FIELDS] int64 (`SlotPool.table`),
     token_slots [T] int32, the rest of `LoraMeta` as named; block_b = power of two ≥ the largest OFT block,
     min_block = the smallest one. Returns [P, T, in] in x.dtype. From PRE_PASS_TILE_TOKENS tokens on, the tokens
-    of a block-diagonal T whose slot has PRE_PASS_TILE_MIN or more run in windows of BLOCK_M tokens on tensor
+    of a block-diagonal T whose slot has WINDOW_MIN_TOKENS or more run in windows of BLOCK_M tokens on tensor
     cores (`input_tiles_kernel`, a second launch, on a side stream on the GPU): each block of T read once per
     window, not once per token.
     """
     out = x.new_empty((num_proj, *x.shape))
-    num_tokens, in_features = x.shape
-    if num_tokens == 0:
+    if x.shape[0] == 0:
         return out
-    block_c = 1024  # copy chunk per program (tokens without a block transform)
-    blocks_per_prog = max(1, 4096 // (block_b * block_b))  # ~4k elements of T per program: no register spill
-    chunks = max(triton_cdiv(in_features, block_c), triton_cdiv(in_features // min_block, blocks_per_prog))
     # block_b 1: the pool has no block-diagonal T (IA3's diagonal alone), and windows would be a grid of nothing
-    iters, tiled = pre_pass_iters(num_tokens), num_tokens >= PRE_PASS_TILE_TOKENS and block_b > 1
-    tile_min = max(PRE_PASS_TILE_MIN, BLOCK_M)  # a window of BLOCK_M then holds at most two such slots
-    kernels = _kernels()
+    tiled = x.shape[0] >= PRE_PASS_TILE_TOKENS and block_b > 1
     # The two launches write disjoint tokens of out: on the GPU the windows run on a side stream beside the row
     # kernel. In line, where no slot has enough tokens (256 tokens of 64 OFT adapters), their launches alone took
     # 13 µs of a layer's critical path; beside it the layer still pays 13-22 µs for the forks and joins.
@@ -164,17 +159,39 @@ def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, sorted_idx: T
         side[2].wait_stream(torch.cuda.current_stream(x.device))
     if tiled:
         with _on(side, 2):
-            grid = (triton_cdiv(num_tokens, BLOCK_M), triton_cdiv(in_features // min_block, TILE_BLOCKS), num_proj)
-            kernels.input_tiles_kernel[grid](
-                x, out, table, sorted_idx, sorted_slots, num_tokens_per_slot, slot_start, num_tokens, in_features,
-                table.shape[1], tile_min, BM=BLOCK_M, BB=max(16, block_b), NBP=TILE_BLOCKS,
-                B_EXACT=min_block == block_b and block_b >= 16, PREC=_precision(x.dtype))
-    kernels.input_transform_kernel[(num_tokens, triton_cdiv(chunks, iters), num_proj)](
-        x, out, table, token_slots, num_tokens_per_slot, num_tokens, in_features, table.shape[1], tile_min,
-        BC=block_c, BB=block_b, NBP=blocks_per_prog, B_EXACT=min_block == block_b, ITERS=iters, SKIP_TILED=tiled)
+            input_windows(out, x, table, sorted_idx, sorted_slots, num_tokens_per_slot, slot_start, block_b,
+                          min_block)
+    input_rows(out, x, table, token_slots, num_tokens_per_slot, block_b, min_block, tiled)
     if side is not None:
         torch.cuda.current_stream(x.device).wait_stream(side[2])
     return out
+
+
+def input_rows(out: Tensor, x: Tensor, table: Tensor, token_slots: Tensor, num_tokens_per_slot: Tensor,
+               block_b: int, min_block: int, skip_windowed: bool) -> None:
+    """`input_transform`'s launch of a program per token (and chunks of its input): writes out[:, t] for every
+    token t, except, with `skip_windowed`, those `input_windows` writes."""
+    num_tokens, in_features = x.shape
+    block_c = 1024  # copy chunk per program (tokens without a block transform)
+    blocks_per_prog = max(1, 4096 // (block_b * block_b))  # ~4k elements of T per program: no register spill
+    chunks = max(triton_cdiv(in_features, block_c), triton_cdiv(in_features // min_block, blocks_per_prog))
+    iters = pre_pass_iters(num_tokens)
+    _kernels().input_transform_kernel[(num_tokens, triton_cdiv(chunks, iters), out.shape[0])](
+        x, out, table, token_slots, num_tokens_per_slot, num_tokens, in_features, table.shape[1], WINDOW_MIN_TOKENS,
+        BC=block_c, BB=block_b, NBP=blocks_per_prog, B_EXACT=min_block == block_b, ITERS=iters,
+        SKIP_TILED=skip_windowed)
+
+
+def input_windows(out: Tensor, x: Tensor, table: Tensor, sorted_idx: Tensor, sorted_slots: Tensor,
+                  num_tokens_per_slot: Tensor, slot_start: Tensor, block_b: int, min_block: int) -> None:
+    """`input_transform`'s launch of a program per window of BLOCK_M sorted positions: writes out[:, t] for the
+    tokens of block-diagonal slots with WINDOW_MIN_TOKENS or more, on tensor cores."""
+    num_tokens, in_features = x.shape
+    grid = (triton_cdiv(num_tokens, BLOCK_M), triton_cdiv(in_features // min_block, TILE_BLOCKS), out.shape[0])
+    _kernels().input_tiles_kernel[grid](
+        x, out, table, sorted_idx, sorted_slots, num_tokens_per_slot, slot_start, num_tokens, in_features,
+        table.shape[1], WINDOW_MIN_TOKENS, BM=BLOCK_M, BB=max(16, block_b), NBP=TILE_BLOCKS,
+        B_EXACT=min_block == block_b and block_b >= 16, PREC=_precision(x.dtype))
 
 
 def pre_pass_iters(num_tokens: int) -> int:
