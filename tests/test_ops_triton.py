@@ -261,25 +261,28 @@ def test_split_partials(split, monkeypatch):
 @pytest.mark.parametrize("expand_programs", [1024, 1])
 def test_three_projections_one_launch(expand_programs, monkeypatch):
     """q/k/v-style grouping: one pre-pass, one shrink, one expand for three outputs; VeRA's shared A (same in
-    for all three) is multiplied once and read once. With a target of 1 expand program, each program streams
-    every chunk of its projection."""
+    for all three) is multiplied once and read once, in the shared group (slot 6) and in a second pair's group,
+    which stays in the table (slot 7). With a target of 1 expand program, each program streams every chunk of its
+    projection."""
     monkeypatch.setattr(triton_ops, "TARGET_EXPAND_PROGRAMS", expand_programs)
     gen = torch.Generator().manual_seed(21)
     outs = (48, 16, 16)  # k and v of one width: VeRA's B views coincide (one copy in the pool)
     ws = [(torch.randn(o, IN, generator=gen) / IN ** 0.5).to(DEVICE) for o in outs]
     bs = [torch.randn(o, generator=gen).to(DEVICE) if o != 16 else None for o in outs]
     per_proj = [mixed_slots(torch.float32, gen, IN, o) for o in outs]
-    pair = vera_pair(8, IN, max(outs), device=DEVICE, generator=gen)
-    for p, o in enumerate(outs):  # VeRA slots 6, 7 share one pair across projections too
+    pairs = [vera_pair(8, IN, max(outs), device=DEVICE, generator=gen) for _ in range(2)]
+    for p, o in enumerate(outs):  # VeRA slots 6, 7: each pair shared across the projections too
         kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
-        per_proj[p][6] = random_slots("vera", IN, o, vera_pair=pair, **kw)
-        per_proj[p][7] = random_slots("vera", IN, o, vera_pair=pair, **kw)
+        per_proj[p][6] = random_slots("vera", IN, o, vera_pair=pairs[0], **kw)
+        per_proj[p][7] = random_slots("vera", IN, o, vera_pair=pairs[1], **kw)
     per_proj[1][0] = None  # slot 0 does not adapt k
     ts = token_slots("zipf", 33, 13, generator=gen).to(DEVICE)
     x = torch.randn(33, IN, generator=gen).to(DEVICE)
     pool = SlotPool(IN, outs, 13, DEVICE, torch.float32)
     pool.update(per_proj)
-    assert pool.table[:, 6, 1].tolist() == [8, 0, 0]  # A rank computed for the first projection only
+    assert pool.table[:, 7, 1].tolist() == [8, 0, 0]  # A rank computed for the first projection only
+    assert pool.shared_group == 6 and pool.shared_a.shape[0] == 1 and pool.shared_a_of == (0, 0, 0)
+    assert pool.shared_b[1] is pool.shared_b[2] and pool.table[:, 6, F_RANK].tolist() == [0, 0, 0]
     ys = run_triton(x, ws, bs, per_proj, ts, torch.float32)
     for y, w, b, slots in zip(ys, ws, bs, per_proj):
         check(y, x, w, b, slots, ts, FP32_TOL)
@@ -298,7 +301,12 @@ def test_shared_matrix_read_once():
     meta = build_lora_meta(ts, pool.slot_group)
     groups = [g for g in meta.tile_group.tolist() if g >= 0]
     assert groups == sorted(groups) and set(groups) == {0, 2} and meta.num_tokens_per_slot[0] == 7
-    assert len(pool._cache) == 2 + 2 * 5 + 2  # the pair's A and B once; m, v per VeRA slot; LoRA A, B
+    assert len(pool._cache) == 2 * 5 + 2  # m, v per VeRA slot; LoRA A, B (the pair is the shared group's)
+    assert pool.shared_group == 0 and pool.shared_a.shape == (1, 8, IN) and pool.shared_b[0].shape == (OUT, 8)
+    assert pool.max_rank == 4  # the pair's rank is not in the table
+    x = torch.randn(8, IN, generator=gen).to(DEVICE)
+    w = (torch.randn(OUT, IN, generator=gen) / IN ** 0.5).to(DEVICE)
+    check(run_triton(x, [w], [None], [slots], ts, torch.float32)[0], x, w, None, slots, ts, FP32_TOL)
 
 
 @pytest.mark.parametrize("popularity", POPULARITY)
@@ -407,6 +415,34 @@ def test_input_windows_and_rows_split_the_tokens():
     assert torch.equal(rows[0].isfinite().all(1).cpu(), ~big)
     ref = input_transform_ref(x, slots, ts)
     torch.testing.assert_close(torch.where(big[:, None].to(DEVICE), windows[0], rows[0]), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_group_writes_only_its_rows():
+    """The shared group's delta writes exactly its members' rows of d (on the GPU it runs beside the other deltas,
+    which write the other rows: a row written by both would be a race the result cannot show), with the right
+    values: 70 members over two row tiles (the second partly past the count), rank 8 (a masked K step)."""
+    gen, _, _ = _case(torch.float32, seed=15)
+    pair = vera_pair(8, IN, OUT, device=DEVICE, generator=gen)
+    kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
+    slots = [random_slots("lora", IN, OUT, rank=4, **kw), random_slots("vera", IN, OUT, vera_pair=pair, **kw),
+             random_slots("ia3", IN, OUT, **kw), random_slots("vera", IN, OUT, vera_pair=pair, **kw)]
+    ts = _shuffled({1: 40, 3: 30, 0: 5, 2: 3, -1: 2}, gen)
+    ts[0] = 0  # a non-member in row 0, where a masked-off row's token index would point
+    x = torch.randn(ts.shape[0], IN, generator=gen).to(DEVICE)
+    pool = SlotPool(IN, (OUT,), len(slots), DEVICE, torch.float32)
+    pool.update([slots])
+    meta = build_lora_meta(ts, pool.slot_group)
+    n, r = ts.shape[0], pool.shared_a.shape[1]
+    ds = [torch.full((n, OUT), float("nan"), device=DEVICE)]
+    hv, hs = x.new_empty((1, n, r)), x.new_empty((1, n, r))
+    triton_ops.lora_delta_shared_(ds, hv, hs, x, pool.shared_a, pool.shared_b, pool.shared_m, meta.sorted_idx,
+                                  meta.sorted_slots, meta.num_tokens_per_slot, meta.slot_start, pool.shared_group,
+                                  list(pool.shared_a_of), list(pool.shared_outs))
+    member = ((ts == 1) | (ts == 3)).cpu()
+    assert torch.equal(ds[0].isfinite().all(1).cpu(), member)
+    for t in member.nonzero().flatten().tolist():
+        sl = slots[int(ts[t])]
+        torch.testing.assert_close(ds[0][t], sl.B @ (sl.m * (sl.A @ x[t])), rtol=1e-5, atol=1e-5)
 
 
 def test_scute_linear_module(monkeypatch):

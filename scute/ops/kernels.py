@@ -440,6 +440,58 @@ def _delta_tile(d_ptr, n_out, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, p, n
 
 
 @triton.jit
+def shared_scale_kernel(hv_ptr, hs_ptr, m_ptr, sorted_ptr, sorted_slots_ptr, count_ptr, start_ptr, group,
+                        num_tokens, num_slots, rank, a0, a1, a2, P: tl.constexpr, BR: tl.constexpr):
+    """Program (position i of the shared group's sorted rows, projection p): hs[p, i] = hv[a_p, t] ⊙ m[p, slot]
+    for its token t, rounded to hs's dtype (the matrices'); a_p < 0: the group does not adapt p."""
+    i, p = tl.program_id(0), tl.program_id(1)
+    a = _pick(p, a0 + p * 0, a1 + p * 0, a2 + p * 0, P)  # runtime values in every branch (see `_proj_of_program`)
+    if (i >= tl.load(count_ptr + group)) | (a < 0):
+        return
+    pos = tl.load(start_ptr + group) + i
+    tok = tl.load(sorted_ptr + pos).to(tl.int64)
+    slot = tl.load(sorted_slots_ptr + pos)
+    r = tl.arange(0, BR)
+    ok = r < rank
+    h = tl.load(hv_ptr + (a * num_tokens + tok) * rank + r, mask=ok, other=0.0)
+    m = tl.load(m_ptr + (p * num_slots + slot).to(tl.int64) * rank + r, mask=ok, other=0.0)
+    tl.store(hs_ptr + (p * num_tokens + i).to(tl.int64) * rank + r, (h * m).to(hs_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def shared_expand_kernel(d0_ptr, d1_ptr, d2_ptr, hs_ptr, b0_ptr, b1_ptr, b2_ptr, sorted_ptr, count_ptr, start_ptr,
+                         group, num_tokens, rank, out0, out1, out2, P: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """Program (BM rows of the shared group, BN columns of projection p): d_p[t, cols] = hs[p, i] @ B_p[cols]ᵀ
+    for the group's sorted rows i and their tokens t: a plain tile GEMM (fp32 sums) whose rows past the group's
+    count, fixed only on the device, return at once. out_p: projection p's columns (0: not adapted, no
+    programs)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    count = tl.load(count_ptr + group)
+    if pid_m * BM >= count:
+        return
+    p, prog, n_out = _proj_of_program(pid_n, out0, out1, out2, BN, P)
+    b_ptr = _pick(p, b0_ptr, b1_ptr, b2_ptr, P)
+    rows = pid_m * BM + tl.arange(0, BM)
+    row_ok = rows < count
+    cols = prog * BN + tl.arange(0, BN)
+    col_ok = cols < n_out
+    h_rows = hs_ptr + (p * num_tokens + rows).to(tl.int64) * rank
+    b_cols = b_ptr + cols.to(tl.int64) * rank
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, rank, BK):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < rank
+        h = tl.load(h_rows[:, None] + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_cols[None, :] + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(h, b, acc, input_precision=PREC)
+    tok = tl.load(sorted_ptr + tl.load(start_ptr + group) + rows, mask=row_ok, other=0).to(tl.int64)
+    d_ptr = _pick(p, d0_ptr, d1_ptr, d2_ptr, P)
+    tl.store(d_ptr + tok[:, None] * n_out + cols[None, :], acc.to(d_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _b_of_group(tab_ptr, grow, ty: tl.constexpr):
     """The group's B pointer and padded row length (a multiple of 8: `SlotPool` pads)."""
     return _ptr(tab_ptr, grow + F_B, ty), tl.multiple_of(tl.load(tab_ptr + grow + F_BLD).to(tl.int32), 8)

@@ -14,9 +14,14 @@ can be grouped so that one launch serves all of them) and ``num_slots`` adapter 
 
 A *group* is the unit of weight reuse: slots whose A and B are views of the same shared matrices (VeRA) form one
 group, so their tokens are sorted together and the shared matrices are read once per batch; every other slot is
-its own group. Tensors are deduplicated by storage (a shared matrix is copied once per pool, whatever the number of
-adapters using it), and a shared A used by several projections of one pool is multiplied once (``a_rank = 0`` on
-the duplicates, whose ``b_hoff`` points at the first one's rows of ``h``).
+its own group. The pool's largest such group (the *shared group*) is not in the table's low-rank fields at all: its
+tokens' delta is two dense products, ``h = A x`` for every token and ``d = B (m ⊙ h)`` for the group's sorted rows
+(`scute.ops.triton_ops.lora_delta_shared_`), from the matrices and each member's m in buffers of their own
+(``shared_a``, ``shared_b``, ``shared_m``), so a wide shared rank (VeRA's 256) neither widens every other group's
+rank tiles nor runs as 16-token tiles. Tensors are deduplicated by storage (a shared matrix is copied once per
+pool, whatever the number of adapters using it), and a shared A used by several projections of one pool is
+multiplied once (in the table: ``a_rank = 0`` on the duplicates, whose ``b_hoff`` points at the first one's rows of
+``h``).
 
 Only the table's *contents* change when a slot is set: a captured CUDA graph stays valid as long as `signature`
 is unchanged (it holds every host-side value the launchers turn into a kernel constant or a buffer size).
@@ -24,6 +29,7 @@ is unchanged (it holds every host-side value the launchers turn into a kernel co
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -57,7 +63,12 @@ class SlotPool:
     when every slot is its own group), ``h_width`` (rank rows of ``h`` per token), ``has_lowrank``,
     ``has_input_transform``, ``has_expand``, ``exact_delta`` (some slot adds its low-rank delta to a base output
     it also scales, rotates or shifts: see `delta_dtype`), ``block_b`` / ``min_block`` (power-of-two cover of the
-    largest OFT block, smallest OFT block), ``max_rank`` (the largest rank: sizes the kernels' rank tiles).
+    largest OFT block, smallest OFT block), ``max_rank`` (the largest rank in the table: sizes the kernels' rank
+    tiles). The shared group (module docstring): ``shared_group`` (its representative slot, −1 if none),
+    ``shared_a`` ([NA, r, in]: its distinct A's), ``shared_a_of`` (host tuple: projection p's index there, −1 if
+    the group does not adapt p), ``shared_b`` (P tensors [out_p, r]; a placeholder where it does not),
+    ``shared_outs`` (out_p, 0 where it does not), ``shared_m`` ([P, num_slots, r] float32: each member's m, ones if
+    it has none). ``has_lowrank`` is about the table's groups alone.
     """
 
     # The engine runs its steps under torch.inference_mode; the pool is created on a first forward but updated
@@ -75,12 +86,21 @@ class SlotPool:
         self.h_width, self.has_lowrank, self.has_input_transform, self.has_expand = 1, False, False, False
         self.exact_delta = False
         self.block_b, self.min_block, self.max_rank = 1, 1, 0
+        self._clear_shared()
+
+    def _clear_shared(self) -> None:
+        self.shared_group, self.shared_a_of, self.shared_outs = -1, (-1,) * self.num_proj, (0,) * self.num_proj
+        self.shared_a = torch.empty(0, 0, 0, dtype=self.dtype, device=self.device)
+        self.shared_b: list[Tensor] = []
+        self.shared_m = torch.empty(0, dtype=torch.float32, device=self.device)
+        self._shared_src: tuple = ()
 
     @property
     def signature(self) -> tuple:
         """Everything a captured graph bakes in; a graph stays valid while this is unchanged."""
         return (self.group_key, self.h_width, self.has_lowrank, self.has_input_transform, self.has_expand,
-                self.exact_delta, self.block_b, self.min_block, self.max_rank)
+                self.exact_delta, self.block_b, self.min_block, self.max_rank, self.shared_group, self.shared_a_of,
+                self.shared_outs, tuple(self.shared_a.shape))
 
     def delta_dtype(self, out_dtype: torch.dtype) -> torch.dtype:
         """The dtype the kernels keep each token's low-rank delta d = B (m ⊙ h) in, for outputs in `out_dtype`.
@@ -116,16 +136,22 @@ class SlotPool:
             raise ValueError(f"pool needs {self.num_proj} lists of {self.num_slots} slots")
         keep: dict[tuple, tuple[Tensor, Tensor]] = {}
         host = torch.zeros(self.num_proj, self.num_slots, NUM_FIELDS, dtype=torch.int64)
-        groups = self._groups(slots)
+        groups, shared = self._groups(slots)
         h_width, blocks = 0, []
         for p, row in enumerate(slots):
             for s, sl in enumerate(row):
                 if sl is not None:
                     blocks += self._fill_slot(host[p, s], sl, keep)
-        for g in sorted(set(groups)):
+        for g in sorted(set(groups) - {shared}):
             h_width = max(h_width, self._fill_group(host[:, g], [row[g] for row in slots], keep))
-        lowrank = host[:, groups, F_RANK] > 0  # [P, num_slots]: each slot's group has a low-rank part
+        # [P, num_slots]: each slot's group has a low-rank part (the shared group's is not in the table)
+        lowrank = torch.tensor([[row[g] is not None and row[g].A is not None for g in groups] for row in slots],
+                               dtype=torch.bool).reshape(self.num_proj, self.num_slots)
         host[..., F_FLAGS] |= torch.where(lowrank, HAS_LR, 0)
+        if shared < 0:
+            self._clear_shared()
+        else:
+            self._fill_shared(slots, [s for s, g in enumerate(groups) if g == shared], shared)
         self._cache = keep
         self.table.copy_(host)
         self.group_key = None if groups == list(range(self.num_slots)) else tuple(groups)
@@ -138,15 +164,53 @@ class SlotPool:
         self.min_block = min(blocks, default=1)
         self.max_rank = int(host[..., F_RANK].max())
 
-    def _groups(self, slots: Sequence[Sequence[Slots | None]]) -> list[int]:
-        """Each slot's group representative: the lowest slot with the same shared (A, B) in every projection."""
+    def _groups(self, slots: Sequence[Sequence[Slots | None]]) -> tuple[list[int], int]:
+        """Each slot's group representative (the lowest slot with the same shared (A, B) in every projection), and
+        the shared group's (the group of shared matrices with the most members; −1 if there is none)."""
         first: dict[tuple, int] = {}
         groups = []
         for s in range(self.num_slots):
             column = [row[s] for row in slots]
             key = _share_key(column)
             groups.append(s if key is None else first.setdefault(key, s))
-        return groups
+        sizes = Counter(groups)
+        shared = max(first.values(), key=lambda g: (sizes[g], -g), default=-1)
+        return groups, shared
+
+    def _fill_shared(self, slots: Sequence[Sequence[Slots | None]], members: list[int], group: int) -> None:
+        """The shared group's buffers. They are kept, and refilled in place, while their shapes stay (a captured
+        graph holds their addresses: their shapes are in `signature`); the matrices are copied only when they
+        change."""
+        column = [row[group] for row in slots]
+        a_src: dict[tuple, Tensor] = {}  # the distinct A's (VeRA's q, k and v share one)
+        for sl in column:
+            if sl is not None and sl.A is not None:
+                a_src.setdefault(_storage_key(sl.A, "mat"), sl.A)
+        a_keys = list(a_src)
+        rank = next(iter(a_src.values())).shape[0]
+        self.shared_a_of = tuple(-1 if sl is None or sl.A is None else a_keys.index(_storage_key(sl.A, "mat"))
+                                 for sl in column)
+        self.shared_outs = tuple(0 if a < 0 else o for a, o in zip(self.shared_a_of, self.out_features))
+        src = tuple(a_keys) + tuple(None if sl is None or sl.B is None else _storage_key(sl.B, "mat")
+                                    for sl in column)
+        if self._shared_src[:1] != (src,):
+            self.shared_a = _refill(self.shared_a, torch.stack(list(a_src.values())), self.device, self.dtype)
+            placeholder, olds, b_of = torch.zeros(1, rank, dtype=self.dtype), self.shared_b, {}
+            self.shared_b = []
+            for p, sl in enumerate(column):  # one copy of B views that coincide (VeRA's k and v)
+                b = placeholder if sl is None or sl.B is None else sl.B
+                key = _storage_key(b, "mat")
+                if key not in b_of:
+                    b_of[key] = _refill(olds[p] if olds else None, b, self.device, self.dtype)
+                self.shared_b.append(b_of[key])
+            self._shared_src = (src, column)  # the column keeps the sources alive: their keys stay theirs
+        m = torch.ones(self.num_proj, self.num_slots, rank)
+        for p, row in enumerate(slots):
+            for s in members:
+                if row[s] is not None and row[s].m is not None:
+                    m[p, s] = row[s].m.float().cpu()
+        self.shared_m = _refill(self.shared_m, m, self.device, torch.float32)
+        self.shared_group = group
 
     def _fill_slot(self, row: Tensor, sl: Slots, keep: dict) -> list[int]:
         if sl.scale != 1.0:
@@ -179,6 +243,13 @@ class SlotPool:
             rows[p, F_AHOFF] = rows[p, F_BHOFF] = seen[a_key] = width
             width += r
         return width
+
+
+def _refill(old: Tensor | None, new: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """`new` in `old`'s memory when the shapes match (a captured graph keeps reading there), else a new copy."""
+    if old is not None and old.shape == new.shape:
+        return old.copy_(new)
+    return new.to(device=device, dtype=dtype).contiguous()
 
 
 def _needs_expand(sl: Slots | None) -> bool:

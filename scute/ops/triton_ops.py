@@ -55,6 +55,8 @@ TARGET_EXPAND_PROGRAMS = 4096  # the one-token delta and the epilogue give each 
 # 3 persistent programs per SM for the multi-token delta: run 8's sweep (bench/results/bench_ops_h200.json).
 SHRINK_WARPS, EXPAND_WARPS, TILE_WARPS, SHRINK_STAGES, EXPAND_STAGES, TILE_STAGES = 4, 1, 4, 3, 1, 1
 EPILOGUE_WARPS = 4  # with EPILOGUE_HALF_N 512: the sweep's pick (the epilogue's shape moves the layer by ~1 µs)
+SHARED_BLOCK_N, SHARED_MAX_BLOCK_M, SHARED_MAX_BLOCK_K = 128, 64, 64  # the shared group's tile GEMM
+SHARED_WARPS, SHARED_STAGES = 4, 3
 TILE_PROGRAMS_PER_SM = 3  # the multi-token delta is persistent: this many programs per SM walk its items...
 TILE_ITEMS_PER_PROGRAM = 4  # ...about this many each (an item's setup is a chain of ~6 dependent loads, so a
 # prefill of many tiles gives each item a run of chunks; a few tiles, one chunk per item)
@@ -329,6 +331,55 @@ def _(ds, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, 
     return None
 
 
+@torch.library.custom_op("scute::lora_delta_shared_", mutates_args=("ds", "hv", "hs"))
+def lora_delta_shared_(ds: list[Tensor], hv: Tensor, hs: Tensor, x: Tensor, a: Tensor, bs: list[Tensor], m: Tensor,
+                       sorted_idx: Tensor, sorted_slots: Tensor, num_tokens_per_slot: Tensor, slot_start: Tensor,
+                       group: int, a_of: list[int], outs: list[int]) -> None:
+    """The low-rank delta of the pool's shared group (`scute.ops.pool`), for each projection it adapts.
+
+    Semantics (token t of the group at sorted position i, with slot s; projection p with a_of[p] ≥ 0):
+        ds[p][t] = B_p (m[p, s] ⊙ (A_{a_of[p]} x[t]))
+    A x in float32 for every token (cuBLAS: which tokens are the group's is known only on the device), m ⊙ h
+    rounded once to the matrices' dtype, the product with B_p in float32 sums (a tile GEMM over the group's sorted
+    rows, `shared_expand_kernel`), stored in ds's dtype; rows of other tokens are not written.
+
+    Shapes: ds as in `lora_delta_rows_`; hv [NA, T, r] float32 and hs [P, T, r] (the matrices' dtype) scratch;
+    x [T, in]; a [NA, r, in]; bs P tensors [out_p, r] (contiguous); m [P, M, r] float32; sorted_idx,
+    sorted_slots, num_tokens_per_slot, slot_start from `LoraMeta`; group: the group's representative slot;
+    a_of, outs: `SlotPool.shared_a_of`, `SlotPool.shared_outs`.
+    """
+    num_tokens, num_proj, rank = x.shape[0], len(ds), a.shape[1]
+    if num_tokens == 0:
+        return
+    for i in range(a.shape[0]):
+        _mm_into(hv[i], x, a[i].t())
+    _kernels().shared_scale_kernel[(num_tokens, num_proj)](
+        hv, hs, m, sorted_idx, sorted_slots, num_tokens_per_slot, slot_start, group, num_tokens, m.shape[1], rank,
+        *a_of, *[-1] * (3 - num_proj), P=num_proj, BR=max(16, 1 << (rank - 1).bit_length()))
+    block_m = min(SHARED_MAX_BLOCK_M, max(16, 1 << (num_tokens - 1).bit_length()))
+    grid = (triton_cdiv(num_tokens, block_m), sum(triton_cdiv(o, SHARED_BLOCK_N) for o in outs))
+    _kernels().shared_expand_kernel[grid](
+        *ds, *[ds[0]] * (3 - num_proj), hs, *bs, *[bs[0]] * (3 - num_proj), sorted_idx, num_tokens_per_slot,
+        slot_start, group, num_tokens, rank, *outs, *[0] * (3 - num_proj), P=num_proj, BM=block_m,
+        BN=SHARED_BLOCK_N, BK=min(SHARED_MAX_BLOCK_K, max(16, 1 << (rank - 1).bit_length())),
+        PREC=_precision(hs.dtype), num_warps=SHARED_WARPS, num_stages=SHARED_STAGES)
+
+
+@lora_delta_shared_.register_fake
+def _(ds, hv, hs, x, a, bs, m, sorted_idx, sorted_slots, num_tokens_per_slot, slot_start, group, a_of, outs):
+    return None
+
+
+def _mm_into(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """out = a @ b, with fp32 sums, for 16-bit a, b and a float32 out (cuBLAS's out_dtype; the CPU has none)."""
+    if out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+    elif a.is_cuda:
+        torch.mm(a, b, out_dtype=out.dtype, out=out)
+    else:
+        out.copy_(torch.mm(a.float(), b.float()))
+
+
 def _delta_args(ds, outs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end) -> tuple:
     """The arguments both delta kernels start with (three d pointers, unused ones repeating the first)."""
     return (*ds, *[ds[0]] * (3 - len(ds)), h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end,
@@ -384,10 +435,20 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     # buffers and the outputs are allocated here, on this stream, and used on the side streams only before the
     # join (the caching allocator's rule for cross-stream use). The shrink reads x, not x', so the side stream
     # forks before the input transform, which runs on this stream beside it. Under torch.compile they run in line.
+    shared = pool.shared_group >= 0
     ds = [x.new_empty((x.shape[0], w.shape[0]), dtype=pool.delta_dtype(x.dtype)) for w in weights] \
-        if pool.has_lowrank else [x.new_empty((1, 1), dtype=torch.float32)]
-    side = _side_streams(x.device) if pool.has_lowrank and not torch.compiler.is_compiling() else None
+        if pool.has_lowrank or shared else [x.new_empty((1, 1), dtype=torch.float32)]
+    side = _side_streams(x.device) if (pool.has_lowrank or shared) and not torch.compiler.is_compiling() else None
     main = torch.cuda.current_stream(x.device) if side is not None else None
+    if shared:  # on a side stream of its own: it writes only the shared group's rows of ds
+        hv = x.new_empty((pool.shared_a.shape[0], x.shape[0], pool.shared_a.shape[1]), dtype=torch.float32)
+        hs = x.new_empty((pool.num_proj, x.shape[0], pool.shared_a.shape[1]), dtype=pool.dtype)
+        if side is not None:
+            side[3].wait_stream(main)
+        with _on(side, 3):
+            lora_delta_shared_(ds, hv, hs, x, pool.shared_a, pool.shared_b, pool.shared_m, meta.sorted_idx,
+                               meta.sorted_slots, meta.num_tokens_per_slot, meta.slot_start, pool.shared_group,
+                               list(pool.shared_a_of), list(pool.shared_outs))
     if pool.has_lowrank:
         split_k = choose_split_k(x.shape[1], meta.tile_group.shape[0] * pool.num_proj, block_k)
         h = x.new_empty((split_k, x.shape[0], pool.h_width), dtype=torch.float32)
@@ -418,6 +479,8 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
         return zs
     # Each projection's epilogue runs on the side stream as soon as its GEMM and the deltas are done, beside the
     # next projection's GEMM (the epilogue of the last one is the only one after the GEMMs).
+    if shared:
+        side[0].wait_stream(side[3])
     zs = []
     for p, (w, b) in enumerate(zip(weights, biases)):
         zs.append(F.linear(x if xs is None else xs[p], w, b))
@@ -442,11 +505,12 @@ def call_transient_bytes(num_tokens: int, in_features: int, out_features: Sequen
                          max_rank: int, elem: int) -> int:
     """The most device memory one `scute_linears_triton` call allocates besides its outputs, for a pool of
     `num_slots` slots of rank ≤ `max_rank` with an input transform: x' [P, T, in] (`elem` bytes each), the
-    shrink's partials [S, T, P·max_rank] and the delta [T, Σ out_p] (float32 at most: `SlotPool.delta_dtype`). Freed
-    when the call returns."""
+    shrink's partials [S, T, P·max_rank], the shared group's hv and hs [P, T, max_rank] (float32, `elem`) and the
+    delta [T, Σ out_p] (float32 at most: `SlotPool.delta_dtype`). Freed when the call returns."""
     num_proj = len(out_features)
     split = choose_split_k(in_features, max_tiles(num_tokens, num_slots) * num_proj)
-    return num_tokens * (num_proj * in_features * elem + split * num_proj * max_rank * 4 + sum(out_features) * 4)
+    return num_tokens * (num_proj * in_features * elem + (split * 4 + 4 + elem) * num_proj * max_rank
+                         + sum(out_features) * 4)
 
 
 _SIDE: dict[torch.device, tuple[torch.cuda.Stream, ...]] = {}
@@ -454,12 +518,12 @@ _SIDE: dict[torch.device, tuple[torch.cuda.Stream, ...]] = {}
 
 def _side_streams(device: torch.device) -> tuple[torch.cuda.Stream, ...] | None:
     """The device's side streams: the shrink, the one-token delta and the epilogues; the multi-token delta; the
-    pre-pass's windows (one set per device, so that every shrink of a device runs in order: they share the
-    arrival counters); None off the GPU."""
+    pre-pass's windows; the shared group's delta (one set per device, so that every shrink of a device runs in
+    order: they share the arrival counters); None off the GPU."""
     if device.type != "cuda":
         return None
     if device not in _SIDE:
-        _SIDE[device] = tuple(torch.cuda.Stream(device) for _ in range(3))
+        _SIDE[device] = tuple(torch.cuda.Stream(device) for _ in range(4))
     return _SIDE[device]
 
 
