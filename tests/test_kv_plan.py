@@ -16,7 +16,7 @@ T, RANK, ELEM = 64, 32, 2
 def test_call_transient_bytes_counts_each_buffer():
     outs = [64, 32, 32]
     split = choose_split_k(64, max_tiles(T, 8) * 3)
-    shared = T * 3 * RANK * (4 + ELEM)  # the shared group's hv (float32) and hs (at most one of each per projection)
+    shared = T * 3 * RANK * 2 * ELEM  # the shared group's A x and m ⊙ h (at most one of each per projection)
     expected = 3 * T * 64 * ELEM + split * T * 3 * RANK * 4 + shared + T * 128 * 4
     assert call_transient_bytes(T, 64, outs, 8, RANK, ELEM) == expected
 
