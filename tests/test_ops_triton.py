@@ -266,7 +266,7 @@ def test_three_projections_one_launch(expand_programs, monkeypatch):
     projection."""
     monkeypatch.setattr(triton_ops, "TARGET_EXPAND_PROGRAMS", expand_programs)
     gen = torch.Generator().manual_seed(21)
-    outs = (48, 16, 16)  # k and v of one width: VeRA's B views coincide (one copy in the pool)
+    outs = (48, 16, 16)  # k and v of one width: VeRA's B views coincide
     ws = [(torch.randn(o, IN, generator=gen) / IN ** 0.5).to(DEVICE) for o in outs]
     bs = [torch.randn(o, generator=gen).to(DEVICE) if o != 16 else None for o in outs]
     per_proj = [mixed_slots(torch.float32, gen, IN, o) for o in outs]
@@ -282,7 +282,7 @@ def test_three_projections_one_launch(expand_programs, monkeypatch):
     pool.update(per_proj)
     assert pool.table[:, 7, 1].tolist() == [8, 0, 0]  # A rank computed for the first projection only
     assert pool.shared_group == 6 and pool.shared_a.shape[0] == 1 and pool.shared_a_of == (0, 0, 0)
-    assert pool.shared_b[1] is pool.shared_b[2] and pool.table[:, 6, F_RANK].tolist() == [0, 0, 0]
+    assert pool.table[:, 6, F_RANK].tolist() == [0, 0, 0]
     ys = run_triton(x, ws, bs, per_proj, ts, torch.float32)
     for y, w, b, slots in zip(ys, ws, bs, per_proj):
         check(y, x, w, b, slots, ts, FP32_TOL)

@@ -24,3 +24,24 @@ def test_pool_built_in_inference_mode_updates_outside_it():
     with torch.inference_mode():
         slots[0][2] = Slots(8, 6, o=torch.rand(6))
         pool.update(slots)
+
+
+def test_shared_group_buffers_refilled_in_place():
+    """A captured graph holds the shared group's buffers: a new pair of the same shapes (another VeRA model's) and
+    its members' m are copied into them, the signature unchanged; a new rank is new buffers and a new signature."""
+    def vera(pair, r: int) -> Slots:
+        return Slots(8, 6, A=pair[0], B=pair[1], m=torch.randn(r), v=torch.randn(6), shared=frozenset({"A", "B"}))
+
+    pairs = [(torch.randn(4, 8), torch.randn(6, 4)) for _ in range(2)]
+    pool = SlotPool(8, (6,), 3, "cpu", torch.float32)
+    pool.update([[vera(pairs[0], 4), lora(2), vera(pairs[0], 4)]])
+    sig, bufs = pool.signature, (pool.shared_a, pool.shared_b[0], pool.shared_m)
+    slots = [[vera(pairs[1], 4), lora(2), vera(pairs[1], 4)]]
+    pool.update(slots)
+    assert pool.signature == sig and all(a is b for a, b in zip(bufs, (pool.shared_a, pool.shared_b[0], pool.shared_m)))
+    assert torch.equal(pool.shared_a[0], pairs[1][0]) and torch.equal(pool.shared_b[0], pairs[1][1])
+    assert torch.equal(pool.shared_m[0, 2], slots[0][2].m) and pool.max_rank == 2
+    pool.update([[vera((torch.randn(3, 8), torch.randn(6, 3)), 3), lora(2), None]])
+    assert pool.signature != sig and pool.shared_a.shape == (1, 3, 8)
+    pool.update([[lora(2), None, None]])
+    assert pool.shared_group == -1 and pool.shared_a.numel() == 0
