@@ -7,7 +7,11 @@ A layer call (``P`` projections of one input, see `scute.ops.triton_ops`) moves,
   share it), B per projection, each active slot's vectors (``o, o2, c, v, m, t``, float32) and T blocks;
 * extra activation passes: the pre-pass (read x, write x' per projection), the shrink (read the adapter tokens'
   x, write the split-K partials of h), the delta (read them once, write d: float32 or the model's dtype, see
-  `SlotPool.delta_dtype`), the epilogue (read d, read and write the adapter tokens' rows of z).
+  `SlotPool.delta_dtype`), the epilogue (read d, read and write the adapter tokens' rows of z);
+* the pool's shared group (`scute.ops.pool`), which runs whether or not the step has its tokens: A x on cuBLAS
+  reads every token's x and each distinct A (A counted here when no member is active, else with the adapters)
+  and writes h for every token; its members' rows of h are read, scaled, written and read again per projection,
+  and their rows of d written (and read by the epilogue).
 
 Predicted time = bytes / bandwidth + launches × launch latency, with both constants *measured* on the machine
 (a device-to-device copy; a graph of empty kernels), never fitted to the results they predict.
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 
 from scute.adapters.slots import Slots
 from scute.ops.meta import max_tiles
-from scute.ops.pool import _exact_delta, _needs_expand, _storage_key
+from scute.ops.pool import _exact_delta, _needs_expand, _storage_key, slot_groups
 from scute.ops.triton_ops import choose_split_k
 
 VEC_BYTES = 4  # the pool keeps slot vectors in float32
@@ -64,21 +68,40 @@ def layer_call_bytes(slots: Sequence[Sequence[Slots | None]], in_features: int, 
     seen: set = set()
     for column in live.values():
         cost.adapters += _slot_bytes(column, seen, elem)
-    width = _h_width(live)
+    groups, shared = slot_groups(slots)
+    d_elem = 4 if any(_exact_delta(sl) for row in slots for sl in row) else elem  # the pool's delta dtype
+    width = _h_width({s: col for s, col in live.items() if groups[s] != shared})
     if width:
         split = choose_split_k(in_features, max_tiles(n_tok, len(slots[0])) * n_proj)
-        lowrank_tokens = sum(1 for s in token_slots if s in live and any(sl is not None and sl.A is not None
-                                                                         for sl in live[s]))
+        lowrank_tokens = sum(1 for s in token_slots if s in live and groups[s] != shared
+                             and any(sl is not None and sl.A is not None for sl in live[s]))
         cost.launches += 2 if n_tok == 1 else 3  # shrink, one-token delta, multi-token delta
         h_passes = 2 * split  # each split's partial written, then read once (by the delta, or by the shrink's sum)
-        d_elem = 4 if any(_exact_delta(sl) for row in slots for sl in row) else elem  # the pool's delta dtype
         delta = 2 * sum(out_features) * d_elem  # the delta written, then read by the epilogue
         cost.activations += lowrank_tokens * (in_features * elem + h_passes * width * 4 + delta)
+    if shared >= 0:
+        cost += _shared_group_bytes([row[shared] for row in slots], in_features, out_features,
+                                    sum(1 for s in token_slots if s >= 0 and groups[s] == shared), n_tok, elem,
+                                    d_elem)
     expand = {s for s, col in live.items() if any(_needs_expand(sl) for sl in col)}
     if expand:
         cost.launches += 1  # the epilogue
         cost.activations += sum(1 for s in token_slots if s in expand) * sum(2 * o * elem for o in out_features)
     return cost
+
+
+def _shared_group_bytes(column: list[Slots | None], in_features: int, out_features: Sequence[int], members: int,
+                        n_tok: int, elem: int, d_elem: int) -> CallBytes:
+    """The shared group's passes (`scute.ops.triton_ops.lora_delta_shared_`): `column` its representative's slots,
+    `members` its tokens in the step; its matrices are in the adapters' bytes when a member is active."""
+    a_keys = {_storage_key(sl.A, "mat"): sl.A for sl in column if sl is not None and sl.A is not None}
+    rank = next(iter(a_keys.values())).shape[0]
+    outs = [o for sl, o in zip(column, out_features) if sl is not None and sl.A is not None]
+    idle_a = 0 if members else sum(a.numel() for a in a_keys.values()) * elem  # cuBLAS reads A regardless
+    h_all = len(a_keys) * n_tok * (in_features + rank) * elem  # A x for every token: x read, h written
+    h_rows = members * len(outs) * rank * (2 * elem + 2 * elem)  # h read, m ⊙ h written, then read by the GEMM
+    return CallBytes(adapters=idle_a, activations=h_all + h_rows + members * sum(outs) * 2 * d_elem,
+                     launches=len(a_keys) + 2)
 
 
 def _slot_bytes(column: list[Slots | None], seen: set, elem: int) -> int:

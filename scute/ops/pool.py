@@ -136,7 +136,7 @@ class SlotPool:
             raise ValueError(f"pool needs {self.num_proj} lists of {self.num_slots} slots")
         keep: dict[tuple, tuple[Tensor, Tensor]] = {}
         host = torch.zeros(self.num_proj, self.num_slots, NUM_FIELDS, dtype=torch.int64)
-        groups, shared = self._groups(slots)
+        groups, shared = slot_groups(slots)
         h_width, blocks = 0, []
         for p, row in enumerate(slots):
             for s, sl in enumerate(row):
@@ -163,19 +163,6 @@ class SlotPool:
         self.block_b = 1 << (max(blocks, default=1) - 1).bit_length()
         self.min_block = min(blocks, default=1)
         self.max_rank = int(host[..., F_RANK].max())
-
-    def _groups(self, slots: Sequence[Sequence[Slots | None]]) -> tuple[list[int], int]:
-        """Each slot's group representative (the lowest slot with the same shared (A, B) in every projection), and
-        the shared group's (the group of shared matrices with the most members; −1 if there is none)."""
-        first: dict[tuple, int] = {}
-        groups = []
-        for s in range(self.num_slots):
-            column = [row[s] for row in slots]
-            key = _share_key(column)
-            groups.append(s if key is None else first.setdefault(key, s))
-        sizes = Counter(groups)
-        shared = max(first.values(), key=lambda g: (sizes[g], -g), default=-1)
-        return groups, shared
 
     def _fill_shared(self, slots: Sequence[Sequence[Slots | None]], members: list[int], group: int) -> None:
         """The shared group's buffers. They are kept, and refilled in place, while their shapes stay (a captured
@@ -240,6 +227,19 @@ class SlotPool:
             rows[p, F_AHOFF] = rows[p, F_BHOFF] = seen[a_key] = width
             width += r
         return width
+
+
+def slot_groups(slots: Sequence[Sequence[Slots | None]]) -> tuple[list[int], int]:
+    """Each slot's group representative (the lowest slot with the same shared (A, B) in every projection of
+    ``slots[p][s]``), and the shared group's (the group of shared matrices with the most members, ties to the
+    lowest; −1 if there is none)."""
+    first: dict[tuple, int] = {}
+    groups = []
+    for s in range(len(slots[0])):
+        key = _share_key([row[s] for row in slots])
+        groups.append(s if key is None else first.setdefault(key, s))
+    sizes = Counter(groups)
+    return groups, max(first.values(), key=lambda g: (sizes[g], -g), default=-1)
 
 
 def _refill(old: Tensor | None, new: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
