@@ -53,9 +53,9 @@ def test_shared_vera_matrices_count_once():
 
 def test_shared_group_passes():
     """The pool's shared group (two VeRA adapters of rank 8 on one pair) beside a LoRA: A x reads every token's x
-    and writes h for every token; each member's row of h is read and scaled, m ⊙ h written and read by the tile
-    GEMM, its row of d written and read by the epilogue; cuBLAS's product + scale + GEMM are 3 launches. With no
-    member in the step, A is still read (cuBLAS cannot skip), B is not."""
+    and writes h for every token; each member's row of h and of m (float32) is read, m ⊙ h written and read by the
+    tile GEMM, its row of d written and read by the epilogue; cuBLAS's product + scale + GEMM are 3 launches. With
+    no member in the step, A is still read (cuBLAS cannot skip), B is not."""
     pair = vera_pair(8, IN, OUT, generator=torch.Generator().manual_seed(3))
     g = torch.Generator().manual_seed(4)
     slots = [[*(random_slots("vera", IN, OUT, vera_pair=pair, generator=g) for _ in range(2)), lora(5)]]
@@ -63,7 +63,7 @@ def test_shared_group_passes():
     cost = layer_call_bytes(slots, IN, [OUT], tokens, E)
     split = choose_split_k(IN, max_tiles(len(tokens), 3))
     table = IN * E + 2 * split * R * 4 + 2 * OUT * E  # the LoRA token: shrink, partials, delta
-    shared = len(tokens) * (IN + 8) * E + 2 * 8 * 4 * E + 2 * 2 * OUT * E
+    shared = len(tokens) * (IN + 8) * E + 2 * 8 * (3 * E + VEC_BYTES) + 2 * 2 * OUT * E
     assert cost.activations == len(tokens) * (IN + OUT) * E + table + shared + 3 * 2 * OUT * E
     assert cost.launches == 1 + 3 + 3 + 1
     idle = layer_call_bytes(slots, IN, [OUT], [2, -1], E)

@@ -10,8 +10,8 @@ A layer call (``P`` projections of one input, see `scute.ops.triton_ops`) moves,
   `SlotPool.delta_dtype`), the epilogue (read d, read and write the adapter tokens' rows of z);
 * the pool's shared group (`scute.ops.pool`), which runs whether or not the step has its tokens: A x on cuBLAS
   reads every token's x and each distinct A (A counted here when no member is active, else with the adapters)
-  and writes h for every token; its members' rows of h are read, scaled, written and read again per projection,
-  and their rows of d written (and read by the epilogue).
+  and writes h for every token; per projection, its members' rows of h and m are read, m ⊙ h written and read
+  again, and their rows of d written (and read by the epilogue).
 
 Predicted time = bytes / bandwidth + launches × launch latency, with both constants *measured* on the machine
 (a device-to-device copy; a graph of empty kernels), never fitted to the results they predict.
@@ -99,7 +99,8 @@ def _shared_group_bytes(column: list[Slots | None], in_features: int, out_featur
     outs = [o for sl, o in zip(column, out_features) if sl is not None and sl.A is not None]
     idle_a = 0 if members else sum(a.numel() for a in a_keys.values()) * elem  # cuBLAS reads A regardless
     h_all = len(a_keys) * n_tok * (in_features + rank) * elem  # A x for every token: x read, h written
-    h_rows = members * len(outs) * rank * (2 * elem + 2 * elem)  # h read, m ⊙ h written, then read by the GEMM
+    # per member and projection: h and m (float32) read, m ⊙ h written, then read by the GEMM
+    h_rows = members * len(outs) * rank * (3 * elem + VEC_BYTES)
     return CallBytes(adapters=idle_a, activations=h_all + h_rows + members * sum(outs) * 2 * d_elem,
                      launches=len(a_keys) + 2)
 

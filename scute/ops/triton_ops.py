@@ -354,16 +354,17 @@ def lora_delta_shared_(ds: list[Tensor], hv: Tensor, hs: Tensor, x: Tensor, a: T
         return
     for i in range(a.shape[0]):
         torch.mm(x, a[i].t(), out=hv[i])
+    rank_block = max(16, 1 << (rank - 1).bit_length())  # the scale pass's whole row; the GEMM's K step is capped
     _kernels().shared_scale_kernel[(num_tokens, num_proj)](
         hv, hs, m, sorted_idx, sorted_slots, num_tokens_per_slot, slot_start, group, num_tokens, m.shape[1], rank,
-        *a_of, *[-1] * (3 - num_proj), P=num_proj, BR=max(16, 1 << (rank - 1).bit_length()))
+        *a_of, *[-1] * (3 - num_proj), P=num_proj, BR=rank_block)
     block_m = min(SHARED_MAX_BLOCK_M, max(16, 1 << (num_tokens - 1).bit_length()))
     grid = (triton_cdiv(num_tokens, block_m), sum(triton_cdiv(o, SHARED_BLOCK_N) for o in outs))
     _kernels().shared_expand_kernel[grid](
         *ds, *[ds[0]] * (3 - num_proj), hs, *bs, *[bs[0]] * (3 - num_proj), sorted_idx, num_tokens_per_slot,
         slot_start, group, num_tokens, rank, *outs, *[0] * (3 - num_proj), P=num_proj, BM=block_m,
-        BN=SHARED_BLOCK_N, BK=min(SHARED_MAX_BLOCK_K, max(16, 1 << (rank - 1).bit_length())),
-        PREC=_precision(hs.dtype), num_warps=SHARED_WARPS, num_stages=SHARED_STAGES)
+        BN=SHARED_BLOCK_N, BK=min(SHARED_MAX_BLOCK_K, rank_block), PREC=_precision(hs.dtype),
+        num_warps=SHARED_WARPS, num_stages=SHARED_STAGES)
 
 
 @lora_delta_shared_.register_fake
