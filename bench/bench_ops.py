@@ -132,12 +132,13 @@ def scute_fn(layer: Layer, pools: dict, xs: dict, ts: torch.Tensor, cfg: dict):
     metas = {}
     for pool in pools.values():  # built once per step in the engine: outside the timed layer
         metas.setdefault(pool.group_key, build_lora_meta(ts, pool.slot_group))
+    active = frozenset(ts.tolist())  # the step's slots, which the engine knows on the host
 
     def fn():
         for names, pool in pools.items():
             scute_linears_triton(xs[INPUT[names[0]]], [layer.w[p] for p in names], [None] * len(names), pool,
                                  metas[pool.group_key], half_n=cfg["half_n"], block_k=cfg["block_k"],
-                                 tile_half_n=cfg["tile_half_n"])
+                                 tile_half_n=cfg["tile_half_n"], active_slots=active)
     return fn
 
 

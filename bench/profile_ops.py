@@ -108,11 +108,12 @@ def main() -> None:
             for k, v in {**base, **cfg}.items():
                 setattr(triton_ops, k, v)
             metas = {pool.group_key: build_lora_meta(ts, pool.slot_group) for pool in pools.values()}
+            active = frozenset(ts.tolist())
 
             def fn():
                 for names, pool in pools.items():
                     scute_linears_triton(xs[B.INPUT[names[0]]], [layer.w[p] for p in names], [None] * len(names),
-                                         pool, metas[pool.group_key], half_n=triton_ops.HALF_N)
+                                         pool, metas[pool.group_key], half_n=triton_ops.HALF_N, active_slots=active)
             times = kernel_times(fn)
             total = sum(times.values())
             parts = ", ".join(f"{k.split('_kernel')[0]} {v:.1f}" for k, v in sorted(times.items(), key=lambda x: -x[1]))

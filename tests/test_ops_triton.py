@@ -445,6 +445,34 @@ def test_shared_group_writes_only_its_rows():
         torch.testing.assert_close(ds[0][t], sl.B @ (sl.m * (sl.A @ x[t])), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens, active, passes", [
+    ([0, -1, 12, 0], {0, 12, -1}, {"shrink_", "epilogue_"}),  # LoRA: neither the OFT pre-pass nor VeRA's products
+    ([0, -1, 12, 0], None, {"input_transform", "lora_delta_shared_", "shrink_", "epilogue_"}),  # any slot
+    ([6, 7, 8, -1], {6, 7, 8, -1}, {"input_transform", "lora_delta_shared_", "epilogue_"}),  # VeRA and OFT
+    ([4, 4], {4}, {"epilogue_"}),  # IA3's output scale
+    ([-1, -1, -1], {-1}, set()),  # base tokens: the GEMM alone
+])
+def test_step_runs_the_passes_of_its_slots(tokens, active, passes, monkeypatch):
+    """Given the step's slots on the host (`active_slots`), a call of a pool of every method runs only the passes
+    those slots need, and its result is the reference's (base rows bit-identical to F.linear)."""
+    gen, w, b = _case(torch.float32, seed=21)
+    slots = mixed_slots(torch.float32, gen)
+    pool = SlotPool(IN, (OUT,), len(slots), DEVICE, torch.float32)
+    pool.update([slots])
+    called = set()
+    for name in ("input_transform", "lora_delta_shared_", "shrink_", "epilogue_"):
+        def spy(*args, _op=getattr(triton_ops, name), _name=name, **kw):
+            called.add(_name)
+            return _op(*args, **kw)
+        monkeypatch.setattr(triton_ops, name, spy)
+    ts = torch.tensor(tokens, device=DEVICE)
+    x = torch.randn(len(tokens), IN, generator=gen).to(DEVICE)
+    (y,) = scute_linears_triton(x, [w], [b], pool, build_lora_meta(ts, pool.slot_group), half_n=HALF_N,
+                                block_k=BLOCK_K, active_slots=active)
+    assert called == passes
+    check(y, x, w, b, slots, ts, FP32_TOL)
+
+
 def test_scute_linear_module(monkeypatch):
     """ScuteLinear on the Triton path (forced on CPU) equals its reference path; set_slot updates in place."""
     monkeypatch.setenv("SCUTE_TRITON_CPU", "1")
@@ -464,6 +492,17 @@ def test_scute_linear_module(monkeypatch):
     with torch.no_grad():
         check(y[0], x[0], layer.weight, layer.bias, slots, ts, FP32_TOL)
         check(y2[0], x[0], layer.weight, layer.bias, layer.slots, ts, FP32_TOL)
+    # the context's host-side slots reach the op: a step of LoRA tokens runs no pre-pass for the pool's OFT slots
+    called = []
+    op = triton_ops.input_transform
+    monkeypatch.setattr(triton_ops, "input_transform", lambda *a, **kw: called.append(1) or op(*a, **kw))
+    ts = torch.tensor([0, 1, -1, 0, 12, 1, 0], device=DEVICE)
+    for active in (None, frozenset(ts.tolist())):
+        with forward_context(ForwardContext(token_adapter_slots=ts, active_adapter_slots=active)):
+            y3 = layer(x)
+        with torch.no_grad():
+            check(y3[0], x[0], layer.weight, layer.bias, layer.slots, ts, FP32_TOL)
+    assert len(called) == 1
 
 
 def test_custom_ops_trace_under_torch_compile():

@@ -45,3 +45,20 @@ def test_shared_group_buffers_refilled_in_place():
     assert pool.signature != sig and pool.shared_a.shape == (1, 3, 8)
     pool.update([[lora(2), None, None]])
     assert pool.shared_group == -1 and pool.shared_a.numel() == 0
+
+
+def test_step_kinds():
+    """The passes a step runs follow its slots: OFT's T is the pre-pass alone, IA3's output scale the epilogue
+    alone, a VeRA member the shared group's products, a LoRA the table's kernels; None is every pass of the pool."""
+    pair = (torch.randn(4, 8), torch.randn(6, 4))
+    vera = Slots(8, 6, A=pair[0], B=pair[1], m=torch.randn(4), v=torch.randn(6), shared=frozenset({"A", "B"}))
+    oft = Slots(8, 6, t_blocks=torch.randn(2, 4, 4))
+    slots = [[lora(2), vera, vera, oft, Slots(8, 6, o=torch.rand(6)), None]]
+    pool = SlotPool(8, (6,), 6, "cpu", torch.float32)
+    pool.update(slots)
+    kinds = {s: tuple(pool.step_kinds({s})) for s in range(6)}
+    assert kinds == {0: (False, False, True, True), 1: (False, True, False, True), 2: (False, True, False, True),
+                     3: (True, False, False, False), 4: (False, False, False, True), 5: (False,) * 4}
+    assert tuple(pool.step_kinds({-1})) == (False,) * 4
+    assert tuple(pool.step_kinds({0, 3, -1})) == (True, False, True, True)
+    assert tuple(pool.step_kinds(None)) == (True, True, True, True)

@@ -23,6 +23,9 @@ class ForwardContext:
     token_adapter_slots: [T] int64, the adapter slot of each token of the packed batch (−1 = base model).
     sample_adapter_slots: [S] int64, the slots of the rows that reach the LM head when the model computes
         logits only for some positions (None: the LM head sees all T tokens).
+    active_adapter_slots: the distinct slots of the step's tokens, known on the host (None: unknown, any slot).
+        The adapter kernels then run only the passes those slots need (`SlotPool.step_kinds`); a CUDA graph
+        captured with it may be replayed only for steps whose slots are among them.
     attn: the attention backend's metadata (block tables, slot mapping, ...), None outside the engine.
     slot_rows: the reference op's rows per adapter slot (``scute.ops.reference.slot_rows``), computed by the
         first `ScuteLinear` on the CPU path for each slots tensor and reused by every other layer.
@@ -35,6 +38,7 @@ class ForwardContext:
 
     token_adapter_slots: Tensor
     sample_adapter_slots: Tensor | None = None
+    active_adapter_slots: frozenset[int] | None = None
     attn: Any = None
     lora_meta: Any = None
     slot_rows: dict = field(default_factory=dict)  # id(slots tensor) -> the reference op's rows per slot

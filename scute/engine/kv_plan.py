@@ -66,7 +66,7 @@ def _gpu_budget(loaded: LoadedModel, config: EngineConfig) -> int:
     slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    with forward_context(ForwardContext(slots, slots[:num_sample], meta)):
+    with forward_context(ForwardContext(slots, slots[:num_sample], attn=meta)):
         logits = model(input_ids=torch.zeros_like(arange)[None], position_ids=arange[None],
                        logits_to_keep=arange[-num_sample:], use_cache=False).logits
         logits.float().softmax(-1).sort(dim=-1)  # the sampler's largest temporaries

@@ -107,6 +107,7 @@ class ModelRunner:
             token_adapter_slots=host_to_device(token_slots, torch.int64, self.device, buf["token_slots"]),
             sample_adapter_slots=host_to_device([r.token_adapter_slots(r.num_tokens - 1, 1)[0] for r in sampling],
                                                 torch.int64, self.device, buf["sample_slots"]),
+            active_adapter_slots=frozenset(token_slots),
             attn=meta,
         )
         ids = host_to_device(input_ids, torch.int64, self.device, buf["input_ids"])

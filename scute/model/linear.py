@@ -81,7 +81,8 @@ class ScuteLinear(nn.Module):
         token_slots = ctx.adapter_slots(flat.shape[0])
         if triton_enabled(flat):
             pool = self.pool = pool_for(self.pool, flat, [self])
-            y = scute_linear_triton(flat, self.weight, self.bias, pool, lora_meta(ctx, token_slots, pool))
+            y = scute_linear_triton(flat, self.weight, self.bias, pool, lora_meta(ctx, token_slots, pool),
+                                    ctx.active_adapter_slots)
         else:  # the grouping of tokens by slot is the same for every layer: computed once per forward
             rows = ctx.slot_rows.get(id(token_slots))
             if rows is None:
@@ -149,7 +150,7 @@ class LinearGroup:
             return outputs.pop(index).view(shape)
         pool = self.pool = pool_for(self.pool, flat, self.members)
         ys = scute_linears_triton(flat, [m.weight for m in self.members], [m.bias for m in self.members], pool,
-                                  lora_meta(ctx, token_slots, pool))
+                                  lora_meta(ctx, token_slots, pool), active_slots=ctx.active_adapter_slots)
         ctx.group_outputs[self] = (x, token_slots, {i: y for i, y in enumerate(ys) if i != index})
         return ys[index].view(shape)
 

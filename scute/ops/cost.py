@@ -8,10 +8,12 @@ A layer call (``P`` projections of one input, see `scute.ops.triton_ops`) moves,
 * extra activation passes: the pre-pass (read x, write x' per projection), the shrink (read the adapter tokens'
   x, write the split-K partials of h), the delta (read them once, write d: float32 or the model's dtype, see
   `SlotPool.delta_dtype`), the epilogue (read d, read and write the adapter tokens' rows of z);
-* the pool's shared group (`scute.ops.pool`), which runs whether or not the step has its tokens: A x on cuBLAS
-  reads every token's x and each distinct A (A counted here when no member is active, else with the adapters)
-  and writes h for every token; per projection, its members' rows of h and m are read, m ⊙ h written and read
-  again, and their rows of d written (and read by the epilogue).
+* the pool's shared group (`scute.ops.pool`), when the step has a token of it: A x on cuBLAS reads every
+  token's x and writes h for every token; per projection, its members' rows of h and m are read, m ⊙ h written
+  and read again, and their rows of d written (and read by the epilogue).
+
+The model is of a call that knows the step's slots (`scute_linears_triton`'s ``active_slots``): passes that no
+token of the step needs do not run.
 
 Predicted time = bytes / bandwidth + launches × launch latency, with both constants *measured* on the machine
 (a device-to-device copy; a graph of empty kernels), never fitted to the results they predict.
@@ -79,9 +81,9 @@ def layer_call_bytes(slots: Sequence[Sequence[Slots | None]], in_features: int, 
         h_passes = 2 * split  # each split's partial written, then read once (by the delta, or by the shrink's sum)
         delta = 2 * sum(out_features) * d_elem  # the delta written, then read by the epilogue
         cost.activations += lowrank_tokens * (in_features * elem + h_passes * width * 4 + delta)
-    if shared >= 0:
-        cost += _shared_group_bytes([row[shared] for row in slots], in_features, out_features,
-                                    sum(1 for s in token_slots if s >= 0 and groups[s] == shared), n_tok, elem,
+    members = sum(1 for s in token_slots if s >= 0 and groups[s] == shared) if shared >= 0 else 0
+    if members:
+        cost += _shared_group_bytes([row[shared] for row in slots], in_features, out_features, members, n_tok, elem,
                                     d_elem)
     expand = {s for s, col in live.items() if any(_needs_expand(sl) for sl in col)}
     if expand:
@@ -93,15 +95,14 @@ def layer_call_bytes(slots: Sequence[Sequence[Slots | None]], in_features: int, 
 def _shared_group_bytes(column: list[Slots | None], in_features: int, out_features: Sequence[int], members: int,
                         n_tok: int, elem: int, d_elem: int) -> CallBytes:
     """The shared group's passes (`scute.ops.triton_ops.lora_delta_shared_`): `column` its representative's slots,
-    `members` its tokens in the step; its matrices are in the adapters' bytes when a member is active."""
+    `members` (≥ 1) its tokens in the step; its matrices are in the adapters' bytes."""
     a_keys = {_storage_key(sl.A, "mat"): sl.A for sl in column if sl is not None and sl.A is not None}
     rank = next(iter(a_keys.values())).shape[0]
     outs = [o for sl, o in zip(column, out_features) if sl is not None and sl.A is not None]
-    idle_a = 0 if members else sum(a.numel() for a in a_keys.values()) * elem  # cuBLAS reads A regardless
     h_all = len(a_keys) * n_tok * (in_features + rank) * elem  # A x for every token: x read, h written
     # per member and projection: h and m (float32) read, m ⊙ h written, then read by the GEMM
     h_rows = members * len(outs) * rank * (3 * elem + VEC_BYTES)
-    return CallBytes(adapters=idle_a, activations=h_all + h_rows + members * sum(outs) * 2 * d_elem,
+    return CallBytes(activations=h_all + h_rows + members * sum(outs) * 2 * d_elem,
                      launches=len(a_keys) + 2)
 
 

@@ -30,8 +30,8 @@ is unchanged (it holds every host-side value the launchers turn into a kernel co
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -46,8 +46,20 @@ if TYPE_CHECKING:  # annotations only: scute.adapters imports scute.ops
 NUM_FIELDS = 18
 # Bits of F_FLAGS: which per-slot vectors are live; HAS_LR: the slot's group has a low-rank part (copied from it).
 HAS_O, HAS_O2, HAS_C, HAS_V, HAS_M, HAS_T, HAS_TB, HAS_LR = 1, 2, 4, 8, 16, 32, 64, 128
+# The passes a slot's tokens need (`SlotPool.slot_kinds`): the input transform, the shared group's products, the
+# table's low-rank kernels (shrink and deltas), the epilogue.
+KIND_TRANSFORM, KIND_SHARED, KIND_LOWRANK, KIND_EXPAND = 1, 2, 4, 8
 _VECTORS = (("o", F_O, HAS_O), ("o2", F_O2, HAS_O2), ("c", F_C, HAS_C), ("v", F_V, HAS_V), ("m", F_M, HAS_M),
             ("t", F_T, HAS_T))
+
+
+class StepKinds(NamedTuple):
+    """The passes of one layer call (`SlotPool.step_kinds`)."""
+
+    input_transform: bool
+    shared: bool  # the shared group's products
+    lowrank: bool  # the table's shrink and deltas
+    expand: bool  # the epilogue
 
 
 def _storage_key(x: Tensor, kind: str) -> tuple:
@@ -68,7 +80,8 @@ class SlotPool:
     ``shared_a`` ([NA, r, in]: its distinct A's), ``shared_a_of`` (host tuple: projection p's index there, −1 if
     the group does not adapt p), ``shared_b`` (P tensors [out_p, r]; a placeholder where it does not),
     ``shared_outs`` (out_p, 0 where it does not), ``shared_m`` ([P, num_slots, r] float32: each member's m, ones if
-    it has none). ``has_lowrank`` is about the table's groups alone.
+    it has none). ``has_lowrank`` is about the table's groups alone. ``slot_kinds`` (host tuple): the passes each
+    slot's tokens need, as `KIND_*` bits; `step_kinds` turns the slots of a step into the passes the step runs.
     """
 
     # The engine runs its steps under torch.inference_mode; the pool is created on a first forward but updated
@@ -86,6 +99,7 @@ class SlotPool:
         self.h_width, self.has_lowrank, self.has_input_transform, self.has_expand = 1, False, False, False
         self.exact_delta = False
         self.block_b, self.min_block, self.max_rank = 1, 1, 0
+        self.slot_kinds: tuple[int, ...] = (0,) * num_slots
         self._clear_shared()
 
     def _clear_shared(self) -> None:
@@ -101,6 +115,18 @@ class SlotPool:
         return (self.group_key, self.h_width, self.has_lowrank, self.has_input_transform, self.has_expand,
                 self.exact_delta, self.block_b, self.min_block, self.max_rank, self.shared_group, self.shared_a_of,
                 self.shared_outs, tuple(self.shared_a.shape))
+
+    def step_kinds(self, active: Collection[int] | None) -> StepKinds:
+        """The passes a step runs when its tokens use only the slots in `active` (host-side; −1, the base
+        model, may be among them), or None: any slot (what a CUDA graph replayed for other steps must assume)."""
+        if active is None:
+            return StepKinds(self.has_input_transform, self.shared_group >= 0, self.has_lowrank, self.has_expand)
+        kinds = 0
+        for s in active:
+            if s >= 0:
+                kinds |= self.slot_kinds[s]
+        return StepKinds(bool(kinds & KIND_TRANSFORM), bool(kinds & KIND_SHARED), bool(kinds & KIND_LOWRANK),
+                         bool(kinds & KIND_EXPAND))
 
     def delta_dtype(self, out_dtype: torch.dtype) -> torch.dtype:
         """The dtype the kernels keep each token's low-rank delta d = B (m ⊙ h) in, for outputs in `out_dtype`.
@@ -163,6 +189,13 @@ class SlotPool:
         self.block_b = 1 << (max(blocks, default=1) - 1).bit_length()
         self.min_block = min(blocks, default=1)
         self.max_rank = int(host[..., F_RANK].max())
+        transform = (host[..., F_FLAGS] & (HAS_T | HAS_TB)).any(0).tolist()
+        table_lr = lowrank.any(0).tolist()
+        self.slot_kinds = tuple(
+            (KIND_TRANSFORM if transform[s] else 0)
+            | ((KIND_SHARED if groups[s] == shared else KIND_LOWRANK) if table_lr[s] else 0)
+            | (KIND_EXPAND if any(_needs_expand(row[s]) for row in slots) else 0)
+            for s in range(self.num_slots))
 
     def _fill_shared(self, slots: Sequence[Sequence[Slots | None]], members: list[int], group: int) -> None:
         """The shared group's buffers. They are kept, and refilled in place, while their shapes stay (a captured

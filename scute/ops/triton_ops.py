@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +47,9 @@ WINDOW_MIN_TOKENS = BLOCK_M  # tokens or more run in windows of BLOCK_M tokens (
 # two such slots at most; tiles from 2 tokens a slot: 256 tokens of one OFT adapter 116 -> 84 us, of 64 adapters
 # 142 -> 188, the eighth session's A/B run 1)
 TILE_BLOCKS = 4  # blocks of T per program of those tiles
+PRE_PASS_COPY = 1024  # the row kernel: elements a program copies (tokens without a block transform)...
+PRE_PASS_T_ELEMS = 4096  # ...and elements of T a program reads (whole blocks): ~4k at 4 warps, no register spill
+PRE_PASS_WARPS = 4
 TARGET_EXPAND_PROGRAMS = 4096  # the one-token delta and the epilogue give each program enough chunks to bring
 # their grid to this
 # Triton launch options (module constants: the bench tunes them). HALF_N 64 and 1 warp for the one-token delta
@@ -174,14 +177,13 @@ def input_rows(out: Tensor, x: Tensor, table: Tensor, token_slots: Tensor, num_t
     """`input_transform`'s launch of a program per token (and chunks of its input): writes out[:, t] for every
     token t, except, with `skip_windowed`, those `input_windows` writes."""
     num_tokens, in_features = x.shape
-    block_c = 1024  # copy chunk per program (tokens without a block transform)
-    blocks_per_prog = max(1, 4096 // (block_b * block_b))  # ~4k elements of T per program: no register spill
-    chunks = max(triton_cdiv(in_features, block_c), triton_cdiv(in_features // min_block, blocks_per_prog))
+    blocks_per_prog = max(1, PRE_PASS_T_ELEMS // (block_b * block_b))
+    chunks = max(triton_cdiv(in_features, PRE_PASS_COPY), triton_cdiv(in_features // min_block, blocks_per_prog))
     iters = pre_pass_iters(num_tokens)
     _kernels().input_transform_kernel[(num_tokens, triton_cdiv(chunks, iters), out.shape[0])](
         x, out, table, token_slots, num_tokens_per_slot, num_tokens, in_features, table.shape[1], WINDOW_MIN_TOKENS,
-        BC=block_c, BB=block_b, NBP=blocks_per_prog, B_EXACT=min_block == block_b, ITERS=iters,
-        SKIP_TILED=skip_windowed)
+        BC=PRE_PASS_COPY, BB=block_b, NBP=blocks_per_prog, B_EXACT=min_block == block_b, ITERS=iters,
+        SKIP_TILED=skip_windowed, num_warps=PRE_PASS_WARPS)
 
 
 def input_windows(out: Tensor, x: Tensor, table: Tensor, sorted_idx: Tensor, sorted_slots: Tensor,
@@ -410,15 +412,20 @@ def _(zs, ds, table, token_slots, half_n, chunks_per_prog):
 # ---------------------------------------------------------------------------------------------- one layer call
 def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], pool: SlotPool,
                          meta: LoraMeta, half_n: int = HALF_N, block_k: int = BLOCK_K,
-                         tile_half_n: int | None = None) -> list[Tensor]:
+                         tile_half_n: int | None = None, active_slots: Collection[int] | None = None) -> list[Tensor]:
     """``P`` adapted projections of one input (q/k/v, gate/up, or one layer): the normal form of every token.
 
     Semantics: ys[p] = scute_linear_ref(x, weights[p], biases[p], slots[p], token_slots) for the slots the pool
     was built from. Shapes: x [T, in]; weights[p] [out_p, in]; returns ys[p] [T, out_p] in x.dtype.
+    `active_slots`: the slots of the step's tokens, known on the host (a superset will do), so that the call runs
+    only the passes they need (`SlotPool.step_kinds`: a step with no OFT token has no pre-pass, one with no VeRA
+    token no shared-group products, one of base tokens only is the GEMMs); None: any slot. A CUDA graph captured
+    with it is valid only for steps whose slots are among them.
     """
     x = x.contiguous()
-    if not pool.has_expand:
-        xs = _input_transform(x, pool, meta)
+    kinds = pool.step_kinds(active_slots)
+    if not kinds.expand:
+        xs = _input_transform(x, pool, meta) if kinds.input_transform else None
         return [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
     # The low-rank deltas read only x: on the GPU the shrink and the one-token delta run on a side stream, beside
     # the base GEMMs (bandwidth-bound too, but they leave part of it, and SMs, unused), the multi-token delta on a
@@ -427,10 +434,10 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     # buffers and the outputs are allocated here, on this stream, and used on the side streams only before the
     # join (the caching allocator's rule for cross-stream use). The shrink reads x, not x', so the side stream
     # forks before the input transform, which runs on this stream beside it. Under torch.compile they run in line.
-    shared = pool.shared_group >= 0
+    shared, lowrank = kinds.shared, kinds.lowrank
     ds = [x.new_empty((x.shape[0], w.shape[0]), dtype=pool.delta_dtype(x.dtype)) for w in weights] \
-        if pool.has_lowrank or shared else [x.new_empty((1, 1), dtype=torch.float32)]
-    side = _side_streams(x.device) if (pool.has_lowrank or shared) and not torch.compiler.is_compiling() else None
+        if lowrank or shared else [x.new_empty((1, 1), dtype=torch.float32)]
+    side = _side_streams(x.device) if (lowrank or shared) and not torch.compiler.is_compiling() else None
     main = torch.cuda.current_stream(x.device) if side is not None else None
     if shared:  # on a side stream of its own: it writes only the shared group's rows of ds
         hv = x.new_empty((pool.shared_a.shape[0], x.shape[0], pool.shared_a.shape[1]))
@@ -441,7 +448,7 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
             lora_delta_shared_(ds, hv, hs, x, pool.shared_a, pool.shared_b, pool.shared_m, meta.sorted_idx,
                                meta.sorted_slots, meta.num_tokens_per_slot, meta.slot_start, pool.shared_group,
                                list(pool.shared_a_of), list(pool.shared_outs))
-    if pool.has_lowrank:
+    if lowrank:
         split_k = choose_split_k(x.shape[1], meta.tile_group.shape[0] * pool.num_proj, block_k)
         h = x.new_empty((split_k, x.shape[0], pool.h_width), dtype=torch.float32)
         tile_half_n = max(16, (tile_half_n or TILE_HALF_N) * 32 // max(block_r(pool.max_rank), 32))
@@ -463,7 +470,7 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
             lora_delta_rows_(ds, h, pool.table, *tiles, rows_hn, chunks, pool.max_rank, pool.dtype)
         if fork:
             side[0].wait_stream(side[1])
-    xs = _input_transform(x, pool, meta)
+    xs = _input_transform(x, pool, meta) if kinds.input_transform else None
     if side is None:
         zs = [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
         epilogue_(zs, ds, pool.table, meta.token_slots, EPILOGUE_HALF_N,
@@ -484,11 +491,8 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     return zs
 
 
-def _input_transform(x: Tensor, pool: SlotPool, meta: LoraMeta) -> Tensor | None:
-    """x' of every projection, or None for a pool without an input transform (a pool property, not data: fixed
-    for a captured graph, see `SlotPool.signature`)."""
-    if not pool.has_input_transform:
-        return None
+def _input_transform(x: Tensor, pool: SlotPool, meta: LoraMeta) -> Tensor:
+    """x' of every projection."""
     return input_transform(x, pool.table, meta.token_slots, meta.sorted_idx, meta.sorted_slots,
                            meta.num_tokens_per_slot, meta.slot_start, pool.num_proj, pool.block_b, pool.min_block)
 
@@ -525,6 +529,7 @@ def _on(side: tuple[torch.cuda.Stream, ...] | None, i: int):
     return torch.cuda.stream(side[i]) if side is not None else contextlib.nullcontext()
 
 
-def scute_linear_triton(x: Tensor, weight: Tensor, bias: Tensor | None, pool: SlotPool, meta: LoraMeta) -> Tensor:
+def scute_linear_triton(x: Tensor, weight: Tensor, bias: Tensor | None, pool: SlotPool, meta: LoraMeta,
+                        active_slots: Collection[int] | None = None) -> Tensor:
     """One adapted linear layer (``pool.num_proj == 1``); semantics of `scute_linear_ref`."""
-    return scute_linears_triton(x, [weight], [bias], pool, meta)[0]
+    return scute_linears_triton(x, [weight], [bias], pool, meta, active_slots=active_slots)[0]
