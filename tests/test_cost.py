@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from scute.ops import triton_ops
 from scute.ops.cost import VEC_BYTES, CallBytes, layer_call_bytes, lora_floor_bytes
 from scute.ops.meta import max_tiles
 from scute.ops.testing import random_slots, vera_pair
@@ -51,11 +53,14 @@ def test_shared_vera_matrices_count_once():
     assert one >= 8 * (IN + OUT) * E  # the shared A and B
 
 
-def test_shared_group_passes():
+@pytest.mark.parametrize("fused", [False, True])
+def test_shared_group_passes(fused, monkeypatch):
     """The pool's shared group (two VeRA adapters of rank 8 on one pair) beside a LoRA: A x reads every token's x
     and writes h for every token; each member's row of h and of m (float32) is read, m ⊙ h written and read by the
-    tile GEMM, its row of d written and read by the epilogue; cuBLAS's product + scale + GEMM are 3 launches. A
-    step with no member does not run them (`SlotPool.step_kinds`): neither A nor B is read."""
+    tile GEMM (unless the GEMM forms it: `SHARED_FUSED_TOKENS`), its row of d written and read by the epilogue;
+    cuBLAS's product + scale + GEMM are 3 launches (2 fused). A step with no member does not run them
+    (`SlotPool.step_kinds`): neither A nor B is read."""
+    monkeypatch.setattr(triton_ops, "SHARED_FUSED_TOKENS", 1 << 20 if fused else 0)
     pair = vera_pair(8, IN, OUT, generator=torch.Generator().manual_seed(3))
     g = torch.Generator().manual_seed(4)
     slots = [[*(random_slots("vera", IN, OUT, vera_pair=pair, generator=g) for _ in range(2)), lora(5)]]
@@ -63,9 +68,9 @@ def test_shared_group_passes():
     cost = layer_call_bytes(slots, IN, [OUT], tokens, E)
     split = choose_split_k(IN, max_tiles(len(tokens), 3))
     table = IN * E + 2 * split * R * 4 + 2 * OUT * E  # the LoRA token: shrink, partials, delta
-    shared = len(tokens) * (IN + 8) * E + 2 * 8 * (3 * E + VEC_BYTES) + 2 * 2 * OUT * E
+    shared = len(tokens) * (IN + 8) * E + 2 * 8 * ((1 if fused else 3) * E + VEC_BYTES) + 2 * 2 * OUT * E
     assert cost.activations == len(tokens) * (IN + OUT) * E + table + shared + 3 * 2 * OUT * E
-    assert cost.launches == 1 + 3 + 3 + 1
+    assert cost.launches == 1 + 3 + (2 if fused else 3) + 1
     idle = layer_call_bytes(slots, IN, [OUT], [2, -1], E)
     assert idle.adapters == R * (IN + OUT) * E
     assert idle.launches == 1 + 3 + 1

@@ -417,10 +417,13 @@ def test_input_windows_and_rows_split_the_tokens():
     torch.testing.assert_close(torch.where(big[:, None].to(DEVICE), windows[0], rows[0]), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_shared_group_writes_only_its_rows():
+@pytest.mark.parametrize("fused", [False, True])
+def test_shared_group_writes_only_its_rows(fused, monkeypatch):
     """The shared group's delta writes exactly its members' rows of d (on the GPU it runs beside the other deltas,
     which write the other rows: a row written by both would be a race the result cannot show), with the right
-    values: 70 members over two row tiles (the second partly past the count), rank 8 (a masked K step)."""
+    values: 70 members over two row tiles (the second partly past the count), rank 8 (a masked K step); m ⊙ h by
+    the scale pass, or formed inside the tile GEMM (`SHARED_FUSED_TOKENS`)."""
+    monkeypatch.setattr(triton_ops, "SHARED_FUSED_TOKENS", 1 << 20 if fused else 0)
     gen, _, _ = _case(torch.float32, seed=15)
     pair = vera_pair(8, IN, OUT, device=DEVICE, generator=gen)
     kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)

@@ -10,7 +10,8 @@ A layer call (``P`` projections of one input, see `scute.ops.triton_ops`) moves,
   `SlotPool.delta_dtype`), the epilogue (read d, read and write the adapter tokens' rows of z);
 * the pool's shared group (`scute.ops.pool`), when the step has a token of it: A x on cuBLAS reads every
   token's x and writes h for every token; per projection, its members' rows of h and m are read, m ⊙ h written
-  and read again, and their rows of d written (and read by the epilogue).
+  and read again (above `SHARED_FUSED_TOKENS` tokens: below, the GEMM forms it), and their rows of d written (and
+  read by the epilogue).
 
 The model is of a call that knows the step's slots (`scute_linears_triton`'s ``active_slots``): passes that no
 token of the step needs do not run.
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scute.adapters.slots import Slots
+from scute.ops import triton_ops
 from scute.ops.meta import max_tiles
 from scute.ops.pool import _exact_delta, _needs_expand, _storage_key, slot_groups
 from scute.ops.triton_ops import choose_split_k
@@ -100,10 +102,12 @@ def _shared_group_bytes(column: list[Slots | None], in_features: int, out_featur
     rank = next(iter(a_keys.values())).shape[0]
     outs = [o for sl, o in zip(column, out_features) if sl is not None and sl.A is not None]
     h_all = len(a_keys) * n_tok * (in_features + rank) * elem  # A x for every token: x read, h written
-    # per member and projection: h and m (float32) read, m ⊙ h written, then read by the GEMM
-    h_rows = members * len(outs) * rank * (3 * elem + VEC_BYTES)
+    # per member and projection: h and m (float32) read; from SHARED_FUSED_TOKENS + 1 tokens on by a scale pass,
+    # which writes m ⊙ h for the GEMM to read
+    fused = n_tok <= triton_ops.SHARED_FUSED_TOKENS
+    h_rows = members * len(outs) * rank * ((1 if fused else 3) * elem + VEC_BYTES)
     return CallBytes(activations=h_all + h_rows + members * sum(outs) * 2 * d_elem,
-                     launches=len(a_keys) + 2)
+                     launches=len(a_keys) + (1 if fused else 2))
 
 
 def _slot_bytes(column: list[Slots | None], seen: set, elem: int) -> int:

@@ -60,6 +60,9 @@ SHRINK_WARPS, EXPAND_WARPS, TILE_WARPS, SHRINK_STAGES, EXPAND_STAGES, TILE_STAGE
 EPILOGUE_WARPS = 4  # with EPILOGUE_HALF_N 512: the sweep's pick (the epilogue's shape moves the layer by ~1 µs)
 SHARED_BLOCK_N, SHARED_MAX_BLOCK_M, SHARED_MAX_BLOCK_K = 128, 64, 64  # the shared group's tile GEMM
 SHARED_WARPS, SHARED_STAGES = 4, 3
+SHARED_FUSED_TOKENS = 16  # up to this many tokens that GEMM forms m ⊙ h itself, without the scale pass (one launch
+# fewer: VeRA at 1 and 16 tokens 9-10 us faster per layer, the ninth session's run 3); from 64 tokens on, its
+# per-column-tile gathers of h and m cost more than the pass (VeRA 64/1 +25 us, 256/1 +95)
 TILE_PROGRAMS_PER_SM = 3  # the multi-token delta is persistent: this many programs per SM walk its items...
 TILE_ITEMS_PER_PROGRAM = 4  # ...about this many each (an item's setup is a chain of ~6 dependent loads, so a
 # prefill of many tiles gives each item a run of chunks; a few tiles, one chunk per item)
@@ -344,7 +347,8 @@ def lora_delta_shared_(ds: list[Tensor], hv: Tensor, hs: Tensor, x: Tensor, a: T
     A x for every token (cuBLAS, stored in x's dtype as PEFT's is: which tokens are the group's is known only on
     the device; 2 µs faster per layer than a float32 A x at the mix 64/64, the ninth session's run 5), m ⊙ h in
     float32 rounded to the matrices' dtype, the product with B_p in float32 sums (a tile GEMM over the group's
-    sorted rows, `shared_expand_kernel`), stored in ds's dtype; rows of other tokens are not written.
+    sorted rows, `shared_expand_kernel`), stored in ds's dtype; rows of other tokens are not written. m ⊙ h is a
+    pass of its own (into hs) from SHARED_FUSED_TOKENS + 1 tokens on, else formed inside the GEMM.
 
     Shapes: ds as in `lora_delta_rows_`; hv [NA, T, r] (x's dtype) and hs [P, T, r] (the matrices') scratch;
     x [T, in]; a [NA, r, in]; bs P tensors [out_p, r] (contiguous); m [P, M, r] float32; sorted_idx,
@@ -357,16 +361,19 @@ def lora_delta_shared_(ds: list[Tensor], hv: Tensor, hs: Tensor, x: Tensor, a: T
     for i in range(a.shape[0]):
         torch.mm(x, a[i].t(), out=hv[i])
     rank_block = max(16, 1 << (rank - 1).bit_length())  # the scale pass's whole row; the GEMM's K step is capped
-    _kernels().shared_scale_kernel[(num_tokens, num_proj)](
-        hv, hs, m, sorted_idx, sorted_slots, num_tokens_per_slot, slot_start, group, num_tokens, m.shape[1], rank,
-        *a_of, *[-1] * (3 - num_proj), P=num_proj, BR=rank_block)
+    fused = num_tokens <= SHARED_FUSED_TOKENS
+    a_of = [*a_of, *[-1] * (3 - num_proj)]
+    if not fused:
+        _kernels().shared_scale_kernel[(num_tokens, num_proj)](
+            hv, hs, m, sorted_idx, sorted_slots, num_tokens_per_slot, slot_start, group, num_tokens, m.shape[1], rank,
+            *a_of, P=num_proj, BR=rank_block)
     block_m = min(SHARED_MAX_BLOCK_M, max(16, 1 << (num_tokens - 1).bit_length()))
     grid = (triton_cdiv(num_tokens, block_m), sum(triton_cdiv(o, SHARED_BLOCK_N) for o in outs))
     _kernels().shared_expand_kernel[grid](
-        *ds, *[ds[0]] * (3 - num_proj), hs, *bs, *[bs[0]] * (3 - num_proj), sorted_idx, num_tokens_per_slot,
-        slot_start, group, num_tokens, rank, *outs, *[0] * (3 - num_proj), P=num_proj, BM=block_m,
-        BN=SHARED_BLOCK_N, BK=min(SHARED_MAX_BLOCK_K, rank_block), PREC=_precision(hs.dtype),
-        num_warps=SHARED_WARPS, num_stages=SHARED_STAGES)
+        *ds, *[ds[0]] * (3 - num_proj), hs, hv, m, *bs, *[bs[0]] * (3 - num_proj), sorted_idx, sorted_slots,
+        num_tokens_per_slot, slot_start, group, num_tokens, m.shape[1], rank, *outs, *[0] * (3 - num_proj), *a_of,
+        P=num_proj, BM=block_m, BN=SHARED_BLOCK_N, BK=min(SHARED_MAX_BLOCK_K, rank_block), FUSED=fused,
+        PREC=_precision(hs.dtype), num_warps=SHARED_WARPS, num_stages=SHARED_STAGES)
 
 
 @lora_delta_shared_.register_fake
