@@ -29,6 +29,7 @@ is unchanged (it holds every host-side value the launchers turn into a kernel co
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -46,9 +47,6 @@ if TYPE_CHECKING:  # annotations only: scute.adapters imports scute.ops
 NUM_FIELDS = 18
 # Bits of F_FLAGS: which per-slot vectors are live; HAS_LR: the slot's group has a low-rank part (copied from it).
 HAS_O, HAS_O2, HAS_C, HAS_V, HAS_M, HAS_T, HAS_TB, HAS_LR = 1, 2, 4, 8, 16, 32, 64, 128
-# The passes a slot's tokens need (`SlotPool.slot_kinds`): the input transform, the shared group's products, the
-# table's low-rank kernels (shrink and deltas), the epilogue.
-KIND_TRANSFORM, KIND_SHARED, KIND_LOWRANK, KIND_EXPAND = 1, 2, 4, 8
 _VECTORS = (("o", F_O, HAS_O), ("o2", F_O2, HAS_O2), ("c", F_C, HAS_C), ("v", F_V, HAS_V), ("m", F_M, HAS_M),
             ("t", F_T, HAS_T))
 
@@ -80,8 +78,9 @@ class SlotPool:
     ``shared_a`` ([NA, r, in]: its distinct A's), ``shared_a_of`` (host tuple: projection p's index there, −1 if
     the group does not adapt p), ``shared_b`` (P tensors [out_p, r]; a placeholder where it does not),
     ``shared_outs`` (out_p, 0 where it does not), ``shared_m`` ([P, num_slots, r] float32: each member's m, ones if
-    it has none). ``has_lowrank`` is about the table's groups alone. ``slot_kinds`` (host tuple): the passes each
-    slot's tokens need, as `KIND_*` bits; `step_kinds` turns the slots of a step into the passes the step runs.
+    it has none). ``has_lowrank`` is about the table's groups alone. ``kind_masks`` (host `StepKinds` of ints):
+    for each pass, the slots whose tokens need it, as bit masks (bit s: slot s); `step_kinds` turns the slots of
+    a step into the passes the step runs.
     """
 
     # The engine runs its steps under torch.inference_mode; the pool is created on a first forward but updated
@@ -99,7 +98,7 @@ class SlotPool:
         self.h_width, self.has_lowrank, self.has_input_transform, self.has_expand = 1, False, False, False
         self.exact_delta = False
         self.block_b, self.min_block, self.max_rank = 1, 1, 0
-        self.slot_kinds: tuple[int, ...] = (0,) * num_slots
+        self.kind_masks = StepKinds(0, 0, 0, 0)
         self._clear_shared()
 
     def _clear_shared(self) -> None:
@@ -121,12 +120,9 @@ class SlotPool:
         model, may be among them), or None: any slot (what a CUDA graph replayed for other steps must assume)."""
         if active is None:
             return StepKinds(self.has_input_transform, self.shared_group >= 0, self.has_lowrank, self.has_expand)
-        kinds = 0
-        for s in active:
-            if s >= 0:
-                kinds |= self.slot_kinds[s]
-        return StepKinds(bool(kinds & KIND_TRANSFORM), bool(kinds & KIND_SHARED), bool(kinds & KIND_LOWRANK),
-                         bool(kinds & KIND_EXPAND))
+        mask = _slot_mask(active if isinstance(active, frozenset) else frozenset(active))
+        t, s, lr, e = self.kind_masks
+        return StepKinds(mask & t != 0, mask & s != 0, mask & lr != 0, mask & e != 0)
 
     def delta_dtype(self, out_dtype: torch.dtype) -> torch.dtype:
         """The dtype the kernels keep each token's low-rank delta d = B (m ⊙ h) in, for outputs in `out_dtype`.
@@ -190,12 +186,10 @@ class SlotPool:
         self.min_block = min(blocks, default=1)
         self.max_rank = int(host[..., F_RANK].max())
         transform = (host[..., F_FLAGS] & (HAS_T | HAS_TB)).any(0).tolist()
-        table_lr = lowrank.any(0).tolist()
-        self.slot_kinds = tuple(
-            (KIND_TRANSFORM if transform[s] else 0)
-            | ((KIND_SHARED if groups[s] == shared else KIND_LOWRANK) if table_lr[s] else 0)
-            | (KIND_EXPAND if any(_needs_expand(row[s]) for row in slots) else 0)
-            for s in range(self.num_slots))
+        lowrank_slots = lowrank.any(0).tolist()
+        self.kind_masks = StepKinds(*(_mask(s for s in range(self.num_slots) if has(s)) for has in (
+            lambda s: transform[s], lambda s: lowrank_slots[s] and groups[s] == shared,
+            lambda s: lowrank_slots[s] and groups[s] != shared, lambda s: any(_needs_expand(row[s]) for row in slots))))
 
     def _fill_shared(self, slots: Sequence[Sequence[Slots | None]], members: list[int], group: int) -> None:
         """The shared group's buffers. They are kept, and refilled in place, while their shapes stay (a captured
@@ -273,6 +267,17 @@ def slot_groups(slots: Sequence[Sequence[Slots | None]]) -> tuple[list[int], int
         groups.append(s if key is None else first.setdefault(key, s))
     sizes = Counter(groups)
     return groups, max(first.values(), key=lambda g: (sizes[g], -g), default=-1)
+
+
+def _mask(slots) -> int:
+    """The bit mask of `slots` (bit s: slot s; the base model's −1 has none)."""
+    return sum(1 << s for s in set(slots) if s >= 0)
+
+
+@functools.lru_cache(maxsize=8)
+def _slot_mask(active: frozenset[int]) -> int:
+    """`_mask` of a step's slots, computed once per step: every layer call of the step passes the same set."""
+    return _mask(active)
 
 
 def _refill(old: Tensor | None, new: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
