@@ -49,6 +49,9 @@ WINDOW_MIN_TOKENS = BLOCK_M  # tokens or more run in windows of BLOCK_M tokens (
 TILE_BLOCKS = 4  # blocks of T per program of those tiles
 PRE_PASS_COPY = 1024  # the row kernel: elements a program copies (tokens without a block transform)...
 PRE_PASS_T_ELEMS = 4096  # ...and elements of T a program reads (whole blocks): ~4k at 4 warps, no register spill
+PRE_PASS_PREFILL_T_ELEMS = 8192  # from PRE_PASS_TILE_TOKENS tokens on, with as many times fewer chunks per program:
+# the same T per program in wider vectors (OFT 256/64 -19 us, 256/1 -5, the mix 256/64 -4; twice the T per program
+# instead cost the mix 256/64 5-9 us: the tenth session's runs 1, 3, 6, 7)
 PRE_PASS_WARPS = 4
 TARGET_EXPAND_PROGRAMS = 4096  # the one-token delta and the epilogue give each program enough chunks to bring
 # their grid to this
@@ -178,11 +181,13 @@ def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, sorted_idx: T
 def input_rows(out: Tensor, x: Tensor, table: Tensor, token_slots: Tensor, num_tokens_per_slot: Tensor,
                block_b: int, min_block: int, skip_windowed: bool) -> None:
     """`input_transform`'s launch of a program per token (and chunks of its input): writes out[:, t] for every
-    token t, except, with `skip_windowed`, those `input_windows` writes."""
+    token t, except, with `skip_windowed`, those `input_windows` writes. A program takes `pre_pass_iters` chunks
+    of PRE_PASS_T_ELEMS elements of T, or from PRE_PASS_TILE_TOKENS tokens on as much T in fewer, wider chunks."""
     num_tokens, in_features = x.shape
-    blocks_per_prog = max(1, PRE_PASS_T_ELEMS // (block_b * block_b))
+    t_elems = PRE_PASS_T_ELEMS if num_tokens < PRE_PASS_TILE_TOKENS else PRE_PASS_PREFILL_T_ELEMS
+    blocks_per_prog = max(1, t_elems // (block_b * block_b))
     chunks = max(triton_cdiv(in_features, PRE_PASS_COPY), triton_cdiv(in_features // min_block, blocks_per_prog))
-    iters = pre_pass_iters(num_tokens)
+    iters = max(1, pre_pass_iters(num_tokens) * PRE_PASS_T_ELEMS // t_elems)
     _kernels().input_transform_kernel[(num_tokens, triton_cdiv(chunks, iters), out.shape[0])](
         x, out, table, token_slots, num_tokens_per_slot, num_tokens, in_features, table.shape[1], WINDOW_MIN_TOKENS,
         BC=PRE_PASS_COPY, BB=block_b, NBP=blocks_per_prog, B_EXACT=min_block == block_b, ITERS=iters,
