@@ -13,6 +13,7 @@ import torch
 from peft import LoraConfig, PeftModel
 
 from scute import AdapterRequest, Engine, SamplingParams
+from scute.engine import model_runner
 from tests.helpers import FIVE_METHODS as CONFIGS
 from tests.helpers import ALL_LINEAR, make_adapter, tiny_model
 
@@ -85,13 +86,22 @@ def _mixed_batch():
     return prompts, adapters
 
 
-def test_all_methods_and_base_in_one_batch(oracle):
+def test_all_methods_and_base_in_one_batch(oracle, monkeypatch):
     prompts, adapters = _mixed_batch()
     engine = oracle.engine()
     specs = [None if a is None else oracle.paths[a] for a in adapters]
+    steps = []  # each step's host-side slot set (what the adapter kernels specialize on) and its token slots
+    context = model_runner.forward_context
+
+    def spy(ctx):
+        steps.append((ctx.active_adapter_slots, frozenset(ctx.token_adapter_slots.tolist())))
+        return context(ctx)
+
+    monkeypatch.setattr(model_runner, "forward_context", spy)
     outputs = engine.generate(prompts, GREEDY, specs, use_tqdm=False)
     check(oracle, outputs, prompts, adapters)
     assert engine.stats["steps"] < 3 * NEW_TOKENS  # really batched
+    assert steps and all(active == tokens for active, tokens in steps)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
