@@ -508,7 +508,8 @@ def test_scute_linear_module(monkeypatch):
     assert len(called) == 1
 
 
-def test_custom_ops_trace_under_torch_compile():
+@pytest.mark.parametrize("known_slots", [False, True])  # the step's slots are ignored under compile
+def test_custom_ops_trace_under_torch_compile(known_slots):
     gen, w, b = _case(torch.float32, seed=8)
     slots = mixed_slots(torch.float32, gen)
     pool = SlotPool(IN, (OUT,), len(slots), DEVICE, torch.float32)
@@ -516,9 +517,11 @@ def test_custom_ops_trace_under_torch_compile():
     ts = token_slots("uniform", 7, len(slots), generator=gen).to(DEVICE)
     x = torch.randn(7, IN, generator=gen).to(DEVICE)
     meta = build_lora_meta(ts, pool.slot_group)
+    active = frozenset(ts.tolist()) if known_slots else None
 
     def layer(x):
-        return scute_linears_triton(x, [w], [b], pool, meta, half_n=HALF_N, block_k=BLOCK_K)[0] * 1.0
+        return scute_linears_triton(x, [w], [b], pool, meta, half_n=HALF_N, block_k=BLOCK_K,
+                                    active_slots=active)[0] * 1.0
 
     torch._dynamo.reset()
     y = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)

@@ -432,10 +432,11 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     `active_slots`: the slots of the step's tokens, known on the host (a superset will do), so that the call runs
     only the passes they need (`SlotPool.step_kinds`: a step with no OFT token has no pre-pass, one with no VeRA
     token no shared-group products, one of base tokens only is the GEMMs); None: any slot. A CUDA graph captured
-    with it is valid only for steps whose slots are among them.
+    with it is valid only for steps whose slots are among them. Ignored under torch.compile, whose graph would
+    otherwise be traced again for every new set.
     """
     x = x.contiguous()
-    kinds = pool.step_kinds(active_slots)
+    kinds = pool.step_kinds(None if torch.compiler.is_compiling() else active_slots)
     if not kinds.expand:
         xs = _input_transform(x, pool, meta) if kinds.input_transform else None
         return [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
