@@ -508,8 +508,10 @@ def test_scute_linear_module(monkeypatch):
     assert len(called) == 1
 
 
-@pytest.mark.parametrize("known_slots", [False, True])  # the step's slots are ignored under compile
+@pytest.mark.parametrize("known_slots", [False, True])
 def test_custom_ops_trace_under_torch_compile(known_slots):
+    """The op traces whole (fullgraph); under compile `active_slots` is ignored: here a set of the base model
+    alone, which, honoured, would leave every adapter row at the base output."""
     gen, w, b = _case(torch.float32, seed=8)
     slots = mixed_slots(torch.float32, gen)
     pool = SlotPool(IN, (OUT,), len(slots), DEVICE, torch.float32)
@@ -517,7 +519,7 @@ def test_custom_ops_trace_under_torch_compile(known_slots):
     ts = token_slots("uniform", 7, len(slots), generator=gen).to(DEVICE)
     x = torch.randn(7, IN, generator=gen).to(DEVICE)
     meta = build_lora_meta(ts, pool.slot_group)
-    active = frozenset(ts.tolist()) if known_slots else None
+    active = frozenset({-1}) if known_slots else None
 
     def layer(x):
         return scute_linears_triton(x, [w], [b], pool, meta, half_n=HALF_N, block_k=BLOCK_K,
