@@ -62,3 +62,7 @@ def test_step_kinds():
     assert tuple(pool.step_kinds({-1})) == (False,) * 4
     assert tuple(pool.step_kinds({0, 3, -1})) == (True, False, True, True)
     assert tuple(pool.step_kinds(None)) == (True, True, True, True)
+    pool.update([[lora(2), None, None, None, Slots(8, 6, o=torch.rand(6)), None]])  # None: the pool's passes
+    assert tuple(pool.step_kinds(None)) == (False, False, True, True)
+    assert (pool.has_input_transform, pool.shared_group >= 0, pool.has_lowrank, pool.has_expand) == (False, False,
+                                                                                                       True, True)

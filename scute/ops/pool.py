@@ -118,11 +118,8 @@ class SlotPool:
     def step_kinds(self, active: Collection[int] | None) -> StepKinds:
         """The passes a step runs when its tokens use only the slots in `active` (host-side; −1, the base
         model, may be among them), or None: any slot (what a CUDA graph replayed for other steps must assume)."""
-        if active is None:
-            return StepKinds(self.has_input_transform, self.shared_group >= 0, self.has_lowrank, self.has_expand)
-        mask = _slot_mask(active if isinstance(active, frozenset) else frozenset(active))
-        t, s, lr, e = self.kind_masks
-        return StepKinds(mask & t != 0, mask & s != 0, mask & lr != 0, mask & e != 0)
+        mask = -1 if active is None else _slot_mask(active if isinstance(active, frozenset) else frozenset(active))
+        return StepKinds(*(mask & m != 0 for m in self.kind_masks))
 
     def delta_dtype(self, out_dtype: torch.dtype) -> torch.dtype:
         """The dtype the kernels keep each token's low-rank delta d = B (m ⊙ h) in, for outputs in `out_dtype`.
@@ -186,10 +183,12 @@ class SlotPool:
         self.min_block = min(blocks, default=1)
         self.max_rank = int(host[..., F_RANK].max())
         transform = (host[..., F_FLAGS] & (HAS_T | HAS_TB)).any(0).tolist()
-        lowrank_slots = lowrank.any(0).tolist()
-        self.kind_masks = StepKinds(*(_mask(s for s in range(self.num_slots) if has(s)) for has in (
-            lambda s: transform[s], lambda s: lowrank_slots[s] and groups[s] == shared,
-            lambda s: lowrank_slots[s] and groups[s] != shared, lambda s: any(_needs_expand(row[s]) for row in slots))))
+        masks = [0] * len(StepKinds._fields)
+        for s, (t, lr) in enumerate(zip(transform, lowrank.any(0).tolist())):
+            expand = any(_needs_expand(row[s]) for row in slots)
+            kinds = (t, lr and groups[s] == shared, lr and groups[s] != shared, expand)
+            masks = [m | (bool(k) << s) for m, k in zip(masks, kinds)]
+        self.kind_masks = StepKinds(*masks)
 
     def _fill_shared(self, slots: Sequence[Sequence[Slots | None]], members: list[int], group: int) -> None:
         """The shared group's buffers. They are kept, and refilled in place, while their shapes stay (a captured
@@ -269,15 +268,11 @@ def slot_groups(slots: Sequence[Sequence[Slots | None]]) -> tuple[list[int], int
     return groups, max(first.values(), key=lambda g: (sizes[g], -g), default=-1)
 
 
-def _mask(slots) -> int:
-    """The bit mask of `slots` (bit s: slot s; the base model's −1 has none)."""
-    return sum(1 << s for s in set(slots) if s >= 0)
-
-
 @functools.lru_cache(maxsize=8)
 def _slot_mask(active: frozenset[int]) -> int:
-    """`_mask` of a step's slots, computed once per step: every layer call of the step passes the same set."""
-    return _mask(active)
+    """The bit mask of a step's slots (bit s: slot s; the base model's −1 has none), computed once per step:
+    every layer call of the step passes the same set."""
+    return sum(1 << s for s in active if s >= 0)
 
 
 def _refill(old: Tensor | None, new: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
