@@ -121,8 +121,8 @@ def main() -> None:
         rows.append((f"input transform BB=32 exact={exact} it={iters} skip={skip}",
                      compile_stats(kernels.input_transform_kernel, INPUT_ARGS, cst, 4)))
     for exact in (False, True):
-        cst = dict(BM=16, BB=32, NBP=4, B_EXACT=exact, PREC="tf32")
-        rows.append((f"input tiles BB=32 NBP=4 exact={exact}",
+        cst = dict(BM=16, BB=32, NBP=2, B_EXACT=exact, PREC="tf32")
+        rows.append((f"input tiles BB=32 NBP=2 exact={exact}",
                      compile_stats(kernels.input_tiles_kernel, INPUT_TILE_ARGS, cst, 4)))
     print(f"{'kernel':<40} {'regs':>5} {'spill B':>8} {'progs/SM':>9} {'vec ld':>7} {'scalar ld':>10} {'mma':>9} "
           f"{'loop inst/mma':>14}")

@@ -7,6 +7,7 @@ lazily on the first launch). With CUDA the same tests run compiled on the GPU. A
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -345,13 +346,14 @@ def _shuffled(counts: dict, gen) -> torch.Tensor:
 
 @pytest.mark.parametrize(("blocks", "iters", "tiled"), [
     ("mixed", 1, False), ("equal", 1, False), ("mixed", 4, False), ("equal", 2, False), ("sixteen", 1, False),
-    ("mixed", 1, True), ("equal", 2, True), ("sixteen", 1, True)])
+    ("diag", 1, False), ("mixed", 1, True), ("equal", 2, True), ("sixteen", 1, True), ("diag", 1, True)])
 def test_input_transform_matches_reference(blocks, iters, tiled, monkeypatch):
     """Blocks of 8 and 4 in one pool (runtime block strides), or every block 8 or 16 wide (constant strides,
-    B_EXACT); one chunk per program, or 2 or 4 (as in large steps; the last program's chunks run past the input);
-    tiled: as from PRE_PASS_TILE_TOKENS tokens, OFT slots of 17 and 16 tokens (slot 10 an OFT too) run as windows
-    of 16 on tensor cores, one window holding the last of slot 8, slot 9's 3 tokens (left to the row kernel)
-    and the first of slot 10."""
+    B_EXACT), or blocks of 8 after a diagonal t in slot 8 (T = blocks ∘ diag: the normal form allows both); one
+    chunk per program, or 2 or 4 (as in large steps; the last program's chunks run past the input); tiled: as
+    from PRE_PASS_TILE_TOKENS tokens, OFT slots of 17 and 16 tokens (slot 10 an OFT too) run as windows of 16 on
+    tensor cores, one window holding the last of slot 8, slot 9's 3 tokens (left to the row kernel) and the
+    first of slot 10."""
     gen, _, _ = _case(torch.float32, seed=12)
     ts = _shuffled({8: 17, 9: 3, 10: 16, 0: 2, -1: 2}, gen) if tiled else \
         torch.tensor([8, 9, 8, -1, 9, 0, 8], device=DEVICE)
@@ -360,11 +362,14 @@ def test_input_transform_matches_reference(blocks, iters, tiled, monkeypatch):
     assert triton_ops.pre_pass_iters(ts.shape[0]) == iters
     slots = mixed_slots(torch.float32, gen)
     kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
-    block = {"mixed": 8, "equal": 8, "sixteen": 16}[blocks]
+    block = {"mixed": 8, "equal": 8, "sixteen": 16, "diag": 8}[blocks]
     slots[10] = random_slots("oft", IN, OUT, block=block, **kw)
     if blocks != "mixed":
         slots[9] = random_slots("oft", IN, OUT, block=block, block_share=True, **kw)
         slots[8] = random_slots("oft", IN, OUT, block=block, **kw)
+    if blocks == "diag":
+        t = random_slots("ia3", IN, OUT, feedforward=True, **kw).t
+        slots[8] = dataclasses.replace(slots[8], t=t)
     x = torch.randn(ts.shape[0], IN, generator=gen).to(DEVICE)
     pool = SlotPool(IN, (OUT,), len(slots), DEVICE, torch.float32)
     pool.update([slots])

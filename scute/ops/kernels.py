@@ -124,57 +124,66 @@ def input_tiles_kernel(x_ptr, xt_ptr, tab_ptr, sorted_ptr, sorted_slots_ptr, cou
                        B_EXACT: tl.constexpr, PREC: tl.constexpr):
     """Program (window w of BM sorted positions, NBP blocks from c·NBP, projection p): the window's tokens of a
     slot with a block-diagonal T and `tile_min` tokens or more (`input_transform_kernel` with SKIP_TILED takes
-    every other token): x'[p, rows, block k] = T_k (t ⊙ x)[rows, block k], each block a [BM, BB] @ [BB, BB]ᵀ
-    tensor-core product (blocks of b < BB columns padded with zeros; BB ≥ 16). Tokens are sorted by group, and a
-    slot with a block transform is its own group (`SlotPool`), so a window holds the tokens of at most two such
-    slots of `tile_min` ≥ BM tokens: the slot of its first position and that of its last (a grid over windows,
-    fixed by the number of tokens alone). 16-bit x and T: exact products, fp32 sums; with a diagonal t as well,
-    t ⊙ x and T in fp32 (IEEE)."""
+    every other token): x'[p, rows, block k] = T_k (t ⊙ x)[rows, block k], the NBP blocks one batched
+    tensor-core product [NBP, BM, BB] @ [NBP, BB, BB] (blocks of b < BB columns padded with zeros; BB ≥ 16).
+    Tokens are sorted by group, and a slot with a block transform is its own group (`SlotPool`), so a window
+    holds the tokens of at most two such slots of `tile_min` ≥ BM tokens: the slot of its first position and that
+    of its last (a grid over windows, fixed by the number of tokens alone). 16-bit x and T: exact products, fp32
+    sums; with a diagonal t as well, t ⊙ x and T in fp32 (IEEE). Every load waits on at most two others (the
+    window's tokens and slots, then their table rows): each program's setup is a chain of dependent loads, and
+    the program's own work is short."""
     w, c, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pos = w * BM + tl.arange(0, BM)
+    tok = tl.load(sorted_ptr + tl.minimum(pos, num_tokens - 1)).to(tl.int64)
     first = tl.load(sorted_slots_ptr + w * BM)
+    last = tl.load(sorted_slots_ptr + tl.minimum(w * BM + BM, num_tokens) - 1)
     for side in tl.static_range(2):
         slot = first
         if side == 1:
-            slot = tl.load(sorted_slots_ptr + tl.minimum(w * BM + BM, num_tokens) - 1)
-        row = (p * num_slots + tl.maximum(slot, 0)) * NF
+            slot = last
+        known = tl.maximum(slot, 0)
+        row = (p * num_slots + known) * NF
         flags = tl.where(slot >= 0, tl.load(tab_ptr + row + F_FLAGS), 0)
-        count = tl.load(count_ptr + tl.maximum(slot, 0))
-        if ((flags & HAS_TB) != 0) & (count >= tile_min) & ((side == 0) | (slot != first)):
-            lo = tl.load(start_ptr + slot)
-            _input_tile(x_ptr, xt_ptr, tab_ptr, sorted_ptr, row, flags, pos, (pos >= lo) & (pos < lo + count), c, p,
-                        num_tokens, in_features, BM, BB, NBP, B_EXACT, PREC)
+        count = tl.load(count_ptr + known)
+        lo = tl.load(start_ptr + known)
+        b = tl.load(tab_ptr + row + F_TBB).to(tl.int32)
+        if B_EXACT:
+            b = BB
+        num_blocks = tl.load(tab_ptr + row + F_TBN)
+        tb_raw = tl.load(tab_ptr + row + F_TB)
+        t_vec = _ptr(tab_ptr, row + F_T, tl.float32)
+        # T's pointer and block count in the condition (true whenever HAS_TB is): the compiler would otherwise
+        # sink their loads into the branch, one more dependent load before T's
+        if ((flags & HAS_TB) != 0) & (count >= tile_min) & ((side == 0) | (slot != first)) & (tb_raw != 0) \
+                & (num_blocks > 0):
+            _input_tile(x_ptr + tok * in_features, xt_ptr + (p * num_tokens + tok) * in_features,
+                        tl.multiple_of(tb_raw.to(tl.pointer_type(x_ptr.dtype.element_ty)), 16), t_vec, b,
+                        num_blocks == 1, flags,
+                        (pos >= lo) & (pos < lo + count), c, in_features, BB, NBP, PREC)
 
 
 @triton.jit
-def _input_tile(x_ptr, xt_ptr, tab_ptr, sorted_ptr, row, flags, pos, row_ok, c, p, num_tokens, in_features,
-                BM: tl.constexpr, BB: tl.constexpr, NBP: tl.constexpr, B_EXACT: tl.constexpr, PREC: tl.constexpr):
-    """`input_tiles_kernel`'s blocks [c·NBP, (c + 1)·NBP) for the rows of one slot (table row `row`)."""
-    b = tl.load(tab_ptr + row + F_TBB).to(tl.int32)
-    if B_EXACT:
-        b = BB
-    shared_block = tl.load(tab_ptr + row + F_TBN) == 1
-    tb = _ptr(tab_ptr, row + F_TB, x_ptr.dtype.element_ty)
-    t_vec = _ptr(tab_ptr, row + F_T, tl.float32)
-    tok = tl.load(sorted_ptr + pos, mask=row_ok, other=0).to(tl.int64)
-    x_rows = x_ptr + tok * in_features
-    out_rows = xt_ptr + (p * num_tokens + tok) * in_features
+def _input_tile(x_rows, out_rows, tb, t_vec, b, shared_block, flags, row_ok, c, in_features, BB: tl.constexpr,
+                NBP: tl.constexpr, PREC: tl.constexpr):
+    """`input_tiles_kernel`'s blocks [c·NBP, (c + 1)·NBP) for the rows `row_ok` of one slot (its T blocks at `tb`,
+    b wide; t_vec its diagonal): every block's x and T are loaded at once (a loop of NBP products waited for each
+    block's loads in turn)."""
     i = tl.arange(0, BB)
-    i_ok = i < b
-    for j in tl.static_range(NBP):
-        k = c * NBP + j
-        col_ok = i_ok & ((k + i * 0) < in_features // b)  # a tensor: the interpreter rejects a scalar bool mask
-        cols = k * b + i
-        mask = row_ok[:, None] & col_ok[None, :]
-        xk = tl.load(x_rows[:, None] + cols[None, :], mask=mask, other=0.0)
-        blk = tb + tl.where(shared_block, 0, k).to(tl.int64) * b * b
-        tk = tl.load(blk + i[:, None] * b + i[None, :], mask=col_ok[:, None] & i_ok[None, :], other=0.0)
-        if (flags & HAS_T) != 0:
-            xf = xk.to(tl.float32) * tl.load(t_vec + cols, mask=col_ok, other=0.0)[None, :]
-            y = tl.dot(xf, tl.trans(tk.to(tl.float32)), input_precision="ieee")
-        else:
-            y = tl.dot(xk, tl.trans(tk), input_precision=PREC)
-        tl.store(out_rows[:, None] + cols[None, :], y.to(xt_ptr.dtype.element_ty), mask=mask)
+    k = c * NBP + tl.arange(0, NBP)
+    col_ok = (i < b)[None, :] & (k < in_features // b)[:, None]  # [NBP, BB]
+    cols = k[:, None] * b + i[None, :]
+    mask = col_ok[:, None, :] & row_ok[None, :, None]  # [NBP, BM, BB]
+    xk = tl.load(x_rows[None, :, None] + cols[:, None, :], mask=mask, other=0.0)
+    blk = tb + tl.where(shared_block, 0, k).to(tl.int64)[:, None, None] * b * b
+    # tk[n, i, j] = T_n[j, i]: the blocks transposed, so that y[n] = x[n] @ tk[n] = (T_n x[n]ᵀ)ᵀ
+    tk = tl.load(blk + i[None, None, :] * b + i[None, :, None], mask=col_ok[:, :, None] & (i < b)[None, None, :],
+                 other=0.0)
+    if (flags & HAS_T) != 0:
+        xf = xk.to(tl.float32) * tl.load(t_vec + cols, mask=col_ok, other=0.0)[:, None, :]
+        y = tl.dot(xf, tk.to(tl.float32), input_precision="ieee")
+    else:
+        y = tl.dot(xk, tk, input_precision=PREC)
+    tl.store(out_rows[None, :, None] + cols[:, None, :], y.to(out_rows.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------- shrink

@@ -46,7 +46,9 @@ PRE_PASS_TILE_TOKENS = 128  # ...and from this many tokens on, block transforms 
 WINDOW_MIN_TOKENS = BLOCK_M  # tokens or more run in windows of BLOCK_M tokens (at least BLOCK_M: a window then holds
 # two such slots at most; tiles from 2 tokens a slot: 256 tokens of one OFT adapter 116 -> 84 us, of 64 adapters
 # 142 -> 188, the eighth session's A/B run 1)
-TILE_BLOCKS = 4  # blocks of T per program of those tiles
+TILE_BLOCKS, WINDOW_WARPS = 2, 4  # blocks of T per program of those windows (one batched product; 4 blocks at 4
+# warps take 168 registers), and warps: OFT 256/1 and 256/16 10-17 us faster per layer than 4 blocks one after the
+# other (4 blocks at 8 warps, or 8 at 16, gained less: the eleventh session's runs 1-2)
 PRE_PASS_COPY = 1024  # the row kernel: elements a program copies (tokens without a block transform)...
 PRE_PASS_T_ELEMS = 4096  # ...and elements of T a program reads (whole blocks): ~4k at 4 warps, no register spill
 PRE_PASS_PREFILL_T_ELEMS = 8192  # from PRE_PASS_TILE_TOKENS tokens on, with as many times fewer chunks per program:
@@ -203,7 +205,7 @@ def input_windows(out: Tensor, x: Tensor, table: Tensor, sorted_idx: Tensor, sor
     _kernels().input_tiles_kernel[grid](
         x, out, table, sorted_idx, sorted_slots, num_tokens_per_slot, slot_start, num_tokens, in_features,
         table.shape[1], WINDOW_MIN_TOKENS, BM=BLOCK_M, BB=max(16, block_b), NBP=TILE_BLOCKS,
-        B_EXACT=min_block == block_b and block_b >= 16, PREC=_precision(x.dtype))
+        B_EXACT=min_block == block_b and block_b >= 16, PREC=_precision(x.dtype), num_warps=WINDOW_WARPS)
 
 
 def pre_pass_iters(num_tokens: int) -> int:
