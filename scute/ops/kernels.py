@@ -129,9 +129,9 @@ def input_tiles_kernel(x_ptr, xt_ptr, tab_ptr, sorted_ptr, sorted_slots_ptr, cou
     Tokens are sorted by group, and a slot with a block transform is its own group (`SlotPool`), so a window
     holds the tokens of at most two such slots of `tile_min` ≥ BM tokens: the slot of its first position and that
     of its last (a grid over windows, fixed by the number of tokens alone). 16-bit x and T: exact products, fp32
-    sums; with a diagonal t as well, t ⊙ x and T in fp32 (IEEE). Every load waits on at most two others (the
-    window's tokens and slots, then their table rows): each program's setup is a chain of dependent loads, and
-    the program's own work is short."""
+    sums; with a diagonal t as well, t ⊙ x and T in fp32 (IEEE). A program's work is short and its setup a chain
+    of dependent loads, so the chain is kept to three links: the window's tokens and slots, their table rows,
+    then x and T."""
     w, c, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pos = w * BM + tl.arange(0, BM)
     tok = tl.load(sorted_ptr + tl.minimum(pos, num_tokens - 1)).to(tl.int64)
@@ -156,10 +156,9 @@ def input_tiles_kernel(x_ptr, xt_ptr, tab_ptr, sorted_ptr, sorted_slots_ptr, cou
         # sink their loads into the branch, one more dependent load before T's
         if ((flags & HAS_TB) != 0) & (count >= tile_min) & ((side == 0) | (slot != first)) & (tb_raw != 0) \
                 & (num_blocks > 0):
-            _input_tile(x_ptr + tok * in_features, xt_ptr + (p * num_tokens + tok) * in_features,
-                        tl.multiple_of(tb_raw.to(tl.pointer_type(x_ptr.dtype.element_ty)), 16), t_vec, b,
-                        num_blocks == 1, flags,
-                        (pos >= lo) & (pos < lo + count), c, in_features, BB, NBP, PREC)
+            tb = tl.multiple_of(tb_raw.to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)  # as `_ptr` does
+            _input_tile(x_ptr + tok * in_features, xt_ptr + (p * num_tokens + tok) * in_features, tb, t_vec, b,
+                        num_blocks == 1, flags, (pos >= lo) & (pos < lo + count), c, in_features, BB, NBP, PREC)
 
 
 @triton.jit
