@@ -5,7 +5,8 @@ layer's seven projections (launch gaps dominate at small batch; graphs shrink th
     base          the seven cuBLAS GEMMs alone
     lora ... oft  base + that method on all seven projections through Scute (LoRA/DoRA r=16, IA3 with down_proj
                   feed-forward, VeRA r=256 sharing one projection pair, OFT blocks of 32)
-    mix           base + an equal mix of the five methods (adapter i has method i mod 5)
+    mix           base + an equal mix of the five methods (adapter i has method i mod 5; ``--mix-methods``
+                  picks a subset, to see what each method adds to the mix)
     *_grouped     the same with q/k/v and gate/up served by one launch each (pools of 3 and 2 projections)
     naive         base + LoRA r=16 by a PyTorch gathered bmm (A[ts], B[ts]), the baseline
 The byte model (`scute.ops.cost`) predicts each row from the bytes it must move at the measured copy bandwidth,
@@ -96,20 +97,21 @@ def measure_launch_latency() -> float:
 class Layer:
     """One Llama-3-8B layer's seven projection weights and, per method, 64 random adapters."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, mix: tuple[str, ...] = FIVE) -> None:
         gen = torch.Generator(DEVICE).manual_seed(seed)  # drawn on the GPU: 250 M random numbers
         self.gen = gen
         self.w = {p: (torch.randn(o, i, generator=gen, device=DEVICE) / i ** 0.5).to(DEVICE, DT) for p, (i, o) in PROJ.items()}
         self.pair = vera_pair(256, 14336, 14336, dtype=DT, device=DEVICE, generator=gen)
         self.adapters = {m: [self._adapter(m) for _ in range(MAX_ADAPTERS)] for m in FIVE}
+        self.mix = mix
 
     def _adapter(self, method: str) -> dict:
         kw = dict(dtype=DT, device=DEVICE, generator=self.gen, rank=16, vera_pair=self.pair, block=32)
         return {p: random_slots(method, i, o, feedforward=(p == "down"), **kw) for p, (i, o) in PROJ.items()}
 
     def slots(self, variant: str, n: int) -> list[dict]:
-        """Adapter i of the variant for i < n ('mix': method i mod 5)."""
-        methods = [FIVE[i % 5] if variant == "mix" else variant for i in range(n)]
+        """Adapter i of the variant for i < n ('mix': method i mod len(self.mix) of self.mix)."""
+        methods = [self.mix[i % len(self.mix)] if variant == "mix" else variant for i in range(n)]
         return [self.adapters[m][i] for i, m in enumerate(methods)]
 
     def inputs(self, batch: int) -> dict:
@@ -244,7 +246,7 @@ def repredict(path: str) -> None:
     DEVICE = "cpu"
     with open(path) as f:
         result = json.load(f)
-    layer = Layer()
+    layer = Layer(mix=tuple(result.get("mix_methods", FIVE)))
     for row in result["rows"] + result.get("sweep", []):
         if "error" not in row:
             predict(layer, row, result["bandwidth"], result["launch_latency"])
@@ -358,6 +360,7 @@ def main() -> None:
         if key != "stages":
             ap.add_argument("--" + key.replace("_", "-"), type=int, default=value)
     ap.add_argument("--stages", type=int, nargs=3, default=DEFAULT["stages"], metavar=("SHRINK", "ROWS", "TILES"))
+    ap.add_argument("--mix-methods", default=",".join(FIVE), help="the methods the mix rows cycle through")
     ap.add_argument("--sweep", action="store_true",
                     help="first compare tile configs on a few rows and run the table with the best")
     ap.add_argument("--out", default="bench_ops.json")
@@ -366,12 +369,16 @@ def main() -> None:
     args = ap.parse_args()
     if args.repredict:
         return repredict(args.repredict)
+    mix = tuple(args.mix_methods.split(","))
+    if unknown := set(mix) - set(FIVE):
+        ap.error(f"--mix-methods: unknown {sorted(unknown)}; known: {', '.join(FIVE)}")
     t0 = time.time()
     bw, lat = measure_bandwidth(), measure_launch_latency()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth {bw / 1e12:.2f} TB/s, "
           f"launch latency in a graph {lat * 1e6:.2f} us", flush=True)
-    layer = Layer()
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, bandwidth=bw, launch_latency=lat)
+    layer = Layer(mix=mix)
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, bandwidth=bw, launch_latency=lat,
+                  mix_methods=list(mix))
     cfg = {key: tuple(getattr(args, key)) if key == "stages" else getattr(args, key) for key in DEFAULT}
     if args.sweep:
         result["sweep"], cfg = sweep(layer, bw, lat, cfg)
