@@ -64,5 +64,7 @@ def test_step_kinds():
     assert tuple(pool.step_kinds(None)) == (True, True, True, True)
     pool.update([[lora(2), None, None, None, Slots(8, 6, o=torch.rand(6)), None]])  # None: the pool's passes
     assert tuple(pool.step_kinds(None)) == (False, False, True, True)
-    assert (pool.has_input_transform, pool.shared_group >= 0, pool.has_lowrank, pool.has_expand) == (False, False,
-                                                                                                       True, True)
+    assert pool.shared_group < 0
+    before = pool.signature  # a diagonal T (IA3 feed-forward) adds the pre-pass alone: a graph must be captured anew
+    pool.update([[lora(2), None, None, None, Slots(8, 6, o=torch.rand(6)), Slots(8, 6, t=torch.rand(8))]])
+    assert tuple(pool.step_kinds(None)) == (True, False, True, True) and pool.signature != before

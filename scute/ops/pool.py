@@ -68,19 +68,18 @@ def _storage_key(x: Tensor, kind: str) -> tuple:
 class SlotPool:
     """Device tables of the adapters of ``P`` projections (one input, ``out_features[p]`` outputs each).
 
-    Attributes set by `update`: ``table`` (device, int64 [P, num_slots, NUM_FIELDS]), ``slot_group``
-    (device int32 [num_slots]: each slot's group representative), ``group_key`` (host tuple of the same, None
-    when every slot is its own group), ``h_width`` (rank rows of ``h`` per token), ``has_lowrank``,
-    ``has_input_transform``, ``has_expand``, ``exact_delta`` (some slot adds its low-rank delta to a base output
-    it also scales, rotates or shifts: see `delta_dtype`), ``block_b`` / ``min_block`` (power-of-two cover of the
-    largest OFT block, smallest OFT block), ``max_rank`` (the largest rank in the table: sizes the kernels' rank
-    tiles). The shared group (module docstring): ``shared_group`` (its representative slot, −1 if none),
-    ``shared_a`` ([NA, r, in]: its distinct A's), ``shared_a_of`` (host tuple: projection p's index there, −1 if
-    the group does not adapt p), ``shared_b`` (P tensors [out_p, r]; a placeholder where it does not),
+    Attributes set by `update`: ``table`` (device, int64 [P, num_slots, NUM_FIELDS]), ``slot_group`` (device int32
+    [num_slots]: each slot's group representative), ``group_key`` (host tuple of the same, None when every slot is
+    its own group), ``h_width`` (rank rows of ``h`` per token), ``exact_delta`` (some slot adds its low-rank delta
+    to a base output it also scales, rotates or shifts: see `delta_dtype`), ``block_b`` / ``min_block``
+    (power-of-two cover of the largest OFT block, smallest OFT block), ``max_rank`` (the largest rank in the table:
+    sizes the kernels' rank tiles). The shared group (module docstring): ``shared_group`` (its representative slot,
+    −1 if none), ``shared_a`` ([NA, r, in]: its distinct A's), ``shared_a_of`` (host tuple: projection p's index
+    there, −1 if the group does not adapt p), ``shared_b`` (P tensors [out_p, r]; a placeholder where it does not),
     ``shared_outs`` (out_p, 0 where it does not), ``shared_m`` ([P, num_slots, r] float32: each member's m, ones if
-    it has none). ``has_lowrank`` is about the table's groups alone. ``kind_masks`` (host `StepKinds` of ints):
-    for each pass, the slots whose tokens need it, as bit masks (bit s: slot s); `step_kinds` turns the slots of
-    a step into the passes the step runs.
+    it has none). ``kind_masks`` (host `StepKinds` of ints): for each pass, the slots whose tokens need it, as bit
+    masks (bit s: slot s); `step_kinds` turns the slots of a step into the passes the step runs, and
+    ``step_kinds(None)`` gives the passes the pool has at all.
     """
 
     # The engine runs its steps under torch.inference_mode; the pool is created on a first forward but updated
@@ -95,7 +94,7 @@ class SlotPool:
         self.slot_group = torch.arange(num_slots, dtype=torch.int32, device=self.device)
         self._cache: dict[tuple, tuple[Tensor, Tensor]] = {}
         self.group_key: tuple[int, ...] | None = None
-        self.h_width, self.has_lowrank, self.has_input_transform, self.has_expand = 1, False, False, False
+        self.h_width = 1
         self.exact_delta = False
         self.block_b, self.min_block, self.max_rank = 1, 1, 0
         self.kind_masks = StepKinds(0, 0, 0, 0)
@@ -111,9 +110,9 @@ class SlotPool:
     @property
     def signature(self) -> tuple:
         """Everything a captured graph bakes in; a graph stays valid while this is unchanged."""
-        return (self.group_key, self.h_width, self.has_lowrank, self.has_input_transform, self.has_expand,
-                self.exact_delta, self.block_b, self.min_block, self.max_rank, self.shared_group, self.shared_a_of,
-                self.shared_outs, tuple(self.shared_a.shape))
+        return (self.group_key, self.h_width, tuple(self.step_kinds(None)), self.exact_delta, self.block_b,
+                self.min_block, self.max_rank, self.shared_group, self.shared_a_of, self.shared_outs,
+                tuple(self.shared_a.shape))
 
     def step_kinds(self, active: Collection[int] | None) -> StepKinds:
         """The passes a step runs when its tokens use only the slots in `active` (host-side; −1, the base
@@ -175,9 +174,7 @@ class SlotPool:
         self.table.copy_(host)
         self.group_key = None if groups == list(range(self.num_slots)) else tuple(groups)
         self.slot_group.copy_(torch.tensor(groups, dtype=torch.int32))
-        self.h_width, self.has_lowrank = max(h_width, 1), h_width > 0
-        self.has_input_transform = bool((host[..., F_FLAGS] & (HAS_T | HAS_TB)).any())
-        self.has_expand = any(_needs_expand(sl) for row in slots for sl in row)
+        self.h_width = max(h_width, 1)
         self.exact_delta = any(_exact_delta(sl) for row in slots for sl in row)
         self.block_b = 1 << (max(blocks, default=1) - 1).bit_length()
         self.min_block = min(blocks, default=1)
