@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import scute.model.linear as linear_mod
 from scute.adapters import Slots
-from scute.engine.context import ForwardContext, forward_context
+from scute.model.context import ForwardContext, forward_context
 from scute.model.hf import swap_linears
 from scute.ops.cpu import scute_linear_cpu
 from scute.ops.reference import scute_linear_ref

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import scute.model.linear as linear_mod
 from scute.adapters import load_adapter
-from scute.engine.context import ForwardContext, forward_context
+from scute.model.context import ForwardContext, forward_context
 from scute.model.hf import place_adapter, swap_linears
 from scute.model.linear import LinearGroup, ScuteLinear
 from scute.ops import scute_linear_ref, triton_ops

@@ -52,7 +52,7 @@ from scute.adapters.checkpoint import linear_modules
 from scute.adapters.lora_variants import alora_active
 from scute.compat.convert import convert_adapter
 from scute.compat.evaluate import SlotModel
-from scute.engine.context import ForwardContext, forward_context
+from scute.model.context import ForwardContext, forward_context
 from scute.model.hf import place_adapter, swap_linears
 from tests.helpers import ALL_LINEAR, capture_layers, check_layers, effect_err, make_adapter, rel_err, tiny_model
 

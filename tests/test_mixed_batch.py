@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from scute.adapters import load_adapter
-from scute.engine.context import ForwardContext, forward_context
+from scute.model.context import ForwardContext, forward_context
 from scute.model.hf import place_adapter, swap_linears
 from tests.helpers import FIVE_METHODS as CONFIGS
 from tests.helpers import effect_err, make_adapter, rel_err, tiny_model

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from scute.engine.context import ForwardContext, forward_context  # noqa: E402
+from scute.model.context import ForwardContext, forward_context  # noqa: E402
 from scute.model.linear import ScuteLinear  # noqa: E402
 from scute.ops import SlotPool, build_lora_meta, scute_linear_ref, scute_linears_triton  # noqa: E402
 from scute.ops.testing import POPULARITY, random_slots, token_slots, vera_pair  # noqa: E402

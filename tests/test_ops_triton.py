@@ -26,7 +26,7 @@ pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 
-from scute.engine.context import ForwardContext, forward_context  # noqa: E402
+from scute.model.context import ForwardContext, forward_context  # noqa: E402
 from scute.model.linear import ScuteLinear  # noqa: E402
 from scute.ops import (  # noqa: E402
     SlotPool,

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from scute.adapters.checkpoint import Adapter
-from scute.engine.context import ForwardContext, forward_context
+from scute.model.context import ForwardContext, forward_context
 from scute.model.hf import place_adapter, swap_linears
 from scute.model.linear import ScuteLinear
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from scute.config import EngineConfig
-from scute.engine.context import ForwardContext, forward_context
+from scute.model.context import ForwardContext, forward_context
 from scute.model.attention import AttentionMetadata
 from scute.model.linear import ScuteLinear
 from scute.model.loader import LoadedModel

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from scute.config import EngineConfig
-from scute.engine.context import ForwardContext, forward_context
+from scute.model.context import ForwardContext, forward_context
 from scute.engine.request import Request
 from scute.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from scute.engine.scheduler import SchedulerOutput

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from scute.engine.context import get_forward_context
+from scute.model.context import get_forward_context
 
 ATTENTION_NAME = "scute"
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from scute.adapters.slots import Slots
-from scute.engine.context import ForwardContext, get_forward_context
+from scute.model.context import ForwardContext, get_forward_context
 from scute.ops import (
     LoraMeta,
     MetaCache,
