@@ -4,7 +4,8 @@ A step's tokens (prompt chunks and decode tokens of many requests) are one row `
 with their positions; the adapter slot of every token and the paged-attention metadata travel in the forward
 context. Logits are computed only at each sampling request's last token (``logits_to_keep``). Host-side inputs
 are built as Python lists, then copied once per tensor into buffers allocated at start-up (fixed addresses:
-what decode CUDA graphs will need).
+what decode CUDA graphs need). On CUDA with the Triton attention, unless `enforce_eager`, decode steps replay
+CUDA graphs (`scute.engine.cuda_graph`); prefill and mixed steps run eagerly.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import Tensor
 
 from scute.config import EngineConfig
 from scute.model.context import ForwardContext, forward_context
+from scute.engine.cuda_graph import AdapterLayout, DecodeGraphs
 from scute.engine.request import Request
 from scute.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from scute.engine.scheduler import SchedulerOutput
@@ -35,19 +37,30 @@ class ModelRunner:
         ]
         max_tokens, max_seqs = config.max_num_batched_tokens, config.max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
-        self.buffers = {  # fixed-address inputs; each step fills a prefix of each
-            "input_ids": self._zeros(max_tokens, torch.int64),
-            "positions": self._zeros(max_tokens, torch.int64),
-            "slot_mapping": self._zeros(max_tokens, torch.int64),
-            "token_slots": self._zeros(max_tokens, torch.int64),
-            "query_start_loc": self._zeros(max_seqs + 1, torch.int32),
-            "seq_lens": self._zeros(max_seqs, torch.int32),
+        # Fixed-address inputs; each step fills a prefix of each. The per-token int64 ones are the rows of one
+        # tensor, and the per-sequence int32 ones of another, so that a decode step writes all of them with three
+        # copies from pinned host mirrors (`_prepare_decode`).
+        self._tokens, self._seqs = self._zeros((4, max_tokens), torch.int64), self._zeros((2, max_seqs + 1), torch.int32)
+        self.buffers = {
+            "input_ids": self._tokens[0], "positions": self._tokens[1], "slot_mapping": self._tokens[2],
+            "token_slots": self._tokens[3], "query_start_loc": self._seqs[0], "seq_lens": self._seqs[1][:max_seqs],
             "block_tables": self._zeros((max_seqs, self.max_blocks_per_seq), torch.int32),
             "logits_indices": self._zeros(max_seqs, torch.int64),
             "sample_slots": self._zeros(max_seqs, torch.int64),
         }
+        pinned = self.device.type == "cuda"
+        self._host = {name: torch.zeros(t.shape, dtype=t.dtype, pin_memory=pinned)
+                      for name, t in (("tokens", self._tokens), ("seqs", self._seqs),
+                                      ("block_tables", self.buffers["block_tables"]))}
         seed_gen = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(seed_gen)
+        self.max_model_len = max_model_len
+        self.linears = list(loaded.linears.values())
+        self.num_slots = config.max_adapters
+        self._layout: AdapterLayout | None = None
+        self._layout_version = -1
+        use_graphs = not config.enforce_eager and self.device.type == "cuda" and self.backend == "triton"
+        self.graphs = DecodeGraphs(self._graph_forward, max_seqs, self.device) if use_graphs else None
 
     def _zeros(self, shape, dtype: torch.dtype) -> Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.device)
@@ -69,13 +82,98 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, sampling: list[Request]) -> SamplerOutput | None:
         """Run one step; returns the sampler's output for the requests in `sampling` (in that order)."""
-        ids, positions, ctx, logits_indices = self.prepare(sched, sampling)
-        with forward_context(ctx):
-            out = self.model(input_ids=ids[None], position_ids=positions[None], logits_to_keep=logits_indices,
-                             use_cache=False)
+        bucket = self._graph_bucket(sched, sampling)
+        if bucket is not None:
+            logits = self._replay(sched, bucket)[: len(sampling)]
+        else:
+            ids, positions, ctx, logits_indices = self.prepare(sched, sampling)
+            with forward_context(ctx):
+                logits = self.model(input_ids=ids[None], position_ids=positions[None], logits_to_keep=logits_indices,
+                                    use_cache=False).logits[0]
         if not sampling:
             return None
-        return self.sampler(out.logits[0], self.sampling_batch(sampling))
+        return self.sampler(logits, self.sampling_batch(sampling))
+
+    # ------------------------------------------------------------------ decode graphs
+    def layout(self) -> AdapterLayout:
+        """The adapter layout of the graphs, rebuilt after any `ScuteLinear.set_slot`."""
+        version = sum(lin.version for lin in self.linears)
+        if self._layout is None or version != self._layout_version or not self._layout.complete:
+            self._layout, self._layout_version = AdapterLayout(self.linears, self.num_slots), version
+        return self._layout
+
+    def _graph_bucket(self, sched: SchedulerOutput, sampling: list[Request]) -> int | None:
+        """The graph size of a decode step (every request computes one token and samples), else None."""
+        if self.graphs is None or len(sampling) != len(sched.scheduled) or sched.num_batched_tokens != len(sampling):
+            return None
+        return self.graphs.bucket(len(sampling)) if self.layout().complete else None
+
+    def capture_graphs(self, progress: bool = True) -> None:
+        """Capture the base model's decode graphs for every size (start-up)."""
+        self._pad_inputs(max(self.graphs.sizes))
+        self.graphs.capture(self.layout(), 0, self.graphs.sizes, progress=progress)
+
+    def _replay(self, sched: SchedulerOutput, bucket: int) -> Tensor:
+        layout = self.layout()
+        token_slots = self._prepare_decode(sched, bucket)
+        key = layout.step_key(token_slots)
+        if not self.graphs.has(layout, key, bucket):
+            self._pad_inputs(bucket)  # the eager warm-up and the capture must store no KV of real requests
+            self.graphs.capture(layout, key, [bucket])
+            self._prepare_decode(sched, bucket)
+        return self.graphs.replay(layout, key, bucket)
+
+    def _prepare_decode(self, sched: SchedulerOutput, bucket: int) -> list[int]:
+        """Write a decode step's inputs into the buffers, padded to `bucket` rows; returns the token slots. The
+        host mirrors are written in place (numpy views) and copied whole, asynchronously: the previous step's
+        copies are done (its tokens were read), and padding rows hold values no real row reads."""
+        bs, n = self.block_size, len(sched.scheduled)
+        ids, positions, slot_mapping, token_slots, tables = [], [], [], [], []
+        for req, _ in sched.scheduled:
+            pos, table = req.num_computed_tokens, req.block_table
+            ids.append(req.all_token_ids[pos])
+            positions.append(pos)
+            slot_mapping.append(table[pos // bs] * bs + pos % bs)
+            token_slots.append(req.token_adapter_slots(pos, 1)[0])
+            tables.append(table)
+        tokens, seqs, host_tables = (self._host[k].numpy() for k in ("tokens", "seqs", "block_tables"))
+        tokens[0, :n], tokens[1, :n], tokens[2, :n], tokens[3, :n] = ids, positions, slot_mapping, token_slots
+        tokens[:2, n:bucket], tokens[2:, n:bucket] = 0, -1
+        seqs[0, : bucket + 1] = range(bucket + 1)
+        seqs[1, :n] = positions
+        seqs[1, :n] += 1
+        seqs[1, n:bucket] = 1
+        for row, table in enumerate(tables):
+            host_tables[row, : len(table)] = table
+        host_tables[n:bucket, 0] = 0
+        for name, dst in (("tokens", self._tokens), ("seqs", self._seqs), ("block_tables", self.buffers["block_tables"])):
+            dst.copy_(self._host[name], non_blocking=True)
+        return token_slots
+
+    def _pad_inputs(self, rows: int) -> None:
+        """Inputs of `rows` padding rows: token 0 at position 0, no adapter, no KV store, one token of page 0."""
+        buf = self.buffers
+        for name in ("input_ids", "positions", "block_tables"):
+            buf[name][:rows].zero_()
+        buf["slot_mapping"][:rows].fill_(-1)
+        buf["token_slots"][:rows].fill_(-1)
+        buf["seq_lens"][:rows].fill_(1)
+        buf["query_start_loc"][: rows + 1].copy_(torch.arange(rows + 1, device=self.device))
+
+    def _graph_forward(self, rows: int, active_slots: frozenset[int]) -> Tensor:
+        """The forward a decode graph captures: the first `rows` rows of the buffers, logits of every row."""
+        buf = self.buffers
+        meta = AttentionMetadata(
+            slot_mapping=buf["slot_mapping"][:rows], query_start_loc=buf["query_start_loc"][: rows + 1],
+            seq_lens=buf["seq_lens"][:rows], block_tables=buf["block_tables"][:rows], max_query_len=1,
+            max_seq_len=self.max_model_len, query_start_loc_host=list(range(rows + 1)), seq_lens_host=[1] * rows,
+            kv_caches=self.kv_caches, backend=self.backend,
+        )
+        ctx = ForwardContext(token_adapter_slots=buf["token_slots"][:rows], active_adapter_slots=active_slots,
+                             attn=meta)
+        with forward_context(ctx):
+            return self.model(input_ids=buf["input_ids"][None, :rows], position_ids=buf["positions"][None, :rows],
+                              logits_to_keep=0, use_cache=False).logits[0]
 
     def prepare(self, sched: SchedulerOutput, sampling: list[Request]):
         bs, buf = self.block_size, self.buffers

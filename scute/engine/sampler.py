@@ -46,6 +46,8 @@ class Sampler:
         self.generator = generator  # the engine's seeded generator, for rows without their own seed
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if batch.all_greedy and not batch.masked[0] and batch.num_logprobs < 0:  # argmax needs no float32 copy
+            return SamplerOutput(logits.argmax(dim=-1), None, None, None)
         logits = logits.float()
         raw = logits
         rows, cols = batch.masked

@@ -12,6 +12,7 @@ from torch import nn
 from scute.config import EngineConfig
 from scute.model.attention import ATTENTION_NAME, register_attention
 from scute.model.hf import swap_linears
+from scute.model.layers import fuse_layers
 from scute.model.linear import ScuteLinear
 
 
@@ -45,6 +46,7 @@ def load_model(model, tokenizer, config: EngineConfig) -> LoadedModel:
     model.to(device=device, dtype=dtype) if dtype is not None else model.to(device=device)
     model.eval().requires_grad_(False)
     linears = swap_linears(model, config.max_adapters)
+    fuse_layers(model)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return LoadedModel(

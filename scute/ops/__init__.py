@@ -16,7 +16,7 @@ from torch import Tensor
 from scute.ops.meta import LoraMeta, MetaCache, build_lora_meta
 from scute.ops.pool import SlotPool
 from scute.ops.reference import scute_linear_ref
-from scute.ops.triton_ops import scute_linear_triton, scute_linears_triton
+from scute.ops.triton_ops import merged_gemm, scute_linear_triton, scute_linears_triton
 
 # The CPU and fallback path.
 scute_linear = scute_linear_ref
@@ -36,5 +36,5 @@ def triton_enabled(x: Tensor) -> bool:
     return x.is_cuda or (x.device.type == "cpu" and os.environ.get("SCUTE_TRITON_CPU") == "1")
 
 
-__all__ = ["LoraMeta", "MetaCache", "SlotPool", "build_lora_meta", "scute_linear", "scute_linear_ref",
+__all__ = ["LoraMeta", "MetaCache", "SlotPool", "build_lora_meta", "merged_gemm", "scute_linear", "scute_linear_ref",
            "scute_linear_triton", "scute_linears_triton", "triton_enabled"]

@@ -549,13 +549,14 @@ def _epilogue_chunk(z_row, d_row, col_a, col_b, n_out, flags, o, o2, c, v):
 
 @triton.jit
 def epilogue_kernel(z0_ptr, z1_ptr, z2_ptr, d0_ptr, d1_ptr, d2_ptr, tab_ptr, slots_ptr, num_slots, out0, out1, out2,
-                    chunks_per_prog, P: tl.constexpr, HB: tl.constexpr):
+                    zst0, zst1, zst2, chunks_per_prog, P: tl.constexpr, HB: tl.constexpr):
     """Program (token t, n-range): z[t, cols] ← o ⊙ z + o2 ⊙ rot_g(z) + c + v ⊙ d[t, cols] in place, over
     `chunks_per_prog` chunks of 2·HB columns of one projection (d read only if the token's group has a low-rank
     part there). A chunk's columns are HB pairs (j, j + g/2) of RoAd groups of g (without rotation: the chunk's
     two contiguous halves), so rot_g(z) only reads columns the program owns: in place is safe. Base tokens and
     tokens of slots with nothing to apply return at once. Everything a token needs is in its slot's row (the
-    flags carry its group's low-rank bit): the kernel's chain of dependent loads is slot → row → data."""
+    flags carry its group's low-rank bit): the kernel's chain of dependent loads is slot → row → data. Rows of z
+    are zst_p apart (column slices of one merged GEMM's output), rows of d out_p."""
     t, pid_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slots_ptr + t)
     if slot < 0:
@@ -568,7 +569,7 @@ def epilogue_kernel(z0_ptr, z1_ptr, z2_ptr, d0_ptr, d1_ptr, d2_ptr, tab_ptr, slo
     c, v = _ptr(tab_ptr, srow + F_C, tl.float32), _ptr(tab_ptr, srow + F_V, tl.float32)
     if (flags & (HAS_O | HAS_O2 | HAS_C | HAS_LR)) == 0:
         return
-    z_row = _pick(p, z0_ptr, z1_ptr, z2_ptr, P) + t.to(tl.int64) * n_out
+    z_row = _pick(p, z0_ptr, z1_ptr, z2_ptr, P) + t.to(tl.int64) * _pick(p, zst0, zst1, zst2, P)
     d_row = _pick(p, d0_ptr, d1_ptr, d2_ptr, P) + t.to(tl.int64) * n_out
     c_lo = prog * chunks_per_prog
     c_hi = tl.minimum(c_lo + chunks_per_prog, tl.cdiv(n_out, 2 * HB))

@@ -404,7 +404,8 @@ def epilogue_(zs: list[Tensor], ds: list[Tensor], table: Tensor, token_slots: Te
     with empty slots as identity / zero, computed in float32 and stored in z's dtype; rows of base tokens
     (slot −1) are not touched. Reference: `scute.ops.reference.epilogue_ref`.
 
-    Shapes: zs = P ≤ 3 tensors [T, out_p] (contiguous, one dtype), ds as many tensors of the same shapes
+    Shapes: zs = P ≤ 3 tensors [T, out_p] (unit column stride, any row stride: column slices of one merged
+    GEMM's output will do; one dtype), ds as many contiguous tensors of the same shapes
     (from the delta ops; any, if the pool has no low-rank slot), token_slots [T] int32. A program per (token,
     `chunks_per_prog` chunks of 2·half_n columns of one projection).
     """
@@ -415,7 +416,8 @@ def epilogue_(zs: list[Tensor], ds: list[Tensor], table: Tensor, token_slots: Te
     progs = sum(triton_cdiv(n, 2 * half_n * chunks_per_prog) for n in outs)
     _kernels().epilogue_kernel[(num_tokens, progs)](
         *zs, *[zs[0]] * (3 - len(zs)), *ds, *[ds[0]] * (3 - len(ds)), table, token_slots, table.shape[1], *outs,
-        chunks_per_prog, P=len(zs), HB=half_n, num_warps=EPILOGUE_WARPS)
+        *[z.stride(0) for z in zs], *[0] * (3 - len(zs)), chunks_per_prog, P=len(zs), HB=half_n,
+        num_warps=EPILOGUE_WARPS)
 
 
 @epilogue_.register_fake
@@ -426,7 +428,8 @@ def _(zs, ds, table, token_slots, half_n, chunks_per_prog):
 # ---------------------------------------------------------------------------------------------- one layer call
 def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], pool: SlotPool,
                          meta: LoraMeta, half_n: int = HALF_N, block_k: int = BLOCK_K,
-                         tile_half_n: int | None = None, active_slots: Collection[int] | None = None) -> list[Tensor]:
+                         tile_half_n: int | None = None, active_slots: Collection[int] | None = None,
+                         merged: tuple[Tensor, Tensor | None] | None = None) -> list[Tensor]:
     """``P`` adapted projections of one input (q/k/v, gate/up, or one layer): the normal form of every token.
 
     Semantics: ys[p] = scute_linear_ref(x, weights[p], biases[p], slots[p], token_slots) for the slots the pool
@@ -435,13 +438,15 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     only the passes they need (`SlotPool.step_kinds`: a step with no OFT token has no pre-pass, one with no VeRA
     token no shared-group products, one of base tokens only is the GEMMs); None: any slot. A CUDA graph captured
     with it is valid only for steps whose slots are among them. Ignored under torch.compile, whose graph would
-    otherwise be traced again for every new set.
+    otherwise be traced again for every new set. `merged`: the weights (and biases) concatenated along the
+    outputs, ``weights[p]`` being its row slices (`merged_gemm`): the base GEMMs of a step without an input
+    transform then run as one.
     """
     x = x.contiguous()
     kinds = pool.step_kinds(None if torch.compiler.is_compiling() else active_slots)
     if not kinds.expand:
         xs = _input_transform(x, pool, meta) if kinds.input_transform else None
-        return [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
+        return _base_gemms(x, xs, weights, biases, merged)
     # The low-rank deltas read only x: on the GPU the shrink and the one-token delta run on a side stream, beside
     # the base GEMMs (bandwidth-bound too, but they leave part of it, and SMs, unused), the multi-token delta on a
     # second one beside the one-token delta (they write disjoint rows; at decode it usually has nothing to do, and
@@ -486,8 +491,12 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
         if fork:
             side[0].wait_stream(side[1])
     xs = _input_transform(x, pool, meta) if kinds.input_transform else None
-    if side is None:
-        zs = [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
+    if side is None or (merged is not None and xs is None):
+        zs = _base_gemms(x, xs, weights, biases, merged)
+        if side is not None:  # one GEMM: the epilogue of every projection after it, in one launch
+            if shared:
+                side[0].wait_stream(side[3])
+            main.wait_stream(side[0])
         epilogue_(zs, ds, pool.table, meta.token_slots, EPILOGUE_HALF_N,
                   choose_chunks_per_prog(x.shape[0], pool.out_features, EPILOGUE_HALF_N))
         return zs
@@ -504,6 +513,21 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
                       choose_chunks_per_prog(x.shape[0], pool.out_features[p:p + 1], EPILOGUE_HALF_N))
     main.wait_stream(side[0])
     return zs
+
+
+def _base_gemms(x: Tensor, xs: Tensor | None, weights: Sequence[Tensor], biases: Sequence[Tensor | None],
+                merged: tuple[Tensor, Tensor | None] | None) -> list[Tensor]:
+    """z_p = W_p x'_p + b_p: one GEMM over the merged weights when every projection reads x itself (the outputs
+    are then column slices of one [T, Σ out_p] tensor), else one per projection."""
+    if xs is None and merged is not None:
+        return merged_gemm(x, *merged, [w.shape[0] for w in weights])
+    return [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
+
+
+def merged_gemm(x: Tensor, weight: Tensor, bias: Tensor | None, out_features: Sequence[int]) -> list[Tensor]:
+    """Semantics: [F.linear(x, W_p, b_p) for each p] where W = cat(W_p), b = cat(b_p): one GEMM (vLLM's
+    QKVParallelLinear / MergedColumnParallelLinear), its output split into column slices (views)."""
+    return list(F.linear(x, weight, bias).split(list(out_features), dim=1))
 
 
 def _input_transform(x: Tensor, pool: SlotPool, meta: LoraMeta) -> Tensor:

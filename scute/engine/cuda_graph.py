@@ -1,0 +1,143 @@
+"""Decode steps replayed as CUDA graphs: one graph per (adapter layout, step kinds, padded batch size).
+
+A decode step of B requests (one new token each) runs as the replay of a graph captured for the smallest
+bucket >= B (`capture_sizes`: 1, 2, 4, 8, then steps of 16, as nano-vllm does) with the rows past B padded:
+slot −1 (no adapter, no KV store), a one-token sequence reading page 0. Every per-step input lives in the model
+runner's fixed-address buffers, written before the replay; the adapter kernels' token metadata is computed
+inside the graph from the token slots, and every grid is sized from the bucket and the slot count, never from
+the data. So one replay launches the whole forward (224 adapted projections of a Llama-3-8B: thousands of
+kernels) for a few microseconds of host time.
+
+What a graph bakes in, and so what keys it:
+* the adapter *layout*: each adapted call's `SlotPool.signature` and kind masks (which slots need which pass).
+  Placing an adapter rewrites only the pools' table contents, which graphs read at replay; a placement that
+  changes a signature (a larger rank, a first OFT adapter in a layer) changes the layout, and the graphs of
+  the old layout are dropped;
+* the step's *kinds*: which of the passes (input transform, shared products, low-rank, epilogue) the step's
+  adapters need anywhere (`slot_kinds`), so that a step of base requests replays a graph of plain GEMMs even
+  while adapters are resident. A graph is captured with every slot whose kinds are among the key's as the
+  step's active slots (`SlotPool.step_kinds`), so it serves any step whose slots need no other pass;
+* the bucket.
+
+Graphs are captured largest bucket first into one shared memory pool (their intermediates overlap; one runs at
+a time). The base model's graphs are captured at start-up; graphs of other kinds or layouts when a step first
+needs them (one eager forward first: it builds any missing pool and compiles the kernels). Prefill and mixed
+steps stay eager: their shapes vary with every step, and their cost is the GEMMs', not the host's.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from scute.model.linear import ScuteLinear
+
+NUM_KINDS = 4  # the fields of `scute.ops.pool.StepKinds`
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """The padded decode batch sizes a graph is captured for: 1, 2, 4, 8, then every 16 up to max_num_seqs."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
+    return sorted(set(sizes))
+
+
+class AdapterLayout:
+    """What the graphs of the current adapter placement bake in: `key` (hashable; equal layouts replay the same
+    graphs) and `slot_kinds[s]` (the passes slot s needs in some layer, a bit per `StepKinds` field)."""
+
+    def __init__(self, linears: Iterable[ScuteLinear], num_slots: int) -> None:
+        units, seen = [], set()
+        for lin in linears:
+            unit = lin.group if lin.group is not None and any(m.num_filled for m in lin.group.members) else lin
+            if id(unit) in seen or not getattr(unit, "num_filled", 1):
+                continue
+            seen.add(id(unit))
+            units.append(unit)
+        self.complete = all(u.pool is not None for u in units)  # else: an eager step builds the missing pools
+        pools = [u.pool for u in units if u.pool is not None]
+        self.key = tuple((p.signature, tuple(p.kind_masks)) for p in pools)
+        self.slot_kinds = [0] * num_slots
+        for p in pools:
+            for k, mask in enumerate(p.kind_masks):
+                for s in range(num_slots):
+                    if mask >> s & 1:
+                        self.slot_kinds[s] |= 1 << k
+
+    def step_key(self, slots: Iterable[int]) -> int:
+        """The passes a step with these token slots needs (−1, the base model, needs none)."""
+        key = 0
+        for s in set(slots):
+            if s >= 0:
+                key |= self.slot_kinds[s]
+        return key
+
+    def active_slots(self, step_key: int) -> frozenset[int]:
+        """The slots a graph of `step_key` is captured for: every slot that needs no other pass."""
+        return frozenset([-1] + [s for s, k in enumerate(self.slot_kinds) if k & ~step_key == 0])
+
+
+class DecodeGraphs:
+    """The captured graphs of decode steps. `forward(bucket, active_slots)` runs the model's forward over the
+    first `bucket` rows of the runner's buffers and returns the logits [bucket, vocab]; `replay` runs a step."""
+
+    def __init__(self, forward: Callable[[int, frozenset[int] | None], Tensor], max_num_seqs: int,
+                 device: torch.device) -> None:
+        self.forward, self.device = forward, device
+        self.sizes = capture_sizes(max_num_seqs)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.layout_key: tuple | None = None
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.capture_seconds, self.num_captured, self.num_replays = 0.0, 0, 0
+
+    def bucket(self, num_seqs: int) -> int | None:
+        """The smallest capture size holding `num_seqs` rows (None: more than the largest)."""
+        for size in self.sizes:
+            if size >= num_seqs:
+                return size
+        return None
+
+    def has(self, layout: AdapterLayout, step_key: int, bucket: int) -> bool:
+        """Whether the graph of this layout, step key and bucket is captured."""
+        self._use(layout)
+        return (step_key, bucket) in self.graphs
+
+    def replay(self, layout: AdapterLayout, step_key: int, bucket: int) -> Tensor:
+        """Replay a captured graph over the inputs in the buffers; returns its logits [bucket, vocab] (valid until
+        the next replay)."""
+        self._use(layout)
+        graph, logits = self.graphs[(step_key, bucket)]
+        graph.replay()
+        self.num_replays += 1
+        return logits
+
+    def _use(self, layout: AdapterLayout) -> None:
+        if layout.key != self.layout_key:  # new signatures: the old graphs bake in sizes and buffers now gone
+            self.graphs.clear()  # their memory pool goes with them: the next captures start a new one
+            self.pool = torch.cuda.graph_pool_handle()
+            self.layout_key = layout.key
+
+    @torch.inference_mode()
+    def capture(self, layout: AdapterLayout, step_key: int, sizes: Sequence[int], progress: bool = False,
+                ) -> dict[int, tuple[torch.cuda.CUDAGraph, Tensor]]:
+        """Capture the graphs of `sizes` (largest first, into the shared pool) for a step key."""
+        self._use(layout)
+        start = time.perf_counter()
+        active = layout.active_slots(step_key)
+        out = {}
+        for size in tqdm(sorted(sizes, reverse=True), desc="Capturing decode CUDA graphs", unit="graph",
+                         disable=not progress, file=sys.stderr):
+            self.forward(size, active)  # eager: compiles the kernels, builds missing pools and per-size state
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self.forward(size, active)
+            out[size] = self.graphs[(step_key, size)] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds += time.perf_counter() - start
+        self.num_captured += len(out)
+        return out

@@ -1,0 +1,94 @@
+"""The decoder layer's elementwise ops as one kernel each: RMSNorm, rotary embedding, SiLU·mul.
+
+In eager PyTorch each is a chain of small kernels (HF's RMSNorm: 6; rotary embedding of q and k: 10; SiLU·mul:
+2); inside a decode CUDA graph a small kernel still costs a few microseconds, so on a 32-layer model they add
+about 18 x 32 launches per step. Each op here is one Triton kernel on CUDA and the reference math elsewhere. All
+three round where the PyTorch chain rounds (every intermediate the chain stores in the input dtype is rounded to
+it here too); the GPU compiler may contract a product into a sum, RMSNorm sums in another order than
+`torch.mean` and SiLU's exponential is Triton's: results within an ulp of the chain's, the same in the eager and
+the graphed step (both run these kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _kernels():
+    from scute.ops import elementwise_kernels  # lazy: triton.jit reads TRITON_INTERPRET when decorating
+
+    return elementwise_kernels
+
+
+def _triton(x: Tensor) -> bool:
+    from scute.ops import triton_enabled
+
+    return triton_enabled(x)
+
+
+def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Semantics (HF's LlamaRMSNorm): ``weight * (x / sqrt(mean(x², -1) + eps))`` with the normalization in
+    float32, rounded to x's dtype before the product with weight. Shapes: x [..., N], weight [N]."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """`rms_norm_ref`, one program per row on CUDA. x's rows need a unit last stride."""
+    if not _triton(x) or x.stride(-1) != 1:
+        return rms_norm_ref(x, weight, eps)
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    _kernels().rms_norm_kernel[(rows.shape[0],)](
+        rows, weight, out, rows.shape[1], rows.stride(0), eps, BLOCK=_pow2(rows.shape[1]),
+        num_warps=8 if rows.shape[1] >= 2048 else 4)
+    return out.view(*x.shape[:-1], x.shape[-1])
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_ref(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Semantics (HF's apply_rotary_pos_emb, heads on the middle axis): ``x·cos + rotate_half(x)·sin`` per head,
+    rotate_half([x1 | x2]) = [−x2 | x1]. Shapes: q [T, H, D], k [T, Hkv, D], cos/sin [T, D] (in q's dtype)."""
+    cos, sin = cos[:, None], sin[:, None]
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rope_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """`rope_ref` in place on CUDA (one program per token and tensor); returns (q, k). q and k may be strided
+    views (heads of a merged q/k/v output) with contiguous heads."""
+    if not _triton(q) or q.stride(-1) != 1 or k.stride(-1) != 1 or q.stride(1) != q.shape[2] or \
+            k.stride(1) != k.shape[2]:
+        return rope_ref(q, k, cos, sin)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    num_tokens, heads, dim = q.shape
+    _kernels().rope_kernel[(num_tokens, 2)](
+        q, k, cos, sin, q.stride(0), k.stride(0), heads, k.shape[1], HALF=dim // 2,
+        BLOCK_H=_pow2(max(heads, k.shape[1])), num_warps=4)
+    return q, k
+
+
+def silu_mul_ref(gate: Tensor, up: Tensor) -> Tensor:
+    """Semantics: ``silu(gate) * up``, silu rounded to the input dtype first (as two PyTorch ops round)."""
+    return torch.nn.functional.silu(gate) * up
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """`silu_mul_ref` in one kernel on CUDA; gate and up [T, N] with a unit last stride (column slices of one
+    merged gate/up output will do)."""
+    if not _triton(gate) or gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        return silu_mul_ref(gate, up)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    block = 1024
+    _kernels().silu_mul_kernel[(gate.shape[0], -(-gate.shape[1] // block))](
+        gate, up, out, gate.shape[1], gate.stride(0), up.stride(0), BLOCK=block, num_warps=4)
+    return out
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()

@@ -1,0 +1,88 @@
+"""The host side of decode CUDA graphs (runs on the CPU): capture sizes, the adapter layout that keys the graphs
+and the slots a graph is captured for, and the merged q/k/v and gate/up parameters the merged GEMMs read."""
+
+from __future__ import annotations
+
+import torch
+
+from scute.engine.cuda_graph import AdapterLayout, capture_sizes
+from scute.model.hf import swap_linears
+from scute.ops.pool import SlotPool
+from scute.ops.testing import random_slots
+from tests.helpers import tiny_model
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert capture_sizes(256) == [1, 2, 4, 8, *range(16, 257, 16)]
+
+
+def test_layout_keys_and_active_slots():
+    model = tiny_model()
+    linears = swap_linears(model, max_adapters=4)
+    assert AdapterLayout(linears.values(), 4).key == ()  # no adapter: no pool, the base graphs
+    q, down = linears["model.layers.0.self_attn.q_proj"], linears["model.layers.0.mlp.down_proj"]
+    q.set_slot(1, random_slots("lora", q.in_features, q.out_features, rank=4))
+    down.set_slot(2, random_slots("ia3", down.in_features, down.out_features, feedforward=True))
+    layout = AdapterLayout(linears.values(), 4)
+    assert not layout.complete  # the pools are built by the first forward
+    for lin in (q, down):  # what that forward does (`pool_for`), for the CPU
+        unit = lin.group or lin
+        unit.pool = SlotPool(lin.in_features, [m.out_features for m in (lin.group.members if lin.group else [lin])],
+                             4, "cpu", torch.float32)
+        unit.pool.update([m.slots for m in (lin.group.members if lin.group else [lin])])
+    layout = AdapterLayout(linears.values(), 4)
+    assert layout.complete and layout.key != ()
+    lora, ia3 = layout.step_key([1, -1]), layout.step_key([2])
+    assert lora and ia3 and lora != ia3 and layout.step_key([-1, 0, 3]) == 0
+    assert layout.step_key([1, 2]) == lora | ia3
+    # a graph of the LoRA key serves the LoRA slot and the empty ones, not the feed-forward IA3 one (its input
+    # transform is a pass LoRA steps skip); the union serves both
+    assert layout.active_slots(lora) == {-1, 0, 1, 3}
+    assert layout.active_slots(lora | ia3) == {-1, 0, 1, 2, 3}
+    assert layout.active_slots(0) == {-1, 0, 3}
+
+
+def test_merged_parameters_are_views():
+    model = tiny_model(family="qwen2")  # q/k/v with biases
+    ref = tiny_model(family="qwen2")
+    linears = swap_linears(model, max_adapters=2)
+    q = linears["model.layers.1.self_attn.q_proj"]
+    group = q.group
+    weight, bias = group.merged()
+    assert weight.shape[0] == sum(group.out_features) and bias is not None
+    x = torch.randn(5, q.in_features)
+    for member, name in zip(group.members, ("q_proj", "k_proj", "v_proj")):
+        base = getattr(ref.model.layers[1].self_attn, name)
+        torch.testing.assert_close(member.weight, base.weight, rtol=0, atol=0)
+        torch.testing.assert_close(torch.nn.functional.linear(x, member.weight, member.bias), base(x))
+    model.to(torch.float64)  # a cast after the swap: the members no longer view the merged matrix
+    assert group.merged() is None
+
+
+def test_decode_inputs_padded_to_the_bucket():
+    """The decode step's inputs as a graph reads them: the eager `prepare`'s values for the real rows, padding
+    rows that store no KV and use no adapter (checked on the CPU, where the same buffers are filled)."""
+    from scute import Engine, SamplingParams
+
+    engine = Engine(tiny_model(), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=8)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i, n in enumerate([3, 17, 5]):
+        engine.add_request(f"r{i}", list(range(1, n + 1)), sp)
+    engine.step()  # the prompts
+    sched = engine.scheduler.schedule()
+    assert [n for _, n in sched.scheduled] == [1, 1, 1]
+    runner, buf = engine.runner, engine.runner.buffers
+    ids, positions, ctx, _ = runner.prepare(sched, [r for r, _ in sched.scheduled])
+    want = [t.clone() for t in (ids, positions, ctx.attn.slot_mapping, ctx.token_adapter_slots, ctx.attn.seq_lens)]
+    tables = ctx.attn.block_tables.clone()
+    buf["slot_mapping"].fill_(7)  # stale values, which the padding must overwrite
+    assert runner._prepare_decode(sched, 4) == [-1, -1, -1]
+    for name, w in zip(("input_ids", "positions", "slot_mapping", "token_slots", "seq_lens"), want):
+        assert buf[name][:3].tolist() == w.tolist(), name
+        assert buf[name][3].item() == {"input_ids": 0, "positions": 0, "seq_lens": 1}.get(name, -1), name
+    assert buf["query_start_loc"][:5].tolist() == [0, 1, 2, 3, 4]
+    assert buf["block_tables"][:3, : tables.shape[1]].tolist() == tables.tolist()
+    assert buf["block_tables"][3, 0].item() == 0

@@ -1,0 +1,102 @@
+"""The elementwise kernels (`scute.ops.elementwise`) against their PyTorch references, on strided inputs like the
+column slices of a merged q/k/v or gate/up output. In Triton's interpreter on the CPU (float32; the set-up of
+``test_ops_triton.py``, with its fresh process when triton was imported first), on the GPU in float32 and bf16."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FRESH_PROCESS = DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1" and "triton" in sys.modules
+if DEVICE == "cpu" and not FRESH_PROCESS:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from scute.ops import elementwise as ew  # noqa: E402
+
+DTYPES = [torch.float32] if DEVICE == "cpu" else [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _in_interpreter_process(request, monkeypatch):
+    if FRESH_PROCESS and request.node.originalname != "test_in_a_fresh_interpreter_process":
+        pytest.skip("runs in test_in_a_fresh_interpreter_process: triton was imported before TRITON_INTERPRET=1")
+    monkeypatch.setenv("SCUTE_TRITON_CPU", "1")
+
+
+def test_in_a_fresh_interpreter_process():
+    if not FRESH_PROCESS:
+        pytest.skip("this process runs the tests itself")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          check=False, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def _launches(monkeypatch, name: str) -> list:
+    """Counts the kernel's launches, so that a path that silently falls back to the reference fails."""
+    kernels = ew._kernels()
+    kernel, seen = getattr(kernels, name), []
+
+    class Counting:
+        def __getitem__(self, grid):
+            seen.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(kernels, name, Counting())
+    return seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", [(1, 64), (7, 96), (5, 4096)])
+def test_rms_norm(monkeypatch, dtype, rows, cols):
+    g = torch.Generator().manual_seed(rows * cols)
+    x = torch.randn(rows, cols + 16, generator=g).to(DEVICE, dtype)[:, 8:8 + cols]  # a strided view
+    w = (1 + 0.3 * torch.randn(cols, generator=g)).to(DEVICE, dtype)
+    seen = _launches(monkeypatch, "rms_norm_kernel")
+    got = ew.rms_norm(x, w, 1e-5)
+    assert seen and got.dtype == dtype
+    want = ew.rms_norm_ref(x, w, 1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 4, 2, 16), (9, 6, 2, 32), (3, 32, 8, 128)])
+def test_rope_in_place_is_the_reference(monkeypatch, dtype, tokens, heads, kv_heads, dim):
+    g = torch.Generator().manual_seed(tokens * heads)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(DEVICE, dtype)  # a merged output
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    angle = torch.randn(tokens, dim, generator=g)
+    cos, sin = angle.cos().to(DEVICE, dtype), angle.sin().to(DEVICE, dtype)
+    v_before = qkv[:, (heads + kv_heads) * dim:].clone()
+    want_q, want_k = ew.rope_ref(q.clone(), k.clone(), cos, sin)
+    seen = _launches(monkeypatch, "rope_kernel")
+    got_q, got_k = ew.rope_(q, k, cos, sin)
+    assert seen and got_q.data_ptr() == q.data_ptr()  # in place
+    # every product and sum rounded where PyTorch rounds them; the GPU compiler may contract a product into the
+    # sum (one rounding fewer): within one unit in the last place of the dtype
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(got_q, want_q, rtol=ulp, atol=ulp)
+    torch.testing.assert_close(got_k, want_k, rtol=ulp, atol=ulp)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", [(1, 40), (6, 1500)])
+def test_silu_mul(monkeypatch, dtype, rows, cols):
+    g = torch.Generator().manual_seed(cols)
+    gate_up = (3 * torch.randn(rows, 2 * cols, generator=g)).to(DEVICE, dtype)
+    gate, up = gate_up[:, :cols], gate_up[:, cols:]
+    seen = _launches(monkeypatch, "silu_mul_kernel")
+    got = ew.silu_mul(gate, up)
+    assert seen
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, ew.silu_mul_ref(gate, up), rtol=tol, atol=tol)
