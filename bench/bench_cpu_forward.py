@@ -18,11 +18,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import scute.model.linear as linear_mod
-from scute.adapters import Slots
 from scute.model.context import ForwardContext, forward_context
 from scute.model.hf import swap_linears
 from scute.ops.cpu import scute_linear_cpu
 from scute.ops.reference import scute_linear_ref
+from scute.ops.slots import Slots
 
 
 def reference_path(x, weight, bias, slots, token_slots, stack, rows=None):

@@ -133,6 +133,17 @@ class StepClock:
             return original(sampling, result)
 
         processor.append_tokens = append_tokens
+        from scute.engine import model_runner
+
+        wait = model_runner.InFlight.wait
+
+        def timed_wait(flight):  # an overlapped decode step's tokens: the wait for the GPU happens here
+            start = time.perf_counter()
+            flight.event.synchronize()
+            self.wait += time.perf_counter() - start
+            return wait(flight)
+
+        model_runner.InFlight.wait = timed_wait
 
     def run(self, prompts: list[list[int]], specs: list, max_tokens: int) -> dict:
         from scute import SamplingParams

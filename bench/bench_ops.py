@@ -21,11 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _device import copy_bandwidth  # noqa: E402
 
 from scute.ops import SlotPool, build_lora_meta, scute_linears_triton, triton_ops
 from scute.ops.cost import CallBytes, layer_call_bytes, lora_floor_bytes
@@ -67,16 +72,10 @@ def time_graph(fn, iters: int = 20, reps: int = 7) -> float:
 
 
 def measure_bandwidth() -> float:
-    """Device copy bandwidth, bytes/s, counting bytes read plus written (1 GiB each way), after a second of
-    copies: the clocks idle low (495 MHz seen) and the first run measured 2.7 TB/s against 3.2 for the GEMMs."""
-    src = torch.randn(2**28, device=DEVICE)
-    dst = torch.empty_like(src)
-    t_end = time.time() + 1.0
-    while time.time() < t_end:
-        dst.copy_(src)
-        torch.cuda.synchronize()
-    us = time_graph(lambda: dst.copy_(src), iters=10)
-    return 2 * src.numel() * 4 / (us * 1e-6)
+    """The copy bandwidth every floor uses (`bench/_device.py`: a 2 GiB device-to-device copy, read + write
+    counted, median of 10 after a second of warm-up). About 4.2 TB/s on the H200; replays of a 1 GiB copy in a
+    CUDA graph read 2.76 TB/s side by side, which is why the graph is not used here."""
+    return copy_bandwidth(DEVICE)
 
 
 def measure_launch_latency() -> float:
@@ -223,25 +222,26 @@ def run_rows(layer: Layer, batches, counts, variants, cfg: dict, bw: float, lat:
                 row = dict(batch=batch, adapters=n, variant=variant, us=us,
                            delta_us=None if base_us is None or method == "base" else us - base_us)
                 predict(layer, row, bw, lat)
-                if method in ("lora", "naive"):
-                    floor = sum(lora_floor_bytes(16, i, o, min(n, batch)) for i, o in PROJ.values())
-                    row["lora_floor_us"] = floor / bw * 1e6
                 rows.append(row)
                 print(fmt_row(row), flush=True)
     return rows
 
 
 def predict(layer: Layer, row: dict, bw: float, lat: float) -> None:
-    """Add the byte model's prediction of a measured row (bytes, launches, µs)."""
+    """Add the byte model's prediction of a measured row (bytes, launches, µs) and, for the LoRA and naive rows,
+    the LoRA floor (each active adapter's A and B read once) at `bw`."""
     method, grouped = row["variant"].removesuffix("_grouped"), row["variant"].endswith("_grouped")
     pred = predicted_bytes(layer, method, row["adapters"], row["batch"], GROUPED if grouped else SINGLE)
     row.update(bytes=pred.total, adapter_bytes=pred.adapters, launches=pred.launches,
                pred_bytes_us=pred.seconds(bw) * 1e6, pred_us=pred.seconds(bw, lat) * 1e6)
+    if method in ("lora", "naive"):
+        active = min(row["adapters"], row["batch"])
+        row["lora_floor_us"] = sum(lora_floor_bytes(16, i, o, active) for i, o in PROJ.values()) / bw * 1e6
 
 
 def repredict(path: str) -> None:
-    """Re-score a saved run with the current byte model (its own measured bandwidth and launch latency), on the
-    CPU: the model needs the adapters' shapes, not a GPU."""
+    """Re-score a saved run with the current byte model at the file's own `bandwidth` and `launch_latency`
+    (predictions, LoRA floors and bars), on the CPU: the model needs the adapters' shapes, not a GPU."""
     global DEVICE
     DEVICE = "cpu"
     with open(path) as f:
@@ -272,7 +272,9 @@ HEADER = (f"{'B':>4} {'n':>3} {'variant':<14} {'us':>8} {'delta':>8} {'pred_b':>
 
 
 def bars(rows: list[dict]) -> dict:
-    """The issue's bars, from the measured rows."""
+    """The op's bars, from the measured rows: at 64 tokens of 64 adapters the LoRA delta within 1.3x its floor
+    and 5x faster than the naive baseline; the mix within 1.05x of the LoRA layer with as many adapters (total
+    time); the byte model within 25 % of each row."""
     def get(b, n, v, key="us"):
         for r in rows:
             if (r["batch"], r["adapters"], r["variant"]) == (b, n, v) and "error" not in r:
@@ -310,10 +312,10 @@ DEFAULT = dict(half_n=triton_ops.HALF_N, tile_half_n=triton_ops.TILE_HALF_N, blo
                tile_programs=triton_ops.TILE_PROGRAMS_PER_SM, tile_warps=triton_ops.TILE_WARPS,
                stages=(triton_ops.SHRINK_STAGES, triton_ops.EXPAND_STAGES, triton_ops.TILE_STAGES),
                epilogue_half_n=triton_ops.EPILOGUE_HALF_N, epilogue_warps=triton_ops.EPILOGUE_WARPS)
-# The fifth session's sweeps (bench/results/bench_ops_h200*.json) tried, for the one-token delta, HALF_N 128 at 2
-# warps; the shrink's rank tile capped at 16 or 32 and TARGET_PROGRAMS 2048; the multi-token delta's chunks at
-# TILE_HALF_N 64 and its rank loop pipelined (stages 2, 3); the epilogue at 2·128 to 2·512 columns, 1 to 4 warps.
-# None beat the defaults. This sweep: the multi-token delta's persistent programs per SM and items per program.
+# Other launch constants were swept against these defaults and lost (bench/results/sweep_*_h200.json): the
+# one-token delta's HALF_N 128 at 2 warps; the shrink's rank tile capped at 16 or 32 and TARGET_PROGRAMS 2048; the
+# multi-token delta's chunks at TILE_HALF_N 64 and its rank loop pipelined (stages 2, 3); the epilogue at 2·128
+# columns and 1 warp. This sweep: the multi-token delta's persistent programs per SM and items per program.
 SWEEP = [dict(DEFAULT, tile_programs=3),
          dict(DEFAULT, tile_programs=4),
          dict(DEFAULT, tile_items=2),

@@ -9,7 +9,7 @@ Run on the GPU machine (the image has ncu; give it ``--clock-control none``):
     python3 bench/ncu_sass_top.py tiles_sass.csv
 
 Prints each opcode's share of the warp-stall samples and its executed count, then the 40 instructions with the
-most samples and their stall reasons (`bench/results/ncu_delta_tiles_h200_session8.txt` holds one such run).
+most samples and their stall reasons.
 """
 
 from __future__ import annotations

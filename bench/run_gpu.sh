@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
-# One device session's checks and measurements of the six-slot op, logs under $OUT (default ./out/gpu).
-# Usage: bash bench/run_gpu.sh [tests] [engine] [profile] [bench] [sweep] [ab]   (default: tests profile sweep)
-# ab: the same rows for each source tree in $AB_TREES (directories holding scute/ and bench/, e.g. made by
-#     `git archive COMMIT scute bench | tar -x -C DIR`), one after the other on one machine: an A/B of commits
-#     (rows: $AB_BATCHES tokens, $AB_ADAPTERS adapters, $AB_VARIANTS; defaults below).
+# Checks and measurements of the six-slot op on a CUDA machine, run from the repo root; logs and JSON under $OUT
+# (default ./out/gpu). Usage: bash bench/run_gpu.sh [tests] [engine] [profile] [bench] [sweep] [ab]
+# (default: tests profile sweep). Each step, in the order given:
+#   tests    the op's GPU tests: kernels against the reference op, CUDA-graph capture, grouped projections
+#   engine   the engine's GPU tests: greedy tokens equal to PEFT's, further methods, attention backends
+#   profile  bench/profile_ops.py: per-kernel times of one layer call (torch profiler)
+#   bench    bench/bench_ops.py: the layer table of docs/performance.md (bench_ops.json, bench.log)
+#   sweep    bench/bench_ops.py --sweep: times the SWEEP launch configurations on a few rows, then the table with
+#            the best; prints each configuration's rows and the one chosen
+#   ab       the same rows for each source tree in $AB_TREES (directories holding scute/ and bench/, e.g. made by
+#            `git archive COMMIT scute bench | tar -x -C DIR`), one after the other on one machine, to compare
+#            two versions of the code (rows: $AB_BATCHES tokens, $AB_ADAPTERS adapters, $AB_VARIANTS; defaults
+#            below)
 set -u
 OUT=$(realpath -m "${OUT:-out/gpu}")
 mkdir -p "$OUT"

@@ -22,7 +22,7 @@ def block(tag: str) -> str:
 
 
 def test_page_shows_the_shipped_converter():
-    assert block("method") == (ROOT / "scute" / "adapters" / "delora.py").read_text()
+    assert block("method") == (ROOT / "scute" / "adapters" / "methods" / "delora.py").read_text()
 
 
 def test_walkthrough_runs(tmp_path, monkeypatch):
@@ -37,3 +37,17 @@ def test_walkthrough_runs(tmp_path, monkeypatch):
 
     exec(compile(block("test"), "adding_a_method.md[test]", "exec"), namespace)  # noqa: S102
     namespace["test_delora_matches_peft"](tmp_path)
+
+
+def test_every_file_in_methods_is_discovered():
+    """No list to keep: every module of `scute.adapters.methods` is imported by the registry, and every built-in
+    converter lives in one of them."""
+    import pkgutil
+    import sys
+
+    from scute.adapters import methods
+
+    registry.supported_methods()
+    names = [f"{methods.__name__}.{m.name}" for m in pkgutil.iter_modules(methods.__path__)]
+    assert len(names) >= 30 and all(n in sys.modules for n in names)
+    assert {m.convert.__module__ for m in registry._METHODS.values()} <= set(names)

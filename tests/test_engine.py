@@ -230,7 +230,7 @@ def test_other_families_match_peft(family, tmp_path):
 
 def test_adapters_for_a_gpu_model_convert_on_cpu(oracle):
     """On a GPU the converters still run on the CPU (on copies of the adapted layers' weights): same slots."""
-    from scute.adapters.manager import AdapterManager
+    from scute.engine.adapter_manager import AdapterManager
 
     engine = oracle.engine()
     manager = engine.adapters

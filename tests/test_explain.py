@@ -156,6 +156,7 @@ def test_shapes_without_a_model(adapters, tmp_path):
 
     for method in ("lora", "loha", "lokr", "boft", "vblora", "adalora", "delora"):
         assert summary(explain(adapters / method)) == summary(explain(adapters / method, model)), method
+    assert summary(explain(adapters / "hira", dense=True)) == summary(explain(adapters / "hira", model, dense=True))
     with pytest.raises(ValueError, match="pass --model"):
         explain(adapters / "ia3")
     model.config.save_pretrained(tmp_path / "base")  # a local HF folder: config only, no weights

@@ -19,7 +19,7 @@ import torch
 from peft import FrodConfig, PeftModel
 
 from scute.adapters import AdapterError, load_adapter, read_checkpoint
-from scute.adapters.frod import category, frod_u
+from scute.adapters.methods.frod import category, frod_u
 from tests import helpers
 from tests.helpers import ALL_LINEAR, make_adapter, tiny_model
 from tests.test_methods_extra import QKV, T4, assert_matches_peft

@@ -13,9 +13,9 @@ import pytest
 import torch
 from peft import GraloraConfig, LoraConfig
 
-import scute.adapters.gralora
+import scute.adapters.methods.gralora
 from scute.adapters import AdapterError, convert_checkpoint, load_adapter, read_checkpoint, supported_methods
-from scute.adapters.checkpoint import linear_modules
+from scute.adapters.conversion import linear_modules
 from scute.adapters.registry import get_method
 from scute.model.hf import place_adapter, swap_linears
 from tests.helpers import ALL_LINEAR, edit_adapter_config, effect_err, make_adapter, rel_err, tiny_model
@@ -42,8 +42,8 @@ def test_gralora_matches_peft(case, family, dtype, tmp_path):
 
 
 def test_gralora_registered():
-    """The registry serves GraLoRA through `scute.adapters.gralora`."""
-    assert get_method("GRALORA").convert is scute.adapters.gralora.convert_gralora
+    """The registry serves GraLoRA through `scute.adapters.methods.gralora`."""
+    assert get_method("GRALORA").convert is scute.adapters.methods.gralora.convert_gralora
     assert "GRALORA" in supported_methods()
 
 

@@ -85,8 +85,30 @@ def test_task_id_refused_for_other_methods(tmp_path):
 
     path = str(tmp_path / "lora")
     make_adapter(path, LoraConfig(r=2, target_modules=["q_proj"]))
-    with pytest.raises(AdapterError, match="task_id is for per-task methods"):
+    refusal = r"\(LORA\): unknown load option 'task_id' \(an option of POLY\); LORA takes: dense$"
+    with pytest.raises(AdapterError, match=refusal):
         load_adapter(path, tiny_model("llama"), task_id=0)
+
+
+def test_engine_load_adapter_takes_the_method_options(tmp_path):
+    """`Engine.load_adapter(name, path, **options)` hands options to the method; a name it does not take raises,
+    naming the method and its options."""
+    from scute import Engine, SamplingParams
+
+    path = str(tmp_path / "poly")
+    poly_adapter(path, "llama", torch.float32, r=2, n_tasks=2, n_skills=2, n_splits=1)
+    engine = Engine(tiny_model("llama"), device="cpu", dtype="float32", max_model_len=64, block_size=4)
+    named = engine.load_adapter("task1", path, task_id=1)
+    direct = load_adapter(path, engine.model, task_id=1)
+    assert named.name == "task1" and named.identity == direct.identity
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    by_name, by_object = engine.generate([[5, 9, 17]] * 2, greedy, ["task1", direct], use_tqdm=False)
+    assert by_name.outputs[0].token_ids == by_object.outputs[0].token_ids
+    with pytest.raises(AdapterError, match=r"\(POLY\): unknown load option 'task'; POLY takes: dense, task_id \(the"):
+        engine.load_adapter("typo", path, task=1)
+    with pytest.raises(AdapterError, match="load it with task_id=0..1"):
+        engine.load_adapter("none", path)
+    assert "typo" not in engine.adapters.named and "none" not in engine.adapters.named
 
 
 def test_engine_serves_two_tasks_of_one_checkpoint(tmp_path):

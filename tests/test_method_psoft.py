@@ -23,7 +23,7 @@ import torch
 from peft import PeftModel, PsoftConfig
 
 from scute.adapters import AdapterError, convert_checkpoint, load_adapter, read_checkpoint
-from scute.adapters.checkpoint import linear_modules
+from scute.adapters.conversion import linear_modules
 from tests import helpers
 from tests.helpers import ALL_LINEAR, edit_adapter_config, make_adapter, tiny_model
 from tests.test_methods_extra import BOTH, T4, assert_matches_peft, peft_grid

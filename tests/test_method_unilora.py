@@ -14,7 +14,7 @@ from peft import PeftModel, UniLoraConfig, get_peft_model
 from peft.tuners.unilora.layer import UniLoraLayer
 from safetensors.torch import load_file
 
-from scute.adapters.unilora import regenerate_indices
+from scute.adapters.methods.unilora import regenerate_indices
 from tests.helpers import ALL_LINEAR, make_adapter, perturbed_buffers, tiny_model
 from tests.test_methods_extra import BOTH, T4, assert_matches_peft, peft_grid
 

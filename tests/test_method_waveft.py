@@ -21,7 +21,7 @@ import torch
 from peft import PeftModel, WaveFTConfig
 
 from scute.adapters import AdapterError, load_adapter
-from scute.adapters.waveft import daubechies
+from scute.adapters.methods.waveft import daubechies
 from tests.helpers import ALL_LINEAR, make_adapter, tiny_model
 from tests.test_methods_extra import BOTH, T4, assert_matches_peft
 
@@ -131,8 +131,8 @@ def test_waveft_odd_shapes(wavelet, shape):
     """Odd widths (padded by one more, then cropped): the converter's ΔW against PEFT's layer, float64."""
     from peft.tuners.waveft.layer import WaveFTLinear
 
-    from scute.adapters.checkpoint import LayerCheckpoint
-    from scute.adapters.waveft import convert_waveft
+    from scute.adapters.conversion import LayerCheckpoint
+    from scute.adapters.methods.waveft import convert_waveft
 
     out, inp = shape
     base = torch.nn.Linear(inp, out, bias=False, dtype=torch.float64)

@@ -47,9 +47,15 @@ from peft import (
 )
 from peft.tuners.lora.config import BdLoraConfig, MontecloraConfig, VeloraConfig
 
-from scute.adapters import AdapterError, convert_checkpoint, load_adapter, read_checkpoint, supported_methods
-from scute.adapters.checkpoint import linear_modules
-from scute.adapters.lora_variants import alora_active
+from scute.adapters import (
+    AdapterError,
+    alora_active,
+    convert_checkpoint,
+    load_adapter,
+    read_checkpoint,
+    supported_methods,
+)
+from scute.adapters.conversion import linear_modules
 from scute.compat.convert import convert_adapter
 from scute.compat.evaluate import SlotModel
 from scute.model.context import ForwardContext, forward_context

@@ -7,7 +7,7 @@ import torch
 from peft import IA3Config, LoraConfig, OFTConfig, VeraConfig
 
 from scute.adapters import convert_checkpoint, load_adapter, read_checkpoint
-from scute.adapters.checkpoint import linear_modules
+from scute.adapters.conversion import linear_modules
 from scute.model.context import ForwardContext, forward_context
 from scute.model.hf import place_adapter, swap_linears
 from tests.helpers import ALL_LINEAR, capture_layers, check_layers, effect_err, make_adapter, rel_err, tiny_model

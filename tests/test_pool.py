@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from scute.adapters import Slots
 from scute.ops.pool import SlotPool
+from scute.ops.slots import Slots
 
 
 def lora(r: int) -> Slots:

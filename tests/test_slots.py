@@ -6,8 +6,9 @@ import pytest
 import torch
 from peft import VeraConfig
 
-from scute.adapters import Slots, load_adapter
+from scute.adapters import load_adapter
 from scute.ops.reference import scute_linear_ref
+from scute.ops.slots import Slots
 from tests.helpers import make_adapter, tiny_model
 
 g = torch.Generator().manual_seed(0)
@@ -68,3 +69,10 @@ def test_vera_projections_are_shared_objects(tmp_path):
     moved = a.to(dtype=torch.float64)
     assert len({s.A.untyped_storage().data_ptr() for s in moved.layers.values()}) == 1, "moving keeps it shared"
     assert all(torch.equal(m.A, s.A.double()) for m, s in zip(moved.layers.values(), a.layers.values()))
+    assert not moved.layers.keys() - a.layers.keys() and all(m.m.dtype == torch.float64 for m in moved.layers.values())
+    memo: dict = {}  # one memo for several adapters (the adapter manager's): the shared matrix is copied once
+    pair = [ad.to(dtype=torch.float64, memo=memo) for ad in (a, b)]
+    shared = {s.A.untyped_storage().data_ptr() for ad in pair for s in ad.layers.values()}
+    assert len(shared) == 1 and shared != bases and len(memo) == 2, "one copy of A and one of B, for both adapters"
+    alone = b.to(dtype=torch.float64)
+    assert {s.A.untyped_storage().data_ptr() for s in alone.layers.values()}.isdisjoint(shared)

@@ -1,4 +1,5 @@
-"""One side of the A/B run: a plain vLLM offline script, run unchanged by vLLM or by Scute's shim.
+"""One side of the Scute-vs-vLLM comparison (docs/vllm_ab.md): a plain vLLM offline script, run unchanged by vLLM
+or by Scute's shim.
 
     VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python bench/ab/run_llm.py --backend vllm WORKLOAD.json OUT.json
     .venv/bin/python bench/ab/run_llm.py --backend scute WORKLOAD.json OUT.json

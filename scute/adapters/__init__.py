@@ -1,23 +1,22 @@
-"""PEFT adapters in Scute's normal form: slots, the method registry, checkpoint loading, one file per method."""
+"""PEFT adapters in Scute's normal form: reading checkpoints, converting them to slots, the method registry,
+one module per method in `methods/`."""
 
-from scute.adapters.checkpoint import (
-    Adapter,
-    AdapterCheckpoint,
-    AdapterError,
-    LayerCheckpoint,
-    convert_checkpoint,
-    load_adapter,
-    read_checkpoint,
-)
-from scute.adapters.registry import register_method, supported_methods
-from scute.adapters.slots import Slots
+from scute.adapters.adapter import Adapter, alora_active, alora_start
+from scute.adapters.checkpoint import AdapterCheckpoint, AdapterError, read_checkpoint
+from scute.adapters.conversion import LayerCheckpoint, convert_checkpoint, load_adapter
+from scute.adapters.registry import LoadOption, SavedShapes, register_method, supported_methods
+from scute.ops.slots import Slots
 
 __all__ = [
     "Adapter",
     "AdapterCheckpoint",
     "AdapterError",
     "LayerCheckpoint",
+    "LoadOption",
+    "SavedShapes",
     "Slots",
+    "alora_active",
+    "alora_start",
     "convert_checkpoint",
     "load_adapter",
     "read_checkpoint",

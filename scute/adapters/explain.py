@@ -6,9 +6,8 @@ tensors: matrices at the serving dtype, vectors in float32 as the slot pool keep
 live slots (`docs/normal_form.md` §5), and the byte model's prediction (`scute.ops.cost`) of one layer call at a
 batch of B tokens spread over N distinct adapters of this shape, against the base layer's call.
 
-The base model only gives shapes (and which layers have a bias): without one, shapes are read off the adapter's
-tensors where they determine them (LoRA, DoRA, AdaLoRA, LoHa, LoKr, BOFT, VB-LoRA, DeLoRA, HiRA); a local Hugging
-Face folder or GGUF file is read for its config only (nothing is downloaded, no weights are loaded).
+The base model only gives shapes (and which layers have a bias), from a built model, a local folder or GGUF file
+read for its config only, or the adapter's own tensors (`scute.adapters.layer_shapes`).
 """
 
 from __future__ import annotations
@@ -16,25 +15,19 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
-from scute.adapters.checkpoint import (
-    LAYER_PREFIX,
-    AdapterCheckpoint,
-    AdapterError,
-    convert_checkpoint,
-    linear_modules,
-    read_checkpoint,
-)
-from scute.adapters.registry import get_method
-from scute.adapters.slots import Slots
+from scute.adapters.checkpoint import AdapterError, read_checkpoint
+from scute.adapters.conversion import convert_checkpoint, linear_modules
+from scute.adapters.layer_shapes import StandIn, shapes_from_model, shapes_from_tensors
 from scute.ops.cost import VEC_BYTES, layer_call_bytes
+from scute.ops.slots import Slots
 
-H200_BANDWIDTH = 4.2e12  # bytes/s, measured device-to-device copy on the benchmark H200 (docs/design.md §5)
+H200_BANDWIDTH = 4.2e12  # bytes/s: a device-to-device copy on the H200, read + write (docs/performance.md)
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -132,8 +125,8 @@ def explain(adapter: str | os.PathLike, model: nn.Module | str | None = None, *,
     if isinstance(model, nn.Module):
         modules, model_name = linear_modules(model), type(model).__name__
     else:
-        shapes = _shapes_from_model(model) if model is not None else _shapes_from_tensors(ckpt)
-        modules = {n: _StandIn(o, i, b) for n, (o, i, b) in shapes.items()}
+        shapes = shapes_from_model(model) if model is not None else shapes_from_tensors(ckpt)
+        modules = {n: StandIn(o, i, b) for n, (o, i, b) in shapes.items()}
         model_name = os.path.basename(os.path.normpath(os.fspath(model))) if model else "shapes from the adapter"
         no_bias = model is None
     elem, n_adapters = DTYPE_BYTES[dtype], adapters or batch
@@ -187,87 +180,6 @@ def _ghost(s: Slots) -> Slots:
                          for k, x in s.tensors().items() if k not in s.shared})
 
 
-class _StandIn:
-    """A base layer with the right shape and bias presence; its values (a constant, no memory) do not matter to
-    explain's counts."""
-
-    def __init__(self, out_features: int, in_features: int, bias: bool) -> None:
-        self.weight = torch.full((1, 1), in_features ** -0.5).expand(out_features, in_features)
-        self.bias = torch.zeros(out_features) if bias else None
-
-
-def _shapes_from_model(model: str | os.PathLike) -> dict[str, tuple[int, int, bool]]:
-    """(out, in, has bias) of every linear layer of a local HF folder or GGUF file, built on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    path = os.fspath(model)
-    if path.endswith(".gguf") and os.path.isfile(path):
-        config = AutoConfig.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path),
-                                            local_files_only=True)
-    elif os.path.isfile(os.path.join(path, "config.json")):
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    else:
-        raise ValueError(f"--model {path}: not a local Hugging Face folder (config.json) nor a .gguf file")
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config)
-    return {n: (*m.weight.shape, m.bias is not None) for n, m in linear_modules(meta).items()}
-
-
-def _shapes_from_tensors(ckpt: AdapterCheckpoint) -> dict[str, tuple[int, int, bool]]:
-    """Layer shapes the adapter's tensors determine; raises if some layer's are not (pass a model then)."""
-    try:
-        keys = get_method(ckpt.peft_type).keys
-    except KeyError as e:
-        raise ckpt.error(e.args[0]) from None
-    suffixes = sorted(keys + ("base_layer.bias",), key=len, reverse=True)
-    groups: dict[str, dict[str, tuple[int, ...]]] = {}
-    for key, x in ckpt.tensors.items():
-        rel = key.removeprefix(LAYER_PREFIX)
-        if suffix := next((s for s in suffixes if rel.endswith("." + s)), None):
-            groups.setdefault(rel[: -len(suffix) - 1], {})[suffix] = tuple(x.shape)
-    bank = ckpt.tensors.get("base_model.vblora_vector_bank")
-    shapes, unknown = {}, []
-    for module, t in groups.items():
-        out, in_ = _dims(t, bank.shape[1] if bank is not None else 0, bool(ckpt.config.get("use_bdlora")))
-        if out is None or in_ is None:
-            unknown.append(module)
-        else:
-            shapes[module] = (out, in_, "base_layer.bias" in t)
-    shapes = dict(sorted(shapes.items(), key=_natural))  # the checkpoint's order is alphabetical
-    if unknown:
-        raise ValueError(f"the tensors of {ckpt.peft_type} adapter {ckpt.path} do not determine the shape of "
-                         f"{unknown[0]} ({len(unknown)} such layers): pass --model (a local HF folder or .gguf file)")
-    return shapes
-
-
-def _dims(t: Mapping[str, tuple[int, ...]], bank_len: int, bdlora: bool) -> tuple[int | None, int | None]:
-    """(out, in) from one layer's tensor shapes, where the method's tensors fix them."""
-    def first(*keys: str) -> tuple[int, ...] | None:
-        return next((t[k] for k in keys if k in t), None)
-
-    def lokr(name: str) -> tuple[int, ...] | None:  # LoKr factor [rows, cols], full or as a product
-        if f"lokr_{name}_a" in t and f"lokr_{name}_b" in t:
-            return t[f"lokr_{name}_a"][0], t[f"lokr_{name}_b"][1]
-        return t.get(f"lokr_{name}")
-
-    out = in_ = None
-    if not bdlora and (a := first("lora_A.weight", "lora_A", "hada_w1_b", "hira_A", "delora_A")):
-        in_ = a[1]
-    if not bdlora and (b := first("lora_B.weight", "lora_B", "hada_w1_a", "hira_B", "delora_B")):
-        out = b[0]
-    if b := first("lora_magnitude_vector", "boft_s"):
-        out = b[0]
-    if "boft_R" in t:
-        in_ = t["boft_R"][1] * t["boft_R"][2]
-    if (w1 := lokr("w1")) and (w2 := lokr("w2")):
-        out, in_ = w1[0] * w2[0], w1[1] * w2[1]
-    if bank_len and (a := first("vblora_logits_A", "vblora_logits_A_topk_indices")):
-        in_ = a[1] * bank_len
-    if bank_len and (b := first("vblora_logits_B", "vblora_logits_B_topk_indices")):
-        out = b[0] * bank_len
-    return out, in_
-
-
 def _groups(rows: Sequence[LayerCost]) -> list[tuple[int, list[LayerCost]]]:
     """Consecutive-or-not rows equal but for the layer index, grouped (a 32-layer model prints 7 lines)."""
     out: dict[tuple, list[LayerCost]] = {}
@@ -276,10 +188,6 @@ def _groups(rows: Sequence[LayerCost]) -> list[tuple[int, list[LayerCost]]]:
                r.flops, round(r.seconds, 15))
         out.setdefault(key, []).append(r)
     return [(len(g), g) for g in out.values()]
-
-
-def _natural(item: tuple[str, object]) -> list:
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", item[0])]
 
 
 def _pattern(name: str) -> str:

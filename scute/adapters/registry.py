@@ -1,6 +1,6 @@
 """The method registry: `peft_type` -> a converter from a PEFT checkpoint layer to `Slots`.
 
-Adding a method is one file::
+Adding a method is one file in `scute/adapters/methods/` (every module there is imported, which registers it)::
 
     @register_method("IA3", keys=("ia3_l",))
     def convert_ia3(layer: LayerCheckpoint) -> Slots:
@@ -10,20 +10,50 @@ Adding a method is one file::
 model-level ones (saved as ``base_model.<key>``, e.g. VeRA's shared projections); a ``*`` in a name stands for
 one dotted segment, for numbered or named families (``adamss_A.*``, FRoD's ``frod_V.*`` per module category).
 The loader groups a checkpoint's tensors by module with them, checks that every tensor is used, and hands each
-adapted layer to the converter as a `LayerCheckpoint` (see `scute.adapters.checkpoint`).
+adapted layer to the converter as a `LayerCheckpoint` (see `scute.adapters.conversion`). Optional: `shapes`, the
+rule that reads a layer's (out, in) off its saved tensors (`scute explain` without a base model), and `options`,
+the load options the method takes beyond the generic ``dense`` (Poly's ``task_id``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import functools
+import importlib
+import pkgutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scute.adapters.checkpoint import LayerCheckpoint
-    from scute.adapters.slots import Slots
+    from scute.adapters.conversion import LayerCheckpoint
+    from scute.ops.slots import Slots
 
 Converter = Callable[["LayerCheckpoint"], "Slots"]
+
+
+@dataclass(frozen=True)
+class SavedShapes:
+    """What a shape rule sees of one layer of a checkpoint: the shapes of its tensors (by key, as registered), of
+    the model-level tensors (by key, without ``base_model.``) and the adapter config."""
+
+    tensors: Mapping[str, tuple[int, ...]]
+    globals: Mapping[str, tuple[int, ...]]
+    config: Mapping
+
+
+# (out_features, in_features) of the layer, or None where the saved tensors do not fix them; a KeyError (a
+# tensor the rule needs is not saved for this layer) counts as None.
+ShapeRule = Callable[[SavedShapes], "tuple[int, int] | None"]
+
+
+@dataclass(frozen=True)
+class LoadOption:
+    """A load option a method takes (``load_adapter(..., <name>=value)``). It selects one adapter out of the
+    checkpoint, so the loaded adapter's name and identity get `suffix` formatted with the value (``"@task{}"``:
+    two tasks of one Poly checkpoint are two adapters, with their own device slots and KV prefixes)."""
+
+    help: str
+    suffix: str
 
 
 @dataclass(frozen=True)
@@ -34,6 +64,8 @@ class Method:
     global_keys: tuple[str, ...] = ()
     served: bool = True  # False: registered only to refuse its checkpoints with the reason (Lily)
     tensorless_targets: bool = False  # a targeted layer may have no tensor (all derived from the global ones)
+    shapes: ShapeRule | None = None
+    options: Mapping[str, LoadOption] = field(default_factory=dict)
 
 
 _METHODS: dict[str, Method] = {}
@@ -53,17 +85,20 @@ NOT_SERVED = {
 
 def register_method(
     peft_type: str, *, keys: tuple[str, ...], global_keys: tuple[str, ...] = (), served: bool = True,
-    tensorless_targets: bool = False,
+    tensorless_targets: bool = False, shapes: ShapeRule | None = None, options: Mapping[str, LoadOption] = {},
 ) -> Callable[[Converter], Converter]:
     """Register `convert` as the converter of PEFT checkpoints whose `peft_type` is `peft_type`; ``served=False``
     for a method whose converter always refuses (with the reason): it is then not listed as supported.
     ``tensorless_targets``: the converter is also called for targeted layers the file has no tensor for (a
-    method that can derive a layer from its global tensors: UniLoRA saved without its indices)."""
+    method that can derive a layer from its global tensors: UniLoRA saved without its indices). `shapes`: the
+    layer shape its saved tensors determine (see `ShapeRule`); `options`: its load options by name, which the
+    converter reads from ``layer.options``."""
 
     def wrap(convert: Converter) -> Converter:
         if peft_type in _METHODS:
             raise ValueError(f"a converter for peft_type {peft_type!r} is already registered")
-        _METHODS[peft_type] = Method(peft_type, convert, tuple(keys), tuple(global_keys), served, tensorless_targets)
+        _METHODS[peft_type] = Method(peft_type, convert, tuple(keys), tuple(global_keys), served, tensorless_targets,
+                                     shapes, dict(options))
         return convert
 
     return wrap
@@ -86,9 +121,17 @@ def supported_methods() -> list[str]:
     return sorted(t for t, m in _METHODS.items() if m.served)
 
 
+def methods_with_option(name: str) -> list[str]:
+    """The PEFT types that take load option `name` (for errors that say where an option belongs)."""
+    _load_builtin_methods()
+    return sorted(t for t, m in _METHODS.items() if name in m.options)
+
+
+@functools.cache
 def _load_builtin_methods() -> None:
-    # Imported lazily: the method files import this module to register themselves.
-    from scute.adapters import adalora, adamss, boft, c3a, delora, dense, fourierft, frod, glora, gralora  # noqa: F401
-    from scute.adapters import hra, ia3, loha, lokr, lora, miss, oft, osf, peanut, poly, psoft, pvera  # noqa: F401
-    from scute.adapters import randlora  # noqa: F401
-    from scute.adapters import road, shira, supertuning, tinylora, unilora, vblora, vera, waveft  # noqa: F401
+    """Import every module of `scute.adapters.methods` (each registers its methods when imported). Lazy: the
+    method modules import this one."""
+    from scute.adapters import methods
+
+    for info in pkgutil.iter_modules(methods.__path__):
+        importlib.import_module(f"{methods.__name__}.{info.name}")

@@ -19,9 +19,10 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from scute.adapters.checkpoint import LAYER_PREFIX, Adapter
-from scute.adapters.slots import Slots
+from scute.adapters.adapter import Adapter
+from scute.adapters.checkpoint import LAYER_PREFIX
 from scute.ops.reference import rotate_pairs
+from scute.ops.slots import Slots
 
 BIAS_POLICIES = ("keep", "drop")
 
@@ -303,7 +304,7 @@ def _parser():
 
 def convert_main(argv: list[str] | None = None) -> int:
     """`scute convert ADAPTER --to lora --rank R --out DIR`: returns the exit status."""
-    from scute.adapters.checkpoint import AdapterError, load_adapter, read_checkpoint
+    from scute.adapters import AdapterError, load_adapter, read_checkpoint
     from scute.compat.evaluate import LogitsError, SlotModel, probe_ids
 
     args = _parser().parse_args(argv)

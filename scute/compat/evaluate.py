@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from scute.adapters.checkpoint import Adapter
+from scute.adapters.adapter import Adapter
 from scute.model.context import ForwardContext, forward_context
 from scute.model.hf import place_adapter, swap_linears
 from scute.model.linear import ScuteLinear

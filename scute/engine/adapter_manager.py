@@ -14,9 +14,10 @@ from collections import OrderedDict
 from dataclasses import replace
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from scute.adapters.checkpoint import Adapter, AdapterError, load_adapter
+from scute.adapters import Adapter, AdapterError, load_adapter
+from scute.adapters.adapter import SharedMemo
 from scute.model.hf import place_adapter
 from scute.model.linear import ScuteLinear
 
@@ -33,21 +34,22 @@ class AdapterManager:
         self._slots: list[str | None] = [None] * max_adapters  # identity held by each device slot
         self._refs: dict[str, int] = {}  # identity -> running requests using it
         self._unused: OrderedDict[str, None] = OrderedDict()  # placed, unused identities, LRU first
-        self._shared: dict[int, tuple[Tensor, Tensor]] = {}  # id(CPU shared matrix) -> (it, its device copy)
+        self._moved: SharedMemo = {}  # shared matrices on the device, one copy for every adapter that reads them
 
     # ------------------------------------------------------------------ CPU tier
-    def load(self, path: str | os.PathLike, name: str | None = None) -> Adapter:
-        """Read, validate and convert a PEFT folder (raises AdapterError / OSError)."""
+    def load(self, path: str | os.PathLike, name: str | None = None, **options: object) -> Adapter:
+        """Read, validate and convert a PEFT folder (raises AdapterError / OSError); `options` as for
+        `scute.adapters.load_adapter` (``dense``, the method's own)."""
         path = os.fspath(path)
-        adapter = load_adapter(path, self.model, name)  # converts on the CPU (W0 copied only if a method needs it)
+        adapter = load_adapter(path, self.model, name, **options)  # on the CPU (W0 copied if a method needs it)
         rank = max((s.rank for s in adapter.layers.values()), default=0)
         if rank > self.max_adapter_rank:
             raise AdapterError(f"adapter {path} ({adapter.peft_type}) has rank {rank}, above max_adapter_rank="
                                f"{self.max_adapter_rank}: raise max_adapter_rank")
         return adapter
 
-    def load_named(self, name: str, path: str | os.PathLike) -> Adapter:
-        self.named[name] = self.load(path, name)
+    def load_named(self, name: str, path: str | os.PathLike, **options: object) -> Adapter:
+        self.named[name] = self.load(path, name, **options)
         return self.named[name]
 
     def unload(self, name: str) -> None:
@@ -90,7 +92,7 @@ class AdapterManager:
             else:
                 evicted, _ = self._unused.popitem(last=False)  # can_activate() guarantees one exists
                 slot = self._slots.index(evicted)
-            place_adapter(self.linears, slot, self._to_device(adapter))
+            place_adapter(self.linears, slot, adapter.to(device=self.device, memo=self._moved))
             self._slots[slot] = ident
         self._refs[ident] = self._refs.get(ident, 0) + 1
         return self._slots.index(ident)
@@ -103,25 +105,6 @@ class AdapterManager:
         if self._refs[ident] == 0:
             del self._refs[ident]
             self._unused[ident] = None
-
-    def _to_device(self, adapter: Adapter) -> Adapter:
-        """The adapter's tensors on the device; a matrix shared by several adapters (VeRA) is copied once."""
-        if self.device.type == "cpu":
-            return adapter
-        memo: dict[int, Tensor] = {}
-
-        def move(x: Tensor) -> Tensor:
-            base = x._base if x._base is not None else x
-            if id(base) not in memo:
-                hit = self._shared.get(id(base))
-                memo[id(base)] = hit[1] if hit is not None and hit[0] is base else base.to(self.device)
-                if x._base is not None:
-                    self._shared[id(base)] = (base, memo[id(base)])
-            moved = memo[id(base)]
-            return moved if x._base is None else moved.as_strided(x.size(), x.stride(), x.storage_offset())
-
-        layers = {n: replace(s, **{k: move(x) for k, x in s.tensors().items()}) for n, s in adapter.layers.items()}
-        return replace(adapter, layers=layers)
 
 
 def _signature(path: str) -> tuple:

@@ -64,7 +64,7 @@ class BlockManager:
         from the base root, so base requests and other aLoRAs share it; the first block the adapter touches
         mixes the adapter's root into the chain."""
         bs = self.block_size
-        for i in range(len(req.block_hashes), req.num_tokens // bs):
+        for i in range(len(req.block_hashes), len(req.all_token_ids) // bs):  # tokens the host has
             adapted = req.adapter_start < (i + 1) * bs
             if not req.block_hashes:
                 parent = root_hash(req.adapter_identity if adapted else None)

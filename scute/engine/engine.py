@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import time
 from collections.abc import Sequence
 
+import torch
 from tqdm.auto import tqdm
 
-from scute.adapters.checkpoint import Adapter, AdapterError
-from scute.adapters.manager import AdapterManager
+from scute.adapters import Adapter, AdapterError
 from scute.config import EngineConfig
+from scute.engine.adapter_manager import AdapterManager
 from scute.engine.block_manager import BlockManager
 from scute.engine.kv_plan import plan_kv_cache
-from scute.engine.model_runner import ModelRunner
+from scute.engine.model_runner import InFlight, ModelRunner
 from scute.engine.output_processor import OutputProcessor
 from scute.engine.request import AdapterRequest, Request
 from scute.engine.scheduler import Scheduler
@@ -47,16 +49,30 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.block_manager, self.adapters)
         self.requests: dict[str, Request] = {}
         self._reported: list[Request] = []  # finished outside a step (errors, aborts): reported by the next step
+        self._in_flight: InFlight | None = None  # a decode step launched, its tokens not read yet
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "batched_tokens": 0, "preemptions": 0}
         self.output_processor = OutputProcessor(self.tokenizer, loaded.eos_token_ids, self.max_model_len, self.stats)
+        if self.runner.graphs is not None:
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        before = torch.cuda.memory_reserved(self.runner.device)
+        self.runner.capture_graphs()
+        used = torch.cuda.memory_reserved(self.runner.device) - before
+        graphs = self.runner.graphs
+        print(f"scute: captured {graphs.num_captured} decode CUDA graphs (batch sizes {graphs.sizes[0]}-"
+              f"{graphs.sizes[-1]}) in {graphs.capture_seconds:.1f} s, {used / 2**30:.2f} GiB; enforce_eager=True "
+              "runs without them", file=sys.stderr)
 
     # ------------------------------------------------------------------ adapters
-    def load_adapter(self, name: str, path: str | os.PathLike) -> Adapter:
+    def load_adapter(self, name: str, path: str | os.PathLike, **options) -> Adapter:
         """Load a PEFT folder under `name` (replacing an adapter of that name); raises AdapterError if it
-        cannot be served. Requests then name it by `name`."""
-        return self.adapters.load_named(name, path)
+        cannot be served. Requests then name it by `name`. `options` go to the adapter's method, as for
+        `scute.adapters.load_adapter`: ``dense=True``, Poly's ``task_id``, ...; one the method does not take
+        raises AdapterError naming the method and the options it takes."""
+        return self.adapters.load_named(name, path, **options)
 
     def unload_adapter(self, name: str) -> None:
         self.adapters.unload(name)
@@ -129,31 +145,63 @@ class Engine:
                 self._reported.append(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._reported)
+        return self.scheduler.has_unfinished_requests() or bool(self._reported) or self._in_flight is not None
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the state of every request that progressed or finished in it."""
+        """Run one step; returns the state of every request whose tokens this call read: those of this step, or
+        of the decode step launched by the call before (decode steps on CUDA graphs overlap, see `_step`)."""
         return self._step(stream=True)
 
     def _step(self, stream: bool) -> list[RequestOutput]:
+        """Schedule and run one step. A decode step that replays a CUDA graph is launched before the tokens of
+        the step in flight are read: the host lands those (appends them, checks stops, builds the outputs this
+        call reports) while the GPU runs, and the new step's tokens land in the next call (a request that
+        stopped is computed once more, and that token dropped). Any other step first lands the step in flight:
+        its inputs need every token on the host."""
         done, self._reported = self._reported, []
         sched = self.scheduler.schedule()
         self.stats["preemptions"] += len(sched.preempted)
-        if not sched.scheduled:
-            return [self._output(r) for r in done + self._fail_unschedulable()]
         sampling = [req for req, n in sched.scheduled if req.num_computed_tokens + n == req.num_tokens]
-        result = self.runner.execute(sched, sampling)
+        flight = self.runner.launch(sched, sampling, self._in_flight) if sched.scheduled else None
+        landed = self._land()
+        if flight is None:  # requests the landing stopped leave the eager step
+            sched.scheduled = [(r, n) for r, n in sched.scheduled if not r.is_finished]
+            sched.num_batched_tokens = sum(n for _, n in sched.scheduled)
+            sampling = [r for r in sampling if not r.is_finished]
+        if not sched.scheduled:
+            failed = [] if landed else self._fail_unschedulable()
+            return [self._output(r) for r in done + [r for r in landed if r.is_finished or stream] + failed]
+        result = self.runner.execute(sched, sampling) if flight is None else None
         for req, num_new in sched.scheduled:
             req.num_computed_tokens += num_new
-            self.block_manager.cache_blocks(req)
+            if not req.is_finished:
+                self.block_manager.cache_blocks(req)
         self.stats["steps"] += 1
         self.stats["batched_tokens"] += sched.num_batched_tokens
-        if result is not None:
+        if flight is not None:
+            for req in sampling:
+                req.num_pending += 1
+            self._in_flight = flight
+        elif result is not None:
             self._append_tokens(sampling, result)
-        done += [r for r in sampling if r.is_finished]
-        progressed = [r for r in sampling if not r.is_finished] if stream else []
+            landed += sampling
+        done += [r for r in landed if r.is_finished]
+        progressed = [r for r in landed if not r.is_finished] if stream else []
         return [self._output(r) for r in done + progressed]
+
+    def _land(self) -> list[Request]:
+        """Read the tokens of the step in flight (waiting for the GPU if it is still running), append them and
+        stop the requests they end; returns its requests that had not finished before."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return []
+        result = flight.wait()
+        live = [r for r in flight.sampling if not r.is_finished]
+        for req in flight.sampling:
+            req.num_pending -= 1
+        self._append_tokens(flight.sampling, result)
+        return live
 
     def _append_tokens(self, sampling: list[Request], result) -> None:
         self.output_processor.append_tokens(sampling, result)

@@ -10,6 +10,8 @@ CUDA graphs (`scute.engine.cuda_graph`); prefill and mixed steps run eagerly.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 from torch import Tensor
 
@@ -22,6 +24,23 @@ from scute.engine.scheduler import SchedulerOutput
 from scute.engine.utils import host_to_device
 from scute.model.attention import AttentionMetadata, flash_attn_available
 from scute.model.loader import LoadedModel
+
+
+@dataclass
+class InFlight:
+    """A decode step launched on the GPU whose sampled tokens the host has not read yet: they are being copied
+    into pinned host memory behind the step's kernels (`event` marks the end of the copy)."""
+
+    sampling: list[Request]
+    result: SamplerOutput  # on the device
+    host_tokens: Tensor
+    event: torch.cuda.Event
+    rows: dict[Request, int]  # each sampling request's row of result
+
+    def wait(self) -> SamplerOutput:
+        """The step's sampler output, its tokens read from the host copy (waits for the GPU if needed)."""
+        self.event.synchronize()
+        return replace(self.result, token_ids=self.host_tokens[: len(self.sampling)])
 
 
 class ModelRunner:
@@ -61,6 +80,8 @@ class ModelRunner:
         self._layout_version = -1
         use_graphs = not config.enforce_eager and self.device.type == "cuda" and self.backend == "triton"
         self.graphs = DecodeGraphs(self._graph_forward, max_seqs, self.device) if use_graphs else None
+        self._host_token_bufs = [torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)] \
+            if use_graphs else []
 
     def _zeros(self, shape, dtype: torch.dtype) -> Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.device)
@@ -94,6 +115,23 @@ class ModelRunner:
             return None
         return self.sampler(logits, self.sampling_batch(sampling))
 
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, sampling: list[Request], flight: InFlight | None) -> InFlight | None:
+        """Start a decode step on the GPU (its graph and the sampler) without waiting for it: the caller reads
+        its tokens later (`InFlight.wait`), after preparing other work. `flight`: the step launched before,
+        whose tokens are this step's inputs (taken on the device). None if this is not a graph decode step."""
+        bucket = self._graph_bucket(sched, sampling)
+        if bucket is None:
+            return None
+        logits = self._replay(sched, bucket, flight)[: len(sampling)]
+        result = self.sampler(logits, self.sampling_batch(sampling))
+        self._host_token_bufs.reverse()  # two buffers: the other one may still hold the previous step's tokens
+        host = self._host_token_bufs[0]
+        host[: len(sampling)].copy_(result.token_ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return InFlight(sampling, result, host, event, {req: row for row, req in enumerate(sampling)})
+
     # ------------------------------------------------------------------ decode graphs
     def layout(self) -> AdapterLayout:
         """The adapter layout of the graphs, rebuilt after any `ScuteLinear.set_slot`."""
@@ -113,25 +151,31 @@ class ModelRunner:
         self._pad_inputs(max(self.graphs.sizes))
         self.graphs.capture(self.layout(), 0, self.graphs.sizes, progress=progress)
 
-    def _replay(self, sched: SchedulerOutput, bucket: int) -> Tensor:
+    def _replay(self, sched: SchedulerOutput, bucket: int, flight: InFlight | None = None) -> Tensor:
         layout = self.layout()
-        token_slots = self._prepare_decode(sched, bucket)
+        token_slots = self._prepare_decode(sched, bucket, flight)
         key = layout.step_key(token_slots)
         if not self.graphs.has(layout, key, bucket):
             self._pad_inputs(bucket)  # the eager warm-up and the capture must store no KV of real requests
             self.graphs.capture(layout, key, [bucket])
-            self._prepare_decode(sched, bucket)
+            self._prepare_decode(sched, bucket, flight)
         return self.graphs.replay(layout, key, bucket)
 
-    def _prepare_decode(self, sched: SchedulerOutput, bucket: int) -> list[int]:
+    def _prepare_decode(self, sched: SchedulerOutput, bucket: int, flight: InFlight | None = None) -> list[int]:
         """Write a decode step's inputs into the buffers, padded to `bucket` rows; returns the token slots. The
-        host mirrors are written in place (numpy views) and copied whole, asynchronously: the previous step's
-        copies are done (its tokens were read), and padding rows hold values no real row reads."""
+        host mirrors are written in place (numpy views) and copied whole, asynchronously: the copies of the step
+        before last are done (its tokens were read), and padding rows hold values no real row reads. A token the
+        host does not have yet (sampled by `flight`) is copied on the device from `flight`'s output."""
         bs, n = self.block_size, len(sched.scheduled)
-        ids, positions, slot_mapping, token_slots, tables = [], [], [], [], []
-        for req, _ in sched.scheduled:
+        ids, positions, slot_mapping, token_slots, tables, gather = [], [], [], [], [], ([], [])
+        for row, (req, _) in enumerate(sched.scheduled):
             pos, table = req.num_computed_tokens, req.block_table
-            ids.append(req.all_token_ids[pos])
+            if pos < len(req.all_token_ids):
+                ids.append(req.all_token_ids[pos])
+            else:
+                ids.append(0)
+                gather[0].append(row)
+                gather[1].append(flight.rows[req])
             positions.append(pos)
             slot_mapping.append(table[pos // bs] * bs + pos % bs)
             token_slots.append(req.token_adapter_slots(pos, 1)[0])
@@ -148,6 +192,9 @@ class ModelRunner:
         host_tables[n:bucket, 0] = 0
         for name, dst in (("tokens", self._tokens), ("seqs", self._seqs), ("block_tables", self.buffers["block_tables"])):
             dst.copy_(self._host[name], non_blocking=True)
+        if gather[0]:
+            index = host_to_device(list(gather), torch.int64, self.device)
+            self.buffers["input_ids"].index_copy_(0, index[0], flight.result.token_ids[index[1]])
         return token_slots
 
     def _pad_inputs(self, rows: int) -> None:

@@ -13,11 +13,14 @@ class OutputProcessor:
         self.tokenizer, self.eos_token_ids, self.max_model_len, self.stats = tokenizer, eos_token_ids, max_model_len, stats
 
     def append_tokens(self, sampling: list[Request], result: SamplerOutput) -> None:
-        """Append each request's sampled token (and logprobs), then check its stop conditions."""
-        tokens = result.token_ids.tolist()  # the step's one host sync
+        """Append each request's sampled token (and logprobs), then check its stop conditions. A request that
+        finished meanwhile (stopped by the step before, or aborted) ignores its token."""
+        tokens = result.token_ids.tolist()  # the step's one host sync (none if the tokens are on the host)
         chosen = result.logprobs.tolist() if result.logprobs is not None else None
         top = None if result.top_ids is None else (result.top_ids.tolist(), result.top_logprobs.tolist())
         for row, (req, token) in enumerate(zip(sampling, tokens)):
+            if req.is_finished:
+                continue
             req.append_token(token)
             self.stats["generated_tokens"] += 1
             if req.num_output_tokens == 1:

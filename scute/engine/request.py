@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from scute.adapters.checkpoint import Adapter
-from scute.adapters.lora_variants import alora_start
+from scute.adapters import Adapter
+from scute.adapters import alora_start
 from scute.sampling_params import SamplingParams
 
 NEVER = sys.maxsize  # `Request.adapter_start` of an aLoRA whose invocation tokens are not in the prompt
@@ -60,6 +60,9 @@ class Request:
         self.arrival = arrival  # admission order: the scheduler's FIFO and preemption priority
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        # Tokens sampled on the GPU by a launched step whose values the host has not read yet (0 or 1): they
+        # count in num_tokens, so the next step can be scheduled before they land (`Engine` overlaps steps).
+        self.num_pending = 0
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # hash chain of the full blocks of all_token_ids
@@ -84,7 +87,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        return len(self.all_token_ids) + self.num_pending
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -92,7 +95,7 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.output_token_ids) + self.num_pending
 
     @property
     def adapter_identity(self) -> str | None:

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from scute.adapters.checkpoint import Adapter
+from scute.adapters import Adapter
 from scute.model.linear import LinearGroup, ScuteLinear
 
 # vLLM's packed_modules_mapping: sibling projections that read one input, served by one op call.

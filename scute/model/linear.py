@@ -9,12 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 from scute.model.context import ForwardContext, get_forward_context
 from scute.ops import (
     LoraMeta,
     MetaCache,
     SlotPool,
+    merged_gemm,
     scute_linear_triton,
     scute_linears_triton,
     triton_enabled,
@@ -52,6 +53,7 @@ class ScuteLinear(nn.Module):
         self.pool: SlotPool | None = None
         self.group: LinearGroup | None = None
         self.stack: LowRankStack | None = None  # the CPU path's stacked low-rank parts, rebuilt after set_slot
+        self.version = 0  # counts set_slot calls: whoever caches what the slots imply (CUDA graphs) compares it
 
     def set_slot(self, index: int, slots: Slots | None) -> None:
         if slots is not None and (slots.in_features, slots.out_features) != (self.in_features, self.out_features):
@@ -61,6 +63,7 @@ class ScuteLinear(nn.Module):
             )
         self.slots[index] = slots if slots is None or slots.scale == 1.0 else slots.folded()
         self.num_filled = sum(s is not None for s in self.slots)
+        self.version += 1
         self.stack = None
         if self.pool is not None:
             self.pool.update([self.slots])
@@ -123,16 +126,30 @@ class LinearGroup:
             raise ValueError(f"{name}: a ScuteLinear belongs to one group at most")
         self.name, self.members = name, list(members)
         self.in_features = members[0].in_features
+        self.out_features = [m.out_features for m in members]
         self.pool: SlotPool | None = None
         for m in members:
             m.group = self
+        self.weight, self.bias = _merge_parameters(self.members)
+
+    def merged(self) -> tuple[Tensor, Tensor | None] | None:
+        """The members' weights and biases as one matrix and vector (each member's parameter a row slice of them),
+        or None if a member's parameter no longer is one (the model was moved or cast after the swap)."""
+        w_elem, offset = self.weight.element_size(), 0
+        for m in self.members:
+            if m.weight.data_ptr() != self.weight.data_ptr() + offset * self.in_features * w_elem:
+                return None
+            if m.bias is not None and m.bias.data_ptr() != self.bias.data_ptr() + offset * self.bias.element_size():
+                return None
+            offset += m.out_features
+        return self.weight, self.bias
 
     def serves(self, x: Tensor) -> bool:
         # Under torch.compile every member runs alone (kept simple: the hand-out between calls is Python state a
         # graph would have to replay); like any pool, a member's own one must exist before tracing (`forward_alone`).
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or not triton_enabled(x):
             return False
-        return any(m.num_filled for m in self.members) and triton_enabled(x)
+        return any(m.num_filled for m in self.members) or self.merged() is not None
 
     def forward(self, member: ScuteLinear, x: Tensor) -> Tensor:
         """`member`'s output for `x`: claimed if waiting for this very input, else computed (for all members)."""
@@ -148,9 +165,14 @@ class LinearGroup:
             if len(outputs) == 1:
                 del ctx.group_outputs[self]  # every output of the round handed out
             return outputs.pop(index).view(shape)
-        pool = self.pool = pool_for(self.pool, flat, self.members)
-        ys = scute_linears_triton(flat, [m.weight for m in self.members], [m.bias for m in self.members], pool,
-                                  lora_meta(ctx, token_slots, pool), active_slots=ctx.active_adapter_slots)
+        merged = self.merged()
+        if merged is not None and not any(m.num_filled for m in self.members):  # no adapter: the one GEMM
+            ys = merged_gemm(flat, *merged, self.out_features)
+        else:
+            pool = self.pool = pool_for(self.pool, flat, self.members)
+            ys = scute_linears_triton(flat, [m.weight for m in self.members], [m.bias for m in self.members], pool,
+                                      lora_meta(ctx, token_slots, pool), active_slots=ctx.active_adapter_slots,
+                                      merged=merged)
         ctx.group_outputs[self] = (x, token_slots, {i: y for i, y in enumerate(ys) if i != index})
         return ys[index].view(shape)
 
@@ -158,6 +180,25 @@ class LinearGroup:
         """Called by a member's `set_slot`: the pool follows every member's slots."""
         if self.pool is not None:
             self.pool.update([m.slots for m in self.members])
+
+
+@torch.no_grad()
+def _merge_parameters(members: Sequence[ScuteLinear]) -> tuple[Tensor, Tensor | None]:
+    """Concatenate the members' weights (and biases) along the outputs and make each member's parameter a view
+    of its rows, so that one GEMM computes every member's base output with no copy of the weights. A member
+    without a bias gets zeros in the merged bias (its own stays None)."""
+    weight = torch.cat([m.weight for m in members])
+    bias = None
+    if any(m.bias is not None for m in members):
+        bias = torch.cat([m.bias if m.bias is not None else weight.new_zeros(m.out_features) for m in members])
+    offset = 0
+    for m in members:
+        rows = slice(offset, offset + m.out_features)
+        m.weight = nn.Parameter(weight[rows], requires_grad=m.weight.requires_grad)
+        if m.bias is not None:
+            m.bias = nn.Parameter(bias[rows], requires_grad=m.bias.requires_grad)
+        offset += m.out_features
+    return weight, bias
 
 
 def pool_for(pool: SlotPool | None, x: Tensor, linears: Sequence[ScuteLinear]) -> SlotPool:

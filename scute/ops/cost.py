@@ -25,10 +25,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scute.adapters.slots import Slots
 from scute.ops import triton_ops
 from scute.ops.meta import max_tiles
 from scute.ops.pool import _exact_delta, _needs_expand, _storage_key, slot_groups
+from scute.ops.slots import Slots
 from scute.ops.triton_ops import choose_split_k
 
 VEC_BYTES = 4  # the pool keeps slot vectors in float32

@@ -19,16 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from scute.ops.reference import epilogue_ref, input_transform_ref, output_vectors, slot_rows
-
-if TYPE_CHECKING:  # annotations only: scute.adapters imports scute.ops
-    from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 # Batching pays from three slots on: five r=8 LoRAs per layer take 1.8-2.0x less adapter time batched
 # (bench/bench_cpu_forward.py), the demo's two r=8 slots per layer (LoRA, DoRA) ran 5-9% slower end to end

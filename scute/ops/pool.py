@@ -32,13 +32,12 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:  # annotations only: scute.adapters imports scute.ops
-    from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 # Table fields (int64 each). Group fields (A, B, ranks, h offsets) are read at the group's representative slot,
 # slot fields (flags, F_ROT, vectors, T) at the slot.

@@ -7,14 +7,12 @@ adapters* of a batch, never over tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-if TYPE_CHECKING:  # annotations only: scute.adapters imports this module
-    from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

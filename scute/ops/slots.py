@@ -127,8 +127,8 @@ class Slots:
         return replace(self, A=A, m=m, B=B, v=v, scale=1.0, merged=tuple(dict.fromkeys(merged)))
 
     def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Slots:
-        """A copy with every tensor moved; shared tensors stay shared only if the caller maps them once
-        (see `scute.adapters.checkpoint.Adapter.to`)."""
+        """A copy with every tensor moved. Shared tensors are copied like the others: to keep them shared, move
+        the whole adapter (`scute.adapters.Adapter.to` copies each shared storage once)."""
         moved = {n: getattr(self, n).to(device=device, dtype=dtype) for n in self.live}
         return replace(self, **moved)
 

@@ -10,7 +10,7 @@ import math
 import torch
 from torch import Tensor
 
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 METHODS = ("lora", "dora", "ia3", "vera", "oft", "road")
 POPULARITY = ("distinct", "uniform", "zipf", "identical", "skewed")

@@ -8,12 +8,13 @@ with the scalar; E folds into A and the scalar into B at load.
 
 from __future__ import annotations
 
-from scute.adapters.checkpoint import LayerCheckpoint
+from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 
-@register_method("ADALORA", keys=("lora_A", "lora_B", "lora_E"))
+@register_method("ADALORA", keys=("lora_A", "lora_B", "lora_E"),
+                 shapes=lambda s: (s.tensors["lora_B"][0], s.tensors["lora_A"][1]))
 def convert_adalora(layer: LayerCheckpoint) -> Slots:
     cfg, i, o = layer.config, layer.in_features, layer.out_features
     init_r = int(cfg.get("init_r", 12))

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from scute.adapters.checkpoint import LayerCheckpoint
+from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 
 def butterfly_perm(n: int, blocks: int, r: int, factors: int) -> Tensor:
@@ -51,7 +51,8 @@ def butterfly_blocks(Q: Tensor, n: int) -> Tensor:
     return M
 
 
-@register_method("BOFT", keys=("boft_R", "boft_s"))
+@register_method("BOFT", keys=("boft_R", "boft_s"),  # R: [N, D, b, b] with D·b = in, s: [out, 1]
+                 shapes=lambda s: (s.tensors["boft_s"][0], s.tensors["boft_R"][1] * s.tensors["boft_R"][2]))
 def convert_boft(layer: LayerCheckpoint) -> Slots:
     i, o = layer.in_features, layer.out_features
     R = layer.tensor("boft_R")

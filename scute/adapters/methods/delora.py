@@ -7,12 +7,13 @@ norms clamped at 1e-4) and ``w`` the column norms of the base weight that PEFT s
 
 from __future__ import annotations
 
-from scute.adapters.checkpoint import LayerCheckpoint
+from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 
-@register_method("DELORA", keys=("delora_A", "delora_B", "delora_lambda", "delora_w_norm"))
+@register_method("DELORA", keys=("delora_A", "delora_B", "delora_lambda", "delora_w_norm"),
+                 shapes=lambda s: (s.tensors["delora_B"][0], s.tensors["delora_A"][1]))
 def convert_delora(layer: LayerCheckpoint) -> Slots:
     i, o = layer.in_features, layer.out_features
     r = layer.tensor("delora_A").shape[0]

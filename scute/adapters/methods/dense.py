@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from scute.adapters.checkpoint import LayerCheckpoint, intern_shared
+from scute.adapters.conversion import LayerCheckpoint, intern_shared
 from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 
 def full_rank_slots(layer: LayerCheckpoint, delta: Tensor, c: Tensor | None = None) -> Slots:
@@ -45,7 +45,7 @@ def refuse(layer: LayerCheckpoint, why: str) -> None:
     raise layer.error(f"cannot be served: {why}")
 
 
-@register_method("HIRA", keys=("hira_A", "hira_B"))
+@register_method("HIRA", keys=("hira_A", "hira_B"), shapes=lambda s: (s.tensors["hira_B"][0], s.tensors["hira_A"][1]))
 def convert_hira(layer: LayerCheckpoint) -> Slots:
     require_dense(layer, "HiRA's delta W0 ⊙ (B A) is a Hadamard product with the base weight: no low-rank form "
                          "over a shared W0")

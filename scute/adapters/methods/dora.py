@@ -10,13 +10,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from scute.adapters.checkpoint import LayerCheckpoint
-from scute.adapters.slots import Slots
+from scute.adapters.conversion import LayerCheckpoint
+from scute.ops.slots import Slots
 
 
 def dora_slots(layer: LayerCheckpoint, A: Tensor, B: Tensor, s: float) -> Slots:
     magnitude = layer.tensor("lora_magnitude_vector", (layer.out_features,))
-    norm = torch.linalg.norm(layer.weight + s * (B @ A), dim=1)
+    # On the device that holds W0 (the served weight, read in float32 there): no copy of W0 to the CPU.
+    w0 = layer.base.weight.detach()
+    norm = torch.linalg.norm(w0.to(layer.dtype) + s * (B.to(w0.device) @ A.to(w0.device)), dim=1).cpu()
     g = magnitude / norm
     c = None if layer.bias is None else (1 - g) * layer.bias
     return Slots(layer.in_features, layer.out_features, A=A, B=B, v=g, scale=s, o=g, c=c)

@@ -18,10 +18,10 @@ import math
 import torch
 from torch import Tensor
 
-from scute.adapters.checkpoint import LayerCheckpoint
-from scute.adapters.dense import full_rank_slots
+from scute.adapters.conversion import LayerCheckpoint
+from scute.adapters.methods.dense import full_rank_slots
 from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 
 def phases(index: Tensor, pos: Tensor, n: int, dtype: torch.dtype) -> Tensor:

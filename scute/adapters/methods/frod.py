@@ -32,10 +32,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from scute.adapters.checkpoint import LayerCheckpoint
-from scute.adapters.dense import full_rank_slots, require_dense
+from scute.adapters.conversion import LayerCheckpoint
+from scute.adapters.methods.dense import full_rank_slots, require_dense
 from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 
 def category(name: str) -> str:

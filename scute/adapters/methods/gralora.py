@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from scute.adapters.checkpoint import LayerCheckpoint
+from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 
 def _int_option(layer: LayerCheckpoint, key: str, default: int, minimum: int) -> int:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from scute.adapters.checkpoint import LayerCheckpoint
+from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 
 def gram_schmidt(U: Tensor) -> Tensor:

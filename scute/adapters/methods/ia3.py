@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import re
 
-from scute.adapters.checkpoint import LayerCheckpoint
+from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 
 def is_feedforward(config, name: str) -> bool:

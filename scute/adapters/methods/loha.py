@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from scute.adapters.checkpoint import LayerCheckpoint, pattern_value
+from scute.adapters.checkpoint import pattern_value
+from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 KEYS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")
 
 
-@register_method("LOHA", keys=KEYS)
+@register_method("LOHA", keys=KEYS, shapes=lambda s: (s.tensors["hada_w1_a"][0], s.tensors["hada_w1_b"][1]))
 def convert_loha(layer: LayerCheckpoint) -> Slots:
     if layer.has("hada_t1") or layer.has("hada_t2"):
         raise layer.error("hada_t1/hada_t2 (use_effective_conv2d) are for convolutions: Scute serves linear layers")

@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from scute.adapters.checkpoint import LayerCheckpoint, pattern_value
-from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.adapters.checkpoint import pattern_value
+from scute.adapters.conversion import LayerCheckpoint
+from scute.adapters.registry import SavedShapes, register_method
+from scute.ops.slots import Slots
 
 KEYS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
 
@@ -49,7 +50,18 @@ def factor_pair(layer: LayerCheckpoint, name: str, rows: int, cols: int) -> tupl
     return layer.tensor(f"lokr_{name}_a", (rows, k)), layer.tensor(f"lokr_{name}_b", (k, cols))
 
 
-@register_method("LOKR", keys=KEYS)
+def lokr_shape(s: SavedShapes) -> tuple[int, int]:
+    """(out, in) = the Kronecker product of the two factors' shapes, each saved whole or as a product."""
+    def factor(name: str) -> tuple[int, int]:
+        if f"lokr_{name}" in s.tensors:
+            return s.tensors[f"lokr_{name}"]
+        return s.tensors[f"lokr_{name}_a"][0], s.tensors[f"lokr_{name}_b"][1]
+
+    (o1, i1), (o2, i2) = factor("w1"), factor("w2")
+    return o1 * o2, i1 * i2
+
+
+@register_method("LOKR", keys=KEYS, shapes=lokr_shape)
 def convert_lokr(layer: LayerCheckpoint) -> Slots:
     if layer.has("lokr_t2"):
         raise layer.error("lokr_t2 (use_effective_conv2d) is for convolutions: Scute serves linear layers")

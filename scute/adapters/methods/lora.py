@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import math
 
-from scute.adapters.checkpoint import LayerCheckpoint, pattern_value
-from scute.adapters.dora import dora_slots
-from scute.adapters.lora_variants import TRAINING_ONLY_KEYS, lora_factors
-from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.adapters.checkpoint import pattern_value
+from scute.adapters.conversion import LayerCheckpoint
+from scute.adapters.methods.dora import dora_slots
+from scute.adapters.methods.lora_variants import TRAINING_ONLY_KEYS, lora_factors
+from scute.adapters.registry import SavedShapes, register_method
+from scute.ops.slots import Slots
 
 KEYS = ("lora_A.weight", "lora_B.weight", "lora_B.bias", "lora_magnitude_vector") + TRAINING_ONLY_KEYS
 
@@ -25,7 +26,14 @@ def lora_scale(layer: LayerCheckpoint) -> tuple[int, float]:
     return r, alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
 
 
-@register_method("LORA", keys=KEYS)
+def lora_shape(s: SavedShapes) -> tuple[int, int] | None:
+    """(out, in) from B [out, r] and A [r, in]; BD-LoRA's blocked factors do not fix them."""
+    if s.config.get("use_bdlora"):
+        return None
+    return s.tensors["lora_B.weight"][0], s.tensors["lora_A.weight"][1]
+
+
+@register_method("LORA", keys=KEYS, shapes=lora_shape)
 def convert_lora(layer: LayerCheckpoint) -> Slots:
     r, s = lora_scale(layer)
     A, B = lora_factors(layer, r)  # variants sharing peft_type LORA: see lora_variants.py

@@ -12,8 +12,8 @@ Plain LoRA tensors with a per-token gate:
 * aLoRA (`alora_invocation_tokens`): the LoRA applies only from the start of the last occurrence of the
   invocation tokens in the prompt on (and to every generated token); never if they do not occur. The tensors
   load as plain LoRA and `Adapter.invocation_tokens` carries the gate, which the engine applies per token
-  (`alora_start`; the tokens before it run, and share their KV cache, with the base model). Paths that run an
-  adapter on every token (`SlotModel`, `scute convert`) refuse aLoRA adapters.
+  (`scute.adapters.adapter.alora_start`; the tokens before it run, and share their KV cache, with the base
+  model). Paths that run an adapter on every token (`SlotModel`, `scute convert`) refuse aLoRA adapters.
 
 Refused, with the reason (serving them as plain LoRA would be silently wrong): KaSA, Arrow, QALoRA, layer
 replication — see `REFUSED`.
@@ -21,12 +21,10 @@ replication — see `REFUSED`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
-from scute.adapters.checkpoint import LayerCheckpoint
+from scute.adapters.conversion import LayerCheckpoint
 
 TRAINING_ONLY_KEYS = (
     "lora_velora_embed",
@@ -67,18 +65,3 @@ def lora_factors(layer: LayerCheckpoint, r: int) -> tuple[Tensor, Tensor]:
     if block_b:
         B = torch.block_diag(*B.chunk(nb, 0))
     return A, B
-
-
-def alora_start(input_ids: Sequence[int], invocation_tokens: Sequence[int]) -> int | None:
-    """aLoRA's gate for one prompt: the position of the first token the LoRA applies to (the start of the last
-    occurrence of the invocation tokens; every later token, generated ones included, is adapted too), or None if
-    they do not occur (then no token is: PEFT's `calculate_alora_offsets`)."""
-    ids, inv = list(input_ids), list(invocation_tokens)
-    starts = [s for s in range(len(ids) - len(inv) + 1) if ids[s:s + len(inv)] == inv]
-    return starts[-1] if starts else None
-
-
-def alora_active(input_ids: Sequence[int], invocation_tokens: Sequence[int]) -> list[bool]:
-    """aLoRA's gate for each token of one sequence (see `alora_start`)."""
-    start = alora_start(input_ids, invocation_tokens)
-    return [start is not None and t >= start for t in range(len(input_ids))]

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from scute.adapters.checkpoint import LayerCheckpoint, intern_shared
-from scute.adapters.dense import full_rank_slots, require_dense
+from scute.adapters.conversion import LayerCheckpoint, intern_shared
+from scute.adapters.methods.dense import full_rank_slots, require_dense
 from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 
 @register_method("MISS", keys=("miss_block",))

@@ -14,9 +14,9 @@ import math
 import torch
 from torch import Tensor
 
-from scute.adapters.checkpoint import LayerCheckpoint
+from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 
 def skew(vec: Tensor, b: int) -> Tensor:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from scute.adapters.checkpoint import LayerCheckpoint
+from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 KEYS = ("osf_svd_params.U_low", "osf_svd_params.S_low", "osf_svd_params.V_low")
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from transformers.activations import ACT2FN
 
-from scute.adapters.checkpoint import LayerCheckpoint
+from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 @register_method("PEANUT", keys=("peanut_A.weight", "peanut_B.weight", "peanut_encoders.*.weight",
                                  "peanut_decoders.*.weight"))

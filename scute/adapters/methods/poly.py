@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import torch
 
-from scute.adapters.checkpoint import LayerCheckpoint
-from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.adapters.conversion import LayerCheckpoint
+from scute.adapters.registry import LoadOption, register_method
+from scute.ops.slots import Slots
 
 EPS = 1e-12  # PEFT's router: weights / (sum + EPS)
 
 
-@register_method("POLY", keys=("poly_lora_A", "poly_lora_B", "poly_router.module_logits"))
+TASK_ID = LoadOption("the task to serve, 0..n_tasks-1: one adapter per task", suffix="@task{}")
+
+
+@register_method("POLY", keys=("poly_lora_A", "poly_lora_B", "poly_router.module_logits"), options={"task_id": TASK_ID})
 def convert_poly(layer: LayerCheckpoint) -> Slots:
     cfg = layer.config
     if cfg.get("poly_type", "poly") != "poly":
         raise layer.error(f"poly_type {cfg.get('poly_type')!r} is not supported (PEFT knows only 'poly')")
-    task = layer.task_id
+    task = layer.options.get("task_id")
     r, tasks, skills, splits = (int(cfg[k]) for k in ("r", "n_tasks", "n_skills", "n_splits"))
     if task is None:
         raise layer.error(f"Poly mixes its skills per task: load it with task_id=0..{tasks - 1} "

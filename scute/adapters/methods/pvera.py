@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from scute.adapters.checkpoint import LayerCheckpoint, intern_shared
-from scute.adapters.dense import refuse
+from scute.adapters.conversion import LayerCheckpoint, intern_shared
+from scute.adapters.methods.dense import refuse
+from scute.adapters.methods.vera import kaiming_uniform
 from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
-from scute.adapters.vera import kaiming_uniform
+from scute.ops.slots import Slots
 
 
 def shared_pair(layer: LayerCheckpoint, r: int) -> tuple[Tensor, Tensor]:

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from scute.adapters.checkpoint import LayerCheckpoint, intern_shared
+from scute.adapters.conversion import LayerCheckpoint, intern_shared
 from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 
 def _basis(layer: LayerCheckpoint, key: str) -> Tensor:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from scute.adapters.checkpoint import LayerCheckpoint
+from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 SIZES = {"road_1": 0.5, "road_2": 1, "road_4": 2}  # stored values per output
 

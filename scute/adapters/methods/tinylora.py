@@ -30,9 +30,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from scute.adapters.checkpoint import LAYER_PREFIX, LayerCheckpoint, intern_shared
+from scute.adapters.checkpoint import LAYER_PREFIX
+from scute.adapters.conversion import LayerCheckpoint, intern_shared
 from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 # v is saved as numbered model-level tensors base_model.tinylora_v.<group>; the registry takes a fixed tuple
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from scute.adapters.checkpoint import LayerCheckpoint
-from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.adapters.conversion import LayerCheckpoint
+from scute.adapters.registry import SavedShapes, register_method
+from scute.ops.slots import Slots
 
 LOGITS = ("vblora_logits_A", "vblora_logits_B")
 KEYS = LOGITS + tuple(f"{k}_topk_{part}" for k in LOGITS for part in ("indices", "weights"))
@@ -35,7 +35,17 @@ def mix(layer: LayerCheckpoint, key: str, bank: Tensor, topk: int) -> Tensor:
     return (w.unsqueeze(-1) * bank[idx]).sum(-2)
 
 
-@register_method("VBLORA", keys=KEYS, global_keys=("vblora_vector_bank",))
+def vblora_shape(s: SavedShapes) -> tuple[int, int]:
+    """(out, in) from the logits' sub-vector counts times the bank's vector length."""
+    def logits(name: str) -> tuple[int, ...]:
+        t = s.tensors
+        return t[name] if name in t else t[f"{name}_topk_indices"]
+
+    length = s.globals["vblora_vector_bank"][1]
+    return logits("vblora_logits_B")[0] * length, logits("vblora_logits_A")[1] * length
+
+
+@register_method("VBLORA", keys=KEYS, global_keys=("vblora_vector_bank",), shapes=vblora_shape)
 def convert_vblora(layer: LayerCheckpoint) -> Slots:
     cfg, i, o = layer.config, layer.in_features, layer.out_features
     bank = layer.global_tensor("vblora_vector_bank")

@@ -15,9 +15,9 @@ import math
 import torch
 from torch import Tensor
 
-from scute.adapters.checkpoint import LayerCheckpoint, intern_shared
+from scute.adapters.conversion import LayerCheckpoint, intern_shared
 from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 
 def kaiming_uniform(shape: tuple[int, int], generator: torch.Generator) -> Tensor:

@@ -35,10 +35,10 @@ import re
 import torch
 from torch import Tensor
 
-from scute.adapters.checkpoint import LayerCheckpoint
-from scute.adapters.dense import full_rank_slots, require_dense
+from scute.adapters.conversion import LayerCheckpoint
+from scute.adapters.methods.dense import full_rank_slots, require_dense
 from scute.adapters.registry import register_method
-from scute.adapters.slots import Slots
+from scute.ops.slots import Slots
 
 MAX_DB = 10  # PEFT's WaveFT layer knows db1..db10 (its config accepts up to db38 but the layer fails past db10)
 

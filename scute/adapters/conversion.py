@@ -1,0 +1,267 @@
+"""Convert a PEFT checkpoint into normal-form `Slots` per layer, validated against the base model.
+
+`convert_checkpoint` groups the checkpoint's tensors by module with the method's registered keys, refuses what
+does not fit (an unknown method or load option, a tensor that is missing, extra, misshapen or not finite, a
+module the base model lacks, a targeted module without tensors) and calls the method's converter once per
+layer with a `LayerCheckpoint`; a bias trained with ``bias="all"`` becomes an exact ``c`` correction for any
+method. `load_adapter` = read + convert + fold into an `Adapter`. Each problem raises `AdapterError` naming the
+adapter, the module and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+import torch
+from torch import Tensor, nn
+
+from scute.adapters.adapter import Adapter
+from scute.adapters.checkpoint import (
+    GLOBAL_PREFIX,
+    LAYER_PREFIX,
+    AdapterCheckpoint,
+    AdapterError,
+    is_targeted,
+    read_checkpoint,
+)
+from scute.adapters.registry import Method, get_method, methods_with_option
+from scute.ops.reference import acc_dtype, rotate_pairs
+from scute.ops.slots import Slots
+
+
+@dataclass
+class LayerCheckpoint:
+    """What a converter sees of one adapted layer: its tensors, the adapter's config and the base layer.
+
+    Converters run on the CPU, in `dtype` — float32, or float64 for a float64 model — which is the dtype
+    `tensor()` returns. `weight` is the base W0 [out, in], copied to the CPU in `dtype` on first use only (most
+    methods never read it), and `bias` the bias the method expects (a bias trained with ``bias="all"`` replaces
+    the base one). Write the method's math with this bias; the loader corrects for the base bias the server keeps.
+    """
+
+    name: str
+    config: Mapping
+    base: nn.Module = field(repr=False)  # the served linear layer: `weight` [out, in], `bias`
+    bias: Tensor | None
+    tensors: dict[str, Tensor]
+    checkpoint: AdapterCheckpoint
+    globals: dict[str, Tensor]
+    layer_shapes: dict[str, tuple[int, int]]  # (out, in) of every layer this adapter adapts, in model order
+    shared: dict = field(default_factory=dict)  # per-adapter cache for values shared by its layers
+    used: set[str] = field(default_factory=set)
+    dense: bool = False  # the user allows an exact dense per-adapter ΔW where no low-rank form exists
+    options: Mapping[str, object] = field(default_factory=dict)  # the method's own load options, as given
+
+    @property
+    def in_features(self) -> int:
+        return self.base.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.base.weight.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return acc_dtype(self.base.weight.dtype)
+
+    @cached_property
+    def weight(self) -> Tensor:
+        return self.base.weight.detach().to(device="cpu", dtype=self.dtype)
+
+    def error(self, problem: str) -> AdapterError:
+        return self.checkpoint.error(problem, self.name)
+
+    def has(self, key: str) -> bool:
+        return key in self.tensors
+
+    def tensor(self, key: str, shape: tuple[int, ...] | None = None) -> Tensor:
+        """The layer's tensor `key` in `dtype`; raises if it is missing or its shape is not `shape`."""
+        if key not in self.tensors:
+            raise self.error(f"missing tensor {key!r}")
+        x = self.tensors[key]
+        if shape is not None and tuple(x.shape) != tuple(shape):
+            raise self.error(
+                f"tensor {key!r} has shape {tuple(x.shape)}, the base layer needs {tuple(shape)} "
+                f"(in_features={self.in_features}, out_features={self.out_features}): "
+                "was this adapter trained for another model?"
+            )
+        self.used.add(key)
+        return x.to(self.dtype)
+
+    def global_tensor(self, key: str) -> Tensor:
+        """A model-level tensor (saved as ``base_model.<key>``) in `dtype`."""
+        if key not in self.globals:
+            raise self.checkpoint.error(f"missing model-level tensor 'base_model.{key}'")
+        return self.globals[key].to(self.dtype)
+
+
+# Shared matrices by content. Kept for the life of the process (a view does not keep its base's Python object
+# alive, so a weak map would forget them); it holds one entry per distinct VeRA (key, r, dims): a few MiB.
+_INTERNED: dict[tuple, Tensor] = {}
+
+
+def intern_shared(x: Tensor) -> Tensor:
+    """Return one tensor per distinct content, so that adapters sharing a matrix share its storage."""
+    x = x.contiguous()
+    key = (x.dtype, tuple(x.shape), hashlib.sha256(x.cpu().view(torch.uint8).numpy().tobytes()).hexdigest())
+    return _INTERNED.setdefault(key, x)
+
+
+def _is_linear(module: nn.Module) -> bool:
+    w = getattr(module, "weight", None)
+    return isinstance(w, Tensor) and w.dim() == 2 and not isinstance(module, nn.Embedding) and not _is_conv1d(module)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' GPT-2-style `Conv1D`: a linear layer whose weight is stored [in, out] (PEFT: fan_in_fan_out)."""
+    return type(module).__name__ == "Conv1D"
+
+
+def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's linear layers by qualified name (plain `nn.Linear` or Scute's `ScuteLinear`)."""
+    return {name: m for name, m in model.named_modules() if _is_linear(m)}
+
+
+def convert_checkpoint(
+    ckpt: AdapterCheckpoint, modules: Mapping[str, nn.Module], dense: bool = False, **options: object
+) -> dict[str, Slots]:
+    """Convert a checkpoint into unfolded `Slots` per module name, validating it against the base `modules`
+    (name -> a linear layer with `weight` [out, in] and `bias`). `dense`, `options`: see `load_adapter`."""
+    method = checkpoint_method(ckpt, options)
+    groups, globals_ = _group_keys(ckpt, method, modules)
+    for key, x in ckpt.tensors.items():
+        if x.is_floating_point() and not torch.isfinite(x).all():
+            raise ckpt.error(f"tensor {key!r} has NaN or Inf values")
+    expected = {n for n in modules if is_targeted(ckpt.config, n)}
+    if missing := sorted(expected - set(groups), key=list(modules).index):
+        if not method.tensorless_targets:
+            raise ckpt.error(f"the config targets {missing[0]} but the file has no tensors for it "
+                             f"({len(missing)} such modules)")
+        groups.update({n: {} for n in missing})
+    shared: dict = {}
+    shapes = {n: tuple(modules[n].weight.shape) for n in sorted(groups, key=list(modules).index)}
+    out: dict[str, Slots] = {}
+    for name in sorted(groups, key=list(modules).index):  # model order: the first problem reported is the first
+        tensors, base = groups[name], modules[name]
+        dtype = acc_dtype(base.weight.dtype)
+        b0 = None if base.bias is None else base.bias.detach().to(device="cpu", dtype=dtype)
+        trained_bias = tensors.pop("base_layer.bias", tensors.pop("bias", None))
+        bias = b0 if trained_bias is None else trained_bias.to(dtype)
+        if bias is not None and tuple(bias.shape) != (shapes[name][0],):
+            raise ckpt.error(f"trained bias has shape {tuple(bias.shape)}, layer needs ({shapes[name][0]},)", name)
+        layer = LayerCheckpoint(name, ckpt.config, base, bias, tensors, ckpt, globals_, shapes, shared, dense=dense,
+                                options=options)
+        if tensors or (method.tensorless_targets and name in expected):  # method tensors, or derived from globals
+            try:
+                slots = method.convert(layer)
+            except AdapterError:
+                raise
+            except ValueError as e:  # a slot that does not fit the layer
+                raise layer.error(str(e)) from e
+        else:  # only a trained bias (bias="all" on a layer the method does not adapt)
+            slots = Slots(layer.in_features, layer.out_features)
+        if extra := sorted(set(tensors) - layer.used):
+            raise layer.error(f"unexpected tensor {extra[0]!r} for {ckpt.peft_type} with this config")
+        out[name] = _correct_bias(slots, b0, bias)
+    return out
+
+
+def checkpoint_method(ckpt: AdapterCheckpoint, options: Mapping[str, object] = {}) -> Method:
+    """The registered method of `ckpt`, after checking that it takes every load option in `options`."""
+    try:
+        method = get_method(ckpt.peft_type)
+    except KeyError as e:
+        raise ckpt.error(e.args[0]) from None
+    for key in options:
+        if key not in method.options:
+            owners = [t for t in methods_with_option(key) if t != method.peft_type]
+            belongs = f" (an option of {', '.join(owners)})" if owners else ""
+            takes = ", ".join(["dense"] + [f"{k} ({o.help})" for k, o in method.options.items()])
+            raise ckpt.error(f"unknown load option {key!r}{belongs}; {method.peft_type} takes: {takes}")
+    return method
+
+
+def _names_pattern(names: tuple[str, ...]) -> str:
+    """A regex alternation of key names, where ``*`` stands for one dotted segment (``adamss_A.*``)."""
+    return "|".join(re.escape(n).replace(r"\*", r"[^.]+") for n in names) or "(?!)"
+
+
+def _group_keys(ckpt: AdapterCheckpoint, method: Method, modules: Mapping[str, nn.Module]):
+    """Split checkpoint keys into per-module tensors (suffix -> tensor) and global tensors (name -> tensor)."""
+    # module.suffix with the shortest module, i.e. the longest suffix ("base_layer.bias" before "bias")
+    layer_key = re.compile(rf"(.+?)\.({_names_pattern(method.keys + ('base_layer.bias', 'bias'))})")
+    global_key = re.compile(_names_pattern(method.global_keys))
+    groups: dict[str, dict[str, Tensor]] = {}
+    globals_: dict[str, Tensor] = {}
+    for key, x in ckpt.tensors.items():
+        if key.startswith(GLOBAL_PREFIX) and global_key.fullmatch(key[len(GLOBAL_PREFIX):]):
+            globals_[key[len(GLOBAL_PREFIX):]] = x
+            continue
+        rel = key[len(LAYER_PREFIX):] if key.startswith(LAYER_PREFIX) else key
+        if ".modules_to_save." in rel or ".trainable_tokens_" in rel:
+            raise ckpt.error(
+                f"tensor {key!r} is a fully trained module copy (modules_to_save / trainable tokens): Scute serves "
+                "adapters of linear layers only; merge it into the base model instead"
+            )
+        match = layer_key.fullmatch(rel)
+        if match is None:
+            raise ckpt.error(f"unexpected tensor {key!r}: not a {ckpt.peft_type} tensor")
+        module, suffix = match.groups()
+        if module not in modules:
+            if suffix == "bias":
+                raise ckpt.error(
+                    f"tensor {key!r} is a trained bias of {module}, which is not a linear layer "
+                    "(bias='all'?): Scute serves adapters of linear layers only"
+                )
+            raise ckpt.error(
+                f"tensor {key!r} is for module {module}, which the base model has no linear layer named: "
+                "was this adapter trained for another model?"
+            )
+        groups.setdefault(module, {})[suffix] = x
+    return groups, globals_
+
+
+def _correct_bias(slots: Slots, b0: Tensor | None, bias: Tensor | None) -> Slots:
+    """The server adds the base bias b0; a method written with another bias b gets ``c += U(b - b0)``."""
+    if bias is None or (b0 is not None and torch.equal(bias, b0)):
+        return slots
+    delta = bias if b0 is None else bias - b0
+    fix = delta * slots.o if slots.o is not None else delta
+    if slots.o2 is not None:
+        fix = fix + slots.o2 * rotate_pairs(delta, slots.rot_group)
+    return replace(slots, c=fix if slots.c is None else slots.c + fix)
+
+
+def load_adapter(
+    path: str | os.PathLike, model: nn.Module, name: str | None = None, allow_pickle: bool = False,
+    dense: bool = False, **options: object,
+) -> Adapter:
+    """Read the PEFT folder `path`, validate it against `model` and convert it into folded slots.
+
+    `dense=True` lets methods without an exact low-rank form (HiRA, ...) be served exactly as a full-rank
+    per-adapter ΔW (in·out elements per layer: see `scute explain`); without it they are refused, saying why.
+    `options`: the method's own load options (Poly's ``task_id``: one adapter per task); a name the method does
+    not take raises, listing those it does. An option given selects one adapter of the checkpoint: it is named
+    and identified apart (``poly@task1``).
+    """
+    ckpt = read_checkpoint(path, allow_pickle=allow_pickle)
+    if ckpt.config.get("fan_in_fan_out") or any(_is_conv1d(m) and is_targeted(ckpt.config, n)
+                                                for n, m in model.named_modules()):
+        raise ckpt.error(
+            "the adapter targets GPT-2-style Conv1D layers (fan_in_fan_out=True: weights stored [in, out]); "
+            "Scute serves adapters of nn.Linear layers only"
+        )
+    method = checkpoint_method(ckpt, options)
+    layers = convert_checkpoint(ckpt, linear_modules(model), dense=dense, **options)
+    folded = {n: s.folded() for n, s in layers.items()}
+    default, identity = os.path.basename(os.path.normpath(os.fspath(path))), ckpt.identity
+    for key, value in options.items():  # a variant of the checkpoint: its own device slot and KV prefixes
+        if value is not None:
+            suffix = method.options[key].suffix.format(value)
+            default, identity = default + suffix, identity + suffix
+    return Adapter(name or default, ckpt.path, ckpt.peft_type, ckpt.config, identity, folded)
