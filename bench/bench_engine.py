@@ -303,6 +303,8 @@ def main() -> None:
                          floor_bytes=floor_bytes, ratio=(r["decode_ms"] or 0) / (1e3 * floor_bytes / bw))
                 rows.append(r)
                 print(fmt(r), flush=True)
+                with open(args.out, "w") as f:  # after every row: a run cut short keeps what it measured
+                    json.dump(dict(device=torch.cuda.get_device_name(), copy_bandwidth=bw, rows=rows), f, indent=1)
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bandwidth=bw,
                   matmul_flops=flops, layers=args.layers, prompt=args.prompt, new_tokens=args.new_tokens,
                   weight_bytes=w_bytes, rows=rows, graphs_captured=engine.runner.graphs.num_captured

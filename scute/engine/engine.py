@@ -58,6 +58,7 @@ class Engine:
             self._capture_graphs()
 
     def _capture_graphs(self) -> None:
+        torch.cuda.empty_cache()  # capturing empties the allocator's cache: count only what the graphs keep
         before = torch.cuda.memory_reserved(self.runner.device)
         self.runner.capture_graphs()
         used = torch.cuda.memory_reserved(self.runner.device) - before
