@@ -71,7 +71,7 @@ def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, slots_ptr, count_ptr, num_tok
     constants and x and T are read in 16-byte vectors (with a runtime block size Triton reads them one element at
     a time). ITERS > 1 in large steps: fewer, longer programs, each paying its setup (its slot's table row, then
     T's pointer: dependent loads) once. On the H200 that saved 3-12 µs per layer at 256 tokens, far less than
-    predicted: the pre-pass there is bound by its arithmetic (docs/performance.md, "Where the time goes").
+    predicted: the pre-pass there is bound by its arithmetic (docs/performance.md, "What is open").
     SKIP_TILED: tokens of a block-diagonal T whose slot has `tile_min` tokens or more (count_ptr: tokens per
     slot) are left to `input_tiles_kernel`."""
     t, c, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)

@@ -44,29 +44,29 @@ MAX_SPLIT_K = 16  # ...whose partials the one-token delta sums in one load of SP
 PRE_PASS_TOKENS = 64  # the input transform's programs take one more chunk per this many tokens (`pre_pass_iters`)
 PRE_PASS_TILE_TOKENS = 128  # ...and from this many tokens on, block transforms of slots with WINDOW_MIN_TOKENS
 WINDOW_MIN_TOKENS = BLOCK_M  # tokens or more run in windows of BLOCK_M tokens (at least BLOCK_M: a window then holds
-# two such slots at most; tiles from 2 tokens a slot: 256 tokens of one OFT adapter 116 -> 84 us, of 64 adapters
-# 142 -> 188, the eighth session's A/B run 1)
+# two such slots at most; windows from 2 tokens a slot measured faster for 256 tokens of one OFT adapter, 116 ->
+# 84 us per layer, and slower for 256 tokens of 64 adapters, 142 -> 188)
 TILE_BLOCKS, WINDOW_WARPS = 2, 4  # blocks of T per program of those windows (one batched product; 4 blocks at 4
 # warps take 168 registers), and warps: OFT 256/1 and 256/16 10-17 us faster per layer than 4 blocks one after the
-# other (4 blocks at 8 warps, or 8 at 16, gained less: the eleventh session's runs 1-2)
+# other (4 blocks at 8 warps, or 8 at 16, gained less)
 PRE_PASS_COPY = 1024  # the row kernel: elements a program copies (tokens without a block transform)...
 PRE_PASS_T_ELEMS = 4096  # ...and elements of T a program reads (whole blocks): ~4k at 4 warps, no register spill
 PRE_PASS_PREFILL_T_ELEMS = 8192  # from PRE_PASS_TILE_TOKENS tokens on, with as many times fewer chunks per program:
 # the same T per program in wider vectors (OFT 256/64 -19 us, 256/1 -5, the mix 256/64 -4; twice the T per program
-# instead cost the mix 256/64 5-9 us: the tenth session's runs 1, 3, 6, 7)
+# instead cost the mix 256/64 5-9 us)
 PRE_PASS_WARPS = 4
 TARGET_EXPAND_PROGRAMS = 4096  # the one-token delta and the epilogue give each program enough chunks to bring
 # their grid to this
 # Triton launch options (module constants: the bench tunes them). HALF_N 64 and 1 warp for the one-token delta
-# are what the fifth session's sweep of bench/bench_ops.py picked on the H200, by a small margin over 128 and 2
-# warps (the fourth session's pick, by as small a margin the other way: bench/results/bench_ops_h200_sweep_halfn.json).
-# 3 persistent programs per SM for the multi-token delta: run 8's sweep (bench/results/bench_ops_h200.json).
+# are what `bench/bench_ops.py --sweep` picked on the H200, by a small margin over 128 and 2 warps
+# (bench/results/sweep_half_n_h200.json); 3 persistent programs per SM for the multi-token delta, 4 items each:
+# bench/results/sweep_tile_programs_h200.json.
 SHRINK_WARPS, EXPAND_WARPS, TILE_WARPS, SHRINK_STAGES, EXPAND_STAGES, TILE_STAGES = 4, 1, 4, 3, 1, 1
 EPILOGUE_WARPS = 4  # with EPILOGUE_HALF_N 512: the sweep's pick (the epilogue's shape moves the layer by ~1 µs)
 SHARED_BLOCK_N, SHARED_MAX_BLOCK_M, SHARED_MAX_BLOCK_K = 128, 64, 64  # the shared group's tile GEMM
 SHARED_WARPS, SHARED_STAGES = 4, 3
 SHARED_FUSED_TOKENS = 16  # up to this many tokens that GEMM forms m ⊙ h itself, without the scale pass (one launch
-# fewer: VeRA at 1 and 16 tokens 9-10 us faster per layer, the ninth session's run 3); from 64 tokens on, its
+# fewer: VeRA at 1 and 16 tokens 9-10 us faster per layer); from 64 tokens on, its
 # per-column-tile gathers of h and m cost more than the pass (VeRA 64/1 +25 us, 256/1 +95)
 TILE_PROGRAMS_PER_SM = 3  # the multi-token delta is persistent: this many programs per SM walk its items...
 TILE_ITEMS_PER_PROGRAM = 4  # ...about this many each (an item's setup is a chain of ~6 dependent loads, so a
@@ -130,7 +130,7 @@ def rows_half_n(num_tiles: int, out_features: Sequence[int], max_rank: int, half
 def persistent_programs(device: torch.device) -> int:
     """Programs of a persistent launch on `device` (a few per SM; 4 in the CPU interpreter). Not capped by what
     an SM holds: at 255 registers only 2 of the 3 fit, yet capping to 2 cost the mix at B=256/64 31 µs and gained
-    VeRA prefill 12 (A/B run 3 of the seventh session)."""
+    VeRA prefill 12."""
     if device.type != "cuda":
         return 4
     return TILE_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
@@ -352,7 +352,7 @@ def lora_delta_shared_(ds: list[Tensor], hv: Tensor, hs: Tensor, x: Tensor, a: T
     Semantics (token t of the group at sorted position i, with slot s; projection p with a_of[p] ≥ 0):
         ds[p][t] = B_p (m[p, s] ⊙ (A_{a_of[p]} x[t]))
     A x for every token (cuBLAS, stored in x's dtype as PEFT's is: which tokens are the group's is known only on
-    the device; 2 µs faster per layer than a float32 A x at the mix 64/64, the ninth session's run 5), m ⊙ h in
+    the device; 2 µs faster per layer than a float32 A x at the mix 64/64), m ⊙ h in
     float32 rounded to the matrices' dtype, the product with B_p in float32 sums (a tile GEMM over the group's
     sorted rows, `shared_expand_kernel`), stored in ds's dtype; rows of other tokens are not written. m ⊙ h is a
     pass of its own (into hs) from SHARED_FUSED_TOKENS + 1 tokens on, else formed inside the GEMM.
