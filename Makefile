@@ -46,7 +46,7 @@ ab: $(VENV)/.demo $(VLLM_VENV)/.installed
 	$(BIN)/python bench/ab_vllm.py --models tiny,smollm2 --vllm-python $(VLLM_VENV)/bin/python
 	$(BIN)/python bench/ab_vllm.py --models tiny,smollm2 --vllm-python $(VLLM_VENV)/bin/python --base-only
 	PYTHONPATH=. VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
-		tests/test_compat_vllm.py -k "signatures or snapshot"
+		tests/compat/test_compat_vllm.py -k "signatures or snapshot"
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info

@@ -20,10 +20,10 @@ steps=${*:-tests profile sweep}
 for step in $steps; do
   start=$(date +%s)
   case $step in
-    tests) timeout 300 python3 -m pytest -q -x tests/test_ops_triton.py tests/test_ops_gpu.py tests/test_linear_groups.py \
-             > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log" ;;
-    engine) timeout 300 python3 -m pytest -q tests/test_engine_gpu.py tests/test_methods_extra.py \
-             tests/test_engine_attention.py > "$OUT/engine.log" 2>&1; tail -3 "$OUT/engine.log" ;;
+    tests) timeout 300 python3 -m pytest -q -x tests/ops/test_ops_triton.py tests/ops/test_ops_gpu.py tests/ops/test_ops_elementwise.py \
+             tests/model/test_linear_groups.py > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log" ;;
+    engine) timeout 300 python3 -m pytest -q tests/engine/test_engine_gpu.py tests/engine/test_cuda_graph_gpu.py \
+             tests/adapters/test_peft_equality.py tests/model/test_attention.py > "$OUT/engine.log" 2>&1; tail -3 "$OUT/engine.log" ;;
     profile) timeout 200 python3 bench/profile_ops.py > "$OUT/profile.log" 2>&1; grep -v "^expand\|^shrink\|^input" "$OUT/profile.log" | tail -40 ;;
     bench) timeout 400 python3 bench/bench_ops.py --out "$OUT/bench_ops.json" > "$OUT/bench.log" 2>&1; tail -25 "$OUT/bench.log" ;;
     sweep) timeout 500 python3 bench/bench_ops.py --sweep --out "$OUT/bench_ops.json" > "$OUT/bench.log" 2>&1

@@ -9,8 +9,7 @@ import pytest
 from peft import LoraConfig
 
 from scute import Engine, SamplingParams
-from tests.helpers import make_adapter, tiny_model
-from tests.test_engine import GREEDY, PROMPTS, Oracle, check
+from tests.helpers import GREEDY, PROMPTS, Oracle, check, make_adapter, tiny_model
 
 
 @pytest.fixture(scope="module")

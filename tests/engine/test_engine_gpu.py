@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from scute import Engine, SamplingParams
-from tests.test_engine import GREEDY, METHODS, NEW_TOKENS, Oracle, _mixed_batch, check
+from tests.helpers import GREEDY, METHODS, NEW_TOKENS, Oracle, check, mixed_requests
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -25,14 +25,14 @@ def specs(oracle, adapters):
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_cuda_fp32_matches_peft(oracle, backend):
-    prompts, adapters = _mixed_batch()
+    prompts, adapters = mixed_requests()
     engine = oracle.engine(device="cuda", attention_backend=backend)
     outputs = engine.generate(prompts, GREEDY, specs(oracle, adapters), use_tqdm=False)
     check(oracle, outputs, prompts, adapters)
 
 
 def test_cuda_fp32_chunked_prefill_preemption_prefix_cache(oracle):
-    prompts, adapters = _mixed_batch()
+    prompts, adapters = mixed_requests()
     bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4  # K+V, 2 layers, 16 tokens, 2 kv heads, head_dim 16, fp32
     engine = oracle.engine(device="cuda", max_num_batched_tokens=32, max_num_seqs=8,
                            kv_cache_memory_bytes=6 * bytes_per_block, max_model_len=64)
@@ -43,7 +43,7 @@ def test_cuda_fp32_chunked_prefill_preemption_prefix_cache(oracle):
 
 
 def test_cuda_bf16_run_completes(oracle):
-    prompts, adapters = _mixed_batch()
+    prompts, adapters = mixed_requests()
     engine = oracle.engine(device="cuda", dtype="bfloat16")
     outputs = engine.generate(prompts, GREEDY, specs(oracle, adapters), use_tqdm=False)
     for out in outputs:

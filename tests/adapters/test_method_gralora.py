@@ -1,9 +1,6 @@
-"""GraLoRA against PEFT: per layer (unfolded and folded) and whole model, float64 (≤ 1e-10) and float32 (≤ 1e-5),
-on llama and qwen2 (biased q/k/v), several k, r, hybrid ranks and targets; inconsistent checkpoints refused; and one
-batch mixing a GraLoRA adapter with a LoRA one and base rows.
-
-The widths of the tiny model (hidden 64, intermediate 96, k/v out 32) are divisible by k = 1, 2, 4, 8 on every
-linear layer, so those run on ALL_LINEAR.
+"""GraLoRA (its configs against PEFT: `test_peft_equality.py`): registration, the normal form's rank and
+block structure, inconsistent checkpoints refused, and one batch mixing GraLoRA adapters with a LoRA one and base
+rows, each row against PEFT with that adapter alone.
 """
 
 from __future__ import annotations
@@ -17,29 +14,18 @@ import scute.adapters.methods.gralora
 from scute.adapters import AdapterError, convert_checkpoint, load_adapter, read_checkpoint, supported_methods
 from scute.adapters.conversion import linear_modules
 from scute.adapters.registry import get_method
-from scute.model.hf import place_adapter, swap_linears
-from tests.helpers import ALL_LINEAR, edit_adapter_config, effect_err, make_adapter, rel_err, tiny_model
-from tests.test_methods_extra import BOTH, QKV, T4, TOL, assert_matches_peft, peft_grid, run
+from tests.helpers import (
+    ALL_LINEAR,
+    TOL,
+    assert_rows_match,
+    edit_adapter_config,
+    make_adapter,
+    mixed_forward,
+    peft_alone,
+    tiny_model,
+)
 
-CASES = {
-    "k2_r4": (lambda: GraloraConfig(r=4, gralora_k=2, alpha=8, target_modules=T4), BOTH),
-    "k4_r8_hybrid3": (lambda: GraloraConfig(r=8, gralora_k=4, hybrid_r=3, alpha=5, target_modules=ALL_LINEAR),
-                      BOTH),
-    # s = r / k = 1: every sub-block rank 1
-    "k8_r8": (lambda: GraloraConfig(r=8, gralora_k=8, alpha=12, target_modules=ALL_LINEAR), ("llama",)),
-    # k = 1 is plain LoRA (plus the hybrid LoRA)
-    "k1_r3_hybrid2": (lambda: GraloraConfig(r=3, gralora_k=1, hybrid_r=2, alpha=7, target_modules=T4), ("llama",)),
-    "k2_r6_hybrid1": (lambda: GraloraConfig(r=6, gralora_k=2, hybrid_r=1, alpha=3, target_modules=T4), ("qwen2",)),
-    # trained biases (saved as base_layer.bias): the loader's generic correction
-    "k2_r4_bias": (lambda: GraloraConfig(r=4, gralora_k=2, hybrid_r=2, bias="gralora_only", target_modules=QKV),
-                   ("qwen2",)),
-}
-
-
-@peft_grid({c: fams for c, (_, fams) in CASES.items()})
-def test_gralora_matches_peft(case, family, dtype, tmp_path):
-    assert_matches_peft(tmp_path, CASES[case][0](), family, dtype)
-
+T4 = ["q_proj", "v_proj", "up_proj", "down_proj"]
 
 def test_gralora_registered():
     """The registry serves GraLoRA through `scute.adapters.methods.gralora`."""
@@ -86,29 +72,16 @@ def test_gralora_mixed_batch(dtype, tmp_path):
     """One forward with rows of two GraLoRA adapters (one hybrid), a LoRA adapter and base rows, in shuffled
     slots: each row equals PEFT with that adapter alone."""
     configs = {
-        "gralora": GraloraConfig(r=8, gralora_k=4, hybrid_r=3, alpha=5, target_modules=ALL_LINEAR),
-        "gralora_k2": GraloraConfig(r=4, gralora_k=2, alpha=8, target_modules=T4),
-        "lora": LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR),
+        "gralora": lambda: GraloraConfig(r=8, gralora_k=4, hybrid_r=3, alpha=5, target_modules=ALL_LINEAR),
+        "gralora_k2": lambda: GraloraConfig(r=4, gralora_k=2, alpha=8, target_modules=T4),
+        "lora": lambda: LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR),
     }
     ids = torch.randint(0, 128, (5, 6), generator=torch.Generator().manual_seed(3))
+    refs, paths = peft_alone(tmp_path, configs, "qwen2", dtype, ids, seed=20)
     model = tiny_model("qwen2", dtype)
-    refs, adapters = {}, {}
-    for i, (name, config) in enumerate(configs.items()):
-        peft_model = make_adapter(str(tmp_path / name), config, "qwen2", dtype, seed=20 + i)
-        with torch.no_grad():
-            refs[name] = peft_model(ids).logits
-        adapters[name] = load_adapter(tmp_path / name, model, name=name)
+    adapters = {name: load_adapter(path, model, name=name) for name, path in paths.items()}
     with torch.no_grad():
         base_logits = model(ids).logits
-    linears = swap_linears(model, max_adapters=3)
-    order = ["lora", "gralora", "gralora_k2"]
-    for slot, name in enumerate(order):
-        place_adapter(linears, slot, adapters[name])
     rows = ["gralora", None, "lora", "gralora_k2", None]
-    logits = run(model, [-1 if r is None else order.index(r) for r in rows], ids)
-    for i, name in enumerate(rows):
-        if name is None:
-            assert torch.equal(logits[i], base_logits[i])
-            continue
-        assert rel_err(logits[i], refs[name][i]) <= TOL[dtype]["rel"], name
-        assert effect_err(logits[i], refs[name][i], base_logits[i]) <= TOL[dtype]["effect"], name
+    logits = mixed_forward(model, adapters, ["lora", "gralora", "gralora_k2"], rows, ids)
+    assert_rows_match(logits, rows, refs, base_logits, TOL[dtype])

@@ -15,58 +15,23 @@ from peft import LoraConfig, PeftModel
 from scute import AdapterRequest, Engine, SamplingParams
 from scute.engine import model_runner
 from tests.helpers import FIVE_METHODS as CONFIGS
-from tests.helpers import ALL_LINEAR, make_adapter, tiny_model
-
-METHODS = list(CONFIGS)
-NEW_TOKENS = 8
-GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
-
-
-def _prompts(lengths, seed=0, vocab=128):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-PROMPTS = _prompts([3, 11, 21, 37])
-
-
-class Oracle:
-    """Adapters saved on disk and their transformers + PEFT greedy references (computed once, cached)."""
-
-    def __init__(self, root, family: str = "llama") -> None:
-        self.family, self.paths, self._refs = family, {}, {}
-        for i, (name, config) in enumerate(CONFIGS.items()):
-            self.paths[name] = str(root / f"{family}-{name}")
-            make_adapter(self.paths[name], config(), family, seed=10 + i)
-
-    def reference(self, adapter: str | None, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
-        key = (adapter, tuple(prompt), new_tokens)
-        if key not in self._refs:
-            model = tiny_model(self.family)
-            if adapter is not None:
-                model = PeftModel.from_pretrained(model, self.paths[adapter]).eval()
-            with torch.no_grad():
-                out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                     do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-            self._refs[key] = out[0, len(prompt):].tolist()
-        return self._refs[key]
-
-    def engine(self, **options) -> Engine:
-        options = {"device": "cpu", "dtype": "float32", "max_model_len": 128, **options}
-        return Engine(tiny_model(self.family), **options)
+from tests.helpers import (
+    ALL_LINEAR,
+    GREEDY,
+    METHODS,
+    NEW_TOKENS,
+    PROMPTS,
+    Oracle,
+    check,
+    make_adapter,
+    mixed_requests,
+    random_prompts,
+)
 
 
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory):
     return Oracle(tmp_path_factory.mktemp("adapters"))
-
-
-def check(oracle: Oracle, outputs, prompts, adapters, new_tokens: int = NEW_TOKENS) -> None:
-    for out, prompt, adapter in zip(outputs, prompts, adapters, strict=True):
-        assert out.error is None, out.error
-        assert out.finished and out.outputs[0].finish_reason == "length"
-        want = oracle.reference(adapter, prompt, new_tokens)
-        assert out.outputs[0].token_ids == want, f"adapter {adapter}, prompt of {len(prompt)} tokens"
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -76,18 +41,8 @@ def test_each_method_matches_peft(oracle, method):
     check(oracle, outputs, PROMPTS, [method] * len(PROMPTS))
 
 
-def _mixed_batch():
-    names = [None, *METHODS]
-    prompts, adapters = [], []
-    for i, prompt in enumerate(PROMPTS):
-        for j in range(len(names)):
-            prompts.append(prompt)
-            adapters.append(names[(i + j) % len(names)])
-    return prompts, adapters
-
-
 def test_all_methods_and_base_in_one_batch(oracle, monkeypatch):
-    prompts, adapters = _mixed_batch()
+    prompts, adapters = mixed_requests()
     engine = oracle.engine()
     specs = [None if a is None else oracle.paths[a] for a in adapters]
     steps = []  # each step's host-side slot set (what the adapter kernels specialize on) and its token slots
@@ -106,8 +61,8 @@ def test_all_methods_and_base_in_one_batch(oracle, monkeypatch):
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_prefix_caching_on_and_off(oracle, prefix_caching):
-    shared = _prompts([24], seed=5)[0]
-    prompts = [shared + tail for tail in _prompts([2, 5, 9], seed=6)]
+    shared = random_prompts([24], seed=5)[0]
+    prompts = [shared + tail for tail in random_prompts([2, 5, 9], seed=6)]
     adapters = ["lora", "lora", None]
     engine = oracle.engine(enable_prefix_caching=prefix_caching, block_size=4)
     specs = [None if a is None else oracle.paths[a] for a in adapters]
@@ -121,7 +76,7 @@ def test_prefix_caching_on_and_off(oracle, prefix_caching):
 
 def test_prefix_cache_is_keyed_by_adapter_content(oracle, tmp_path):
     """The same prompt under the same adapter *name*, after the folder changed: never the stale KV."""
-    prompt = _prompts([30], seed=7)[0]
+    prompt = random_prompts([30], seed=7)[0]
     engine = oracle.engine(block_size=4)
     path = tmp_path / "swap"
     for method in ("lora", "dora", "lora"):
@@ -134,7 +89,7 @@ def test_prefix_cache_is_keyed_by_adapter_content(oracle, tmp_path):
 
 
 def test_preemption_under_a_tiny_kv_budget(oracle):
-    prompts, adapters = _mixed_batch()
+    prompts, adapters = mixed_requests()
     bytes_per_block = 2 * 2 * 4 * 2 * 16 * 4  # K+V, 2 layers, 4 tokens, 2 kv heads, head_dim 16, fp32
     engine = oracle.engine(block_size=4, kv_cache_memory_bytes=20 * bytes_per_block, max_model_len=64)
     specs = [None if a is None else oracle.paths[a] for a in adapters]
@@ -144,7 +99,7 @@ def test_preemption_under_a_tiny_kv_budget(oracle):
 
 
 def test_chunked_prefill_forced(oracle):
-    prompts, adapters = _mixed_batch()
+    prompts, adapters = mixed_requests()
     engine = oracle.engine(max_num_batched_tokens=7, max_num_seqs=4)
     specs = [None if a is None else oracle.paths[a] for a in adapters]
     outputs = engine.generate(prompts, GREEDY, specs, use_tqdm=False)
@@ -153,7 +108,7 @@ def test_chunked_prefill_forced(oracle):
 
 def test_few_adapter_slots(oracle):
     """max_adapters=2 with five adapters in the batch: slots are evicted and reused, results unchanged."""
-    prompts, adapters = _mixed_batch()
+    prompts, adapters = mixed_requests()
     engine = oracle.engine(max_adapters=2)
     names = {}
     for method in METHODS:
@@ -171,7 +126,7 @@ def test_output_independent_of_the_batch(oracle):
     sampled = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
     for sp in (GREEDY, sampled):
         [alone] = engine.generate([target], sp, [oracle.paths["dora"]], use_tqdm=False)
-        others, adapters = _mixed_batch()
+        others, adapters = mixed_requests()
         crowd = engine.generate(others + [target], [GREEDY] * len(others) + [sp],
                                 [None if a is None else oracle.paths[a] for a in adapters] + [oracle.paths["dora"]],
                                 use_tqdm=False)
@@ -181,7 +136,7 @@ def test_output_independent_of_the_batch(oracle):
 
 def test_qwen2_mixed_batch(tmp_path):
     oracle = Oracle(tmp_path, "qwen2")
-    prompts, adapters = _mixed_batch()
+    prompts, adapters = mixed_requests()
     engine = oracle.engine(max_num_batched_tokens=16, max_num_seqs=8, block_size=8)
     outputs = engine.generate(prompts, GREEDY, [None if a is None else oracle.paths[a] for a in adapters],
                               use_tqdm=False)
@@ -274,7 +229,7 @@ def test_alora_matches_peft(oracle, alora):
     generated tokens included, and nowhere if they do not occur: greedy tokens equal PEFT's aLoRA `generate`,
     next to base requests in one batch. The gate matters: the same tensors applied to every token (a plain
     LoRA) give other tokens."""
-    raw = _prompts([30, 30, 30, 30, 12], seed=9)
+    raw = random_prompts([30, 30, 30, 30, 12], seed=9)
     prompts = [_invoke(raw[0], 0), _invoke(raw[1], 14), _invoke(raw[2], 3, 20), _invoke(raw[3], 27), raw[4]]
     assert INVOCATION[0] not in raw[4]  # no invocation: the base model throughout
     engine = oracle.engine(block_size=4)
@@ -289,11 +244,11 @@ def test_alora_matches_peft(oracle, alora):
 def test_alora_prefix_shares_the_base_kv_cache(oracle, alora):
     """The tokens before an aLoRA's invocation run on the base model: a base request's cached blocks serve them
     (and the blocks the adapter touches are never served to a base request)."""
-    shared = _prompts([24], seed=11)[0]
+    shared = random_prompts([24], seed=11)[0]
     assert INVOCATION[0] not in shared
     engine = oracle.engine(block_size=4)
     [base] = engine.generate([shared + [5]], GREEDY, [None], use_tqdm=False)
-    prompt = _invoke(shared + _prompts([6], seed=12)[0], 24)
+    prompt = _invoke(shared + random_prompts([6], seed=12)[0], 24)
     [out] = engine.generate([prompt], GREEDY, [alora], use_tqdm=False)
     check(oracle, [base, out], [shared + [5], prompt], [None, "alora"])
     assert out.num_cached_tokens == 24

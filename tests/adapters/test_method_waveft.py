@@ -1,75 +1,17 @@
-"""WaveFT against PEFT itself: per layer (unfolded and folded) and whole model, float64 (≤ 1e-10) and float32
-(≤ 1e-5), both families, served as a dense ΔW (``dense=True``); the refusals.
-
-PEFT's spectrum and inverse DWT run in the adapter's dtype (float64 on a float64 base). The coefficient positions
-are not in the file: PEFT regenerates them from `random_loc_seed` when it builds the layer, as Scute does at load;
-one case checks against PEFT *reloading* the saved adapter.
-
-One adjustment, in float64 only (`exact_filters`): PEFT's tabulated db3 filter (copied from PyWavelets) is up to
-3.6e-12 off the exact Daubechies filter that Scute computes (its squares sum to 1 + 4.2e-12; db1, db2, db4..db10
-agree to the last bit), which the tiny model's layers amplify to ~5e-10 in the float64 logits. The float64
-reference is PEFT with its filter table replaced by the exact filters (`test_peft_db3_table_quirk` pins the
-difference); in float32 it is PEFT's own table, untouched.
+"""WaveFT (its configs against PEFT, served dense: `test_peft_equality.py`): the Daubechies filters, the one
+quirk of PEFT's filter table (db3, which `tests/helpers.exact_filters` replaces in float64), odd layer shapes
+against PEFT's layer, and the refusals.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-from peft import PeftModel, WaveFTConfig
+from peft import WaveFTConfig
 
 from scute.adapters import AdapterError, load_adapter
 from scute.adapters.methods.waveft import daubechies
-from tests.helpers import ALL_LINEAR, make_adapter, tiny_model
-from tests.test_methods_extra import BOTH, T4, assert_matches_peft
-
-
-@contextlib.contextmanager
-def exact_filters(dtype):
-    """PEFT's WaveFT with the exact Daubechies filters in its table (float64 only; see the module docstring)."""
-    if dtype != torch.float64:
-        yield
-        return
-    from peft.tuners.waveft import wavelet
-
-    saved = dict(wavelet._WAVELET_COEFFS)
-    wavelet._WAVELET_COEFFS.update({f"db{n}": list(daubechies(n)) for n in range(1, 11)})
-    try:
-        yield
-    finally:
-        wavelet._WAVELET_COEFFS.clear()
-        wavelet._WAVELET_COEFFS.update(saved)
-
-# in/out: 64/64 (q, o), 64/32 (k, v), 64/96 (gate, up), 96/64 (down)
-CASES = {
-    "db1": lambda: WaveFTConfig(n_frequency=300, scaling=5.0, target_modules=ALL_LINEAR),
-    # L = 4: a padded 66×66 grid etc.; n per layer from the pattern
-    "db2_pattern": lambda: WaveFTConfig(n_frequency=150, scaling=7.0, wavelet_family="db2", random_loc_seed=3,
-                                        n_frequency_pattern={"up_proj": 40, "k_proj": 2048}, target_modules=ALL_LINEAR),
-    "db3": lambda: WaveFTConfig(n_frequency=120, scaling=3.0, wavelet_family="db3", target_modules=T4),
-    # L = 20: the grid is 18 wider than the layer on each axis
-    "db10": lambda: WaveFTConfig(n_frequency=500, scaling=2.0, wavelet_family="db10", target_modules=T4),
-    "no_idwt": lambda: WaveFTConfig(n_frequency=200, scaling=4.0, use_idwt=False, target_modules=ALL_LINEAR),
-    "proportional": lambda: WaveFTConfig(n_frequency=100, scaling=5.0, wavelet_family="db4",
-                                         proportional_parameters=True, target_modules=ALL_LINEAR),
-}
-
-
-@pytest.mark.parametrize("family", BOTH)
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_waveft_matches_peft(case, dtype, family, tmp_path):
-    assert_matches_peft(tmp_path, CASES[case](), family, dtype, run_ctx=exact_filters, dense=True)
-
-
-def test_waveft_matches_peft_reloaded(tmp_path):
-    """The positions come from the seed on both sides: PEFT reloading the file agrees too."""
-    config = WaveFTConfig(n_frequency=250, scaling=6.0, wavelet_family="db5", random_loc_seed=11, target_modules=T4)
-    reload = lambda path: PeftModel.from_pretrained(tiny_model("qwen2", torch.float64), path).eval()
-    assert assert_matches_peft(tmp_path, config, "qwen2", torch.float64, dense=True, reference=reload,
-                               run_ctx=exact_filters) <= 1e-10
+from tests.helpers import exact_filters, make_adapter, tiny_model
 
 
 def test_daubechies_filters():

@@ -108,8 +108,8 @@ def test_triton_paged_attention_in_the_interpreter():
     """Triton's interpreter mode is fixed when triton is first imported, so this runs in a fresh process."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = "import tests.test_engine_attention as t; t.check_triton('cpu')"
+    root = os.path.abspath(os.path.join(__file__, "../../.."))  # the repository root
+    code = "import tests.model.test_attention as t; t.check_triton('cpu')"
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
 

@@ -1,6 +1,6 @@
-"""AdaMSS against PEFT: per layer (unfolded and folded) and whole model, float64 (≤ 1e-10) and float32 (≤ 1e-5),
-llama and qwen2 (biased q/k/v: the bias column of newB); against PEFT reloading the checkpoint (which recomputes
-the row partition from W0, as Scute does) with a perturbed newB; and the refusals.
+"""AdaMSS (its configs against PEFT: `test_peft_equality.py`): against PEFT reloading the checkpoint (which
+recomputes the row partition from W0, as Scute does) with a perturbed newB (bias column included, on qwen2); and the
+refusals.
 
 PEFT needs scikit-learn to build an AdaMSS adapter (KMeans), and so does Scute to recompute its partition.
 """
@@ -16,29 +16,7 @@ from peft import AdamssConfig, PeftModel
 from safetensors.torch import load_file, save_file
 
 from scute.adapters import AdapterError, load_adapter
-from tests.helpers import ALL_LINEAR, make_adapter, tiny_model
-from tests.test_methods_extra import BOTH, T4, assert_matches_peft, peft_grid
-
-
-# name -> (config factory, families)
-CASES = {
-    # Σr_i = 4·2 = 8 ≤ R = 16: A = Â N_x, B = B̂
-    "k4_r2": (lambda: AdamssConfig(r=16, num_subspaces=4, subspace_rank=2, target_modules=ALL_LINEAR), BOTH),
-    # PEFT's defaults (r=100 clamps to min(out, in'): R = 32 on k/v, 64/65 elsewhere; K=5, r_i=1)
-    "defaults": (lambda: AdamssConfig(target_modules=T4), BOTH),
-    # Σr_i = 6·3 = 18 > R = 8: A = N_x, B = B̂ Â; random_seed changes the partition
-    "rank_R": (lambda: AdamssConfig(r=8, num_subspaces=6, subspace_rank=3, random_seed=7,
-                                    target_modules=T4 + ["k_proj"]), BOTH),
-    # dynamic ranks (r_i ≤ 3 from the subspaces' spectra) and ASA (training only)
-    "dynamic_asa": (lambda: AdamssConfig(r=24, num_subspaces=3, subspace_rank=3, use_dynamic_rank=True,
-                                         svd_threshold=0.3, use_asa=True, asa_target_subspaces=4,
-                                         target_modules=ALL_LINEAR), ("qwen2",)),
-}
-
-
-@peft_grid({c: fams for c, (_, fams) in CASES.items()})
-def test_adamss_matches_peft(case, family, dtype, tmp_path):
-    assert_matches_peft(tmp_path, CASES[case][0](), family, dtype)
+from tests.helpers import ALL_LINEAR, assert_matches_peft, make_adapter, tiny_model
 
 
 def _scatter_indices(peft_model) -> dict[str, torch.Tensor]:

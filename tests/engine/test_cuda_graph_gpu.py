@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from scute import SamplingParams
-from tests.test_engine import Oracle, _mixed_batch
+from tests.helpers import Oracle, mixed_requests
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -30,7 +30,7 @@ def _run(oracle, prompts, adapters, params, **options):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("pressure", [False, True], ids=["roomy", "chunked-preempted"])
 def test_graph_tokens_equal_eager(oracle, dtype, pressure):
-    prompts, adapters = _mixed_batch()
+    prompts, adapters = mixed_requests()
     # requests of different lengths finish at different steps: the batch shrinks through several buckets
     params = [SamplingParams(temperature=0, max_tokens=6 + 3 * (i % 5), ignore_eos=True) for i in range(len(prompts))]
     options = dict(dtype=dtype)
@@ -52,7 +52,7 @@ def test_graphs_follow_adapter_placements(oracle):
     """Two adapter slots, five methods: each batch evicts and places adapters, so the layout (and the set of
     passes a step needs) changes between batches; every batch's tokens still equal the eager engine's."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    prompts = _mixed_batch()[0][:6]
+    prompts = mixed_requests()[0][:6]
     graphed = oracle.engine(device="cuda", max_adapters=2)
     eager = oracle.engine(device="cuda", max_adapters=2, enforce_eager=True)
     for pair in [("lora", "ia3"), ("oft", "vera"), ("dora", None), (None, None), ("lora", "oft")]:

@@ -34,7 +34,7 @@ def test_in_a_fresh_interpreter_process():
         pytest.skip("this process runs the tests itself")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          check=False, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env,
+                          check=False, cwd=os.path.abspath(os.path.join(__file__, "../../..")), env=env,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 

@@ -13,7 +13,7 @@ import scute
 import scute.compat.vllm as shim
 from scute.compat.signatures import api_records
 
-SNAPSHOT = os.path.join(os.path.dirname(__file__), "data", "vllm_signatures.json")
+SNAPSHOT = os.path.join(os.path.dirname(__file__), "..", "data", "vllm_signatures.json")
 SHIM_CLASSES = {"LLM": shim.LLM, "SamplingParams": shim.SamplingParams, "LoRARequest": shim.LoRARequest,
                     "RequestOutput": shim.RequestOutput, "CompletionOutput": shim.CompletionOutput}
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scute import Engine, SamplingParams
-from tests.helpers import tiny_model
-from tests.test_engine import PROMPTS
+from tests.helpers import PROMPTS, tiny_model
 
 
 class LetterTokenizer:
