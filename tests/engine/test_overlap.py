@@ -1,0 +1,100 @@
+"""The engine's overlap of decode steps with the host (runs on the CPU, where CI runs).
+
+On CUDA a decode step is launched before the tokens of the step in flight are read (`Engine._step`). Here a
+stand-in runner plays the GPU: its "model" is a fixed function of the input token and its position, its launch
+returns an `InFlight` whose tokens the engine reads one call later, and an input token the host does not have
+yet comes from the step in flight, as on the device. The same requests through the same stand-in without
+overlap (every step run to its end) must give the same tokens, finish reasons and stop reasons: stops found one
+step late, a stopped request's extra token dropped, preemption in between. An abort keeps the tokens that had
+landed: the one in flight, which no output showed yet, is dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scute import Engine, SamplingParams
+from scute.engine.model_runner import InFlight
+from scute.engine.sampler import SamplerOutput
+from tests.helpers import random_prompts, tiny_model
+
+VOCAB = 128
+
+
+def model(token: int, position: int) -> int:
+    return (token * 31 + position * 7 + 3) % VOCAB
+
+
+class Done:
+    def synchronize(self) -> None:
+        pass
+
+
+class StandInRunner:
+    """`ModelRunner`'s two entry points over `model`. `overlap=False`: `launch` declines, as for eager steps."""
+
+    def __init__(self, overlap: bool) -> None:
+        self.overlap, self.graphs, self.launched = overlap, None, 0
+
+    def execute(self, sched, sampling):
+        tokens = [model(r.all_token_ids[r.num_tokens - 1], r.num_tokens - 1) for r in sampling]
+        return SamplerOutput(torch.tensor(tokens, dtype=torch.int64), None, None, None) if sampling else None
+
+    def launch(self, sched, sampling, flight):
+        if not self.overlap or any(n != 1 for _, n in sched.scheduled) or len(sampling) != len(sched.scheduled):
+            return None
+        tokens = []
+        for req in sampling:
+            pos = req.num_computed_tokens
+            token = req.all_token_ids[pos] if pos < len(req.all_token_ids) else \
+                int(flight.result.token_ids[flight.rows[req]])  # in flight: taken "on the device"
+            tokens.append(model(token, pos))
+        self.launched += 1
+        result = SamplerOutput(torch.tensor(tokens, dtype=torch.int64), None, None, None)
+        return InFlight(sampling, result, result.token_ids.clone(), Done(), {r: i for i, r in enumerate(sampling)})
+
+
+def _run(overlap: bool, min_length: int = 4, **options):
+    engine = Engine(tiny_model(), device="cpu", dtype="float32", max_model_len=64, **options)
+    engine.runner = runner = StandInRunner(overlap)
+    prompts = random_prompts([3, 9, 17, 5, 12, 30], seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=min_length + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    params[2] = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[model(5, 20), 17, 40, 64])
+    params[4] = SamplingParams(temperature=0, max_tokens=30, min_tokens=6, stop_token_ids=[17, 40, 64, 90])
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, sp)
+    outputs, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].finish_reason,
+                                           out.outputs[0].stop_reason)
+        steps += 1
+        if steps == 6:
+            engine.abort_request("r5")
+    return outputs, engine, runner
+
+
+def test_overlapped_steps_give_the_tokens_of_steps_run_to_their_end():
+    want, eager, _ = _run(False)
+    got, engine, runner = _run(True)
+    assert runner.launched > 0  # the overlap ran
+    aborted, aborted_want = got.pop("r5"), want.pop("r5")
+    assert got == want
+    assert aborted[1:] == aborted_want[1:] == ("abort", None)
+    assert aborted[0] == aborted_want[0][: len(aborted[0])] and len(aborted[0]) >= len(aborted_want[0]) - 1
+    assert {o[1] for o in want.values()} >= {"length", "stop"}
+    # the overlapped engine computed the stopped requests' one extra token each (dropped)
+    assert engine.stats["batched_tokens"] > eager.stats["batched_tokens"]
+    dropped = len(aborted_want[0]) - len(aborted[0])  # the aborted request's token in flight
+    assert engine.stats["generated_tokens"] == eager.stats["generated_tokens"] - dropped
+
+
+def test_overlap_with_preemption():
+    bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4  # K+V, 2 layers, 16 tokens, 2 kv heads, head_dim 16, fp32
+    options = dict(kv_cache_memory_bytes=4 * bytes_per_block, max_num_batched_tokens=32, max_num_seqs=6)
+    want, _, _ = _run(False, min_length=20, **options)
+    got, engine, runner = _run(True, min_length=20, **options)
+    assert runner.launched > 0 and engine.stats["preemptions"] > 0
+    got.pop("r5"), want.pop("r5")
+    assert got == want
