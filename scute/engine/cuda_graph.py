@@ -36,9 +36,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from scute.model.linear import ScuteLinear
-
-NUM_KINDS = 4  # the fields of `scute.ops.pool.StepKinds`
-
+from scute.ops.pool import StepKinds
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """The padded decode batch sizes a graph is captured for: 1, 2, 4, 8, then every 16 up to max_num_seqs."""
@@ -51,22 +49,20 @@ class AdapterLayout:
     graphs) and `slot_kinds[s]` (the passes slot s needs in some layer, a bit per `StepKinds` field)."""
 
     def __init__(self, linears: Iterable[ScuteLinear], num_slots: int) -> None:
-        units, seen = [], set()
+        units = {}  # the calls a forward makes with adapters: a group with an adapted member, or a lone layer
         for lin in linears:
-            unit = lin.group if lin.group is not None and any(m.num_filled for m in lin.group.members) else lin
-            if id(unit) in seen or not getattr(unit, "num_filled", 1):
-                continue
-            seen.add(id(unit))
-            units.append(unit)
-        self.complete = all(u.pool is not None for u in units)  # else: an eager step builds the missing pools
-        pools = [u.pool for u in units if u.pool is not None]
+            if lin.group is not None and any(m.num_filled for m in lin.group.members):
+                units[id(lin.group)] = lin.group
+            elif lin.num_filled:
+                units[id(lin)] = lin
+        pools = [u.pool for u in units.values()]
+        self.complete = None not in pools  # else: an eager step builds the missing pools first
+        pools = [p for p in pools if p is not None]
         self.key = tuple((p.signature, tuple(p.kind_masks)) for p in pools)
-        self.slot_kinds = [0] * num_slots
+        masks = [0] * len(StepKinds._fields)  # per pass: the slots that need it in some layer
         for p in pools:
-            for k, mask in enumerate(p.kind_masks):
-                for s in range(num_slots):
-                    if mask >> s & 1:
-                        self.slot_kinds[s] |= 1 << k
+            masks = [m | pm for m, pm in zip(masks, p.kind_masks)]
+        self.slot_kinds = [sum((m >> s & 1) << k for k, m in enumerate(masks)) for s in range(num_slots)]
 
     def step_key(self, slots: Iterable[int]) -> int:
         """The passes a step with these token slots needs (−1, the base model, needs none)."""

@@ -23,7 +23,7 @@ from scute.engine.kv_plan import plan_kv_cache
 from scute.engine.model_runner import InFlight, ModelRunner
 from scute.engine.output_processor import OutputProcessor
 from scute.engine.request import AdapterRequest, Request
-from scute.engine.scheduler import Scheduler
+from scute.engine.scheduler import Scheduler, SchedulerOutput
 from scute.model.loader import load_model
 from scute.outputs import RequestOutput
 from scute.sampling_params import SamplingParams
@@ -170,9 +170,17 @@ class Engine:
             sched.scheduled = [(r, n) for r, n in sched.scheduled if not r.is_finished]
             sched.num_batched_tokens = sum(n for _, n in sched.scheduled)
             sampling = [r for r in sampling if not r.is_finished]
-        if not sched.scheduled:
-            failed = [] if landed else self._fail_unschedulable()
-            return [self._output(r) for r in done + [r for r in landed if r.is_finished or stream] + failed]
+        if sched.scheduled:
+            landed += self._run(sched, sampling, flight)
+        elif not landed:
+            done += self._fail_unschedulable()
+        done += [r for r in landed if r.is_finished]
+        progressed = [r for r in landed if not r.is_finished] if stream else []
+        return [self._output(r) for r in done + progressed]
+
+    def _run(self, sched: SchedulerOutput, sampling: list[Request], flight: InFlight | None) -> list[Request]:
+        """Account for a scheduled step: run it to its end unless it is `flight` (launched, its tokens pending);
+        returns the requests whose tokens it appended."""
         result = self.runner.execute(sched, sampling) if flight is None else None
         for req, num_new in sched.scheduled:
             req.num_computed_tokens += num_new
@@ -184,12 +192,11 @@ class Engine:
             for req in sampling:
                 req.num_pending += 1
             self._in_flight = flight
-        elif result is not None:
-            self._append_tokens(sampling, result)
-            landed += sampling
-        done += [r for r in landed if r.is_finished]
-        progressed = [r for r in landed if not r.is_finished] if stream else []
-        return [self._output(r) for r in done + progressed]
+            return []
+        if result is None:
+            return []
+        self._append_tokens(sampling, result)
+        return sampling
 
     def _land(self) -> list[Request]:
         """Read the tokens of the step in flight (waiting for the GPU if it is still running), append them and

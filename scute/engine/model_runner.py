@@ -67,10 +67,13 @@ class ModelRunner:
             "logits_indices": self._zeros(max_seqs, torch.int64),
             "sample_slots": self._zeros(max_seqs, torch.int64),
         }
+        # Two sets of pinned host mirrors, used in turn: a decode step's copies may still be queued behind the step
+        # in flight when the next step writes its inputs, but the copies of the step before it are done (the host
+        # waited for that step's tokens).
+        self._inputs = (self._tokens, self._seqs, self.buffers["block_tables"])
         pinned = self.device.type == "cuda"
-        self._host = {name: torch.zeros(t.shape, dtype=t.dtype, pin_memory=pinned)
-                      for name, t in (("tokens", self._tokens), ("seqs", self._seqs),
-                                      ("block_tables", self.buffers["block_tables"]))}
+        self._mirrors = [[torch.zeros(t.shape, dtype=t.dtype, pin_memory=pinned) for t in self._inputs]
+                         for _ in range(2)]
         seed_gen = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(seed_gen)
         self.max_model_len = max_model_len
@@ -102,18 +105,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, sampling: list[Request]) -> SamplerOutput | None:
-        """Run one step; returns the sampler's output for the requests in `sampling` (in that order)."""
-        bucket = self._graph_bucket(sched, sampling)
-        if bucket is not None:
-            logits = self._replay(sched, bucket)[: len(sampling)]
-        else:
-            ids, positions, ctx, logits_indices = self.prepare(sched, sampling)
-            with forward_context(ctx):
-                logits = self.model(input_ids=ids[None], position_ids=positions[None], logits_to_keep=logits_indices,
-                                    use_cache=False).logits[0]
+        """Run one step eagerly, to its end; returns the sampler's output for the requests in `sampling` (in that
+        order). Decode steps that replay a graph go through `launch` instead."""
+        ids, positions, ctx, logits_indices = self.prepare(sched, sampling)
+        with forward_context(ctx):
+            out = self.model(input_ids=ids[None], position_ids=positions[None], logits_to_keep=logits_indices,
+                             use_cache=False)
         if not sampling:
             return None
-        return self.sampler(logits, self.sampling_batch(sampling))
+        return self.sampler(out.logits[0], self.sampling_batch(sampling))
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, sampling: list[Request], flight: InFlight | None) -> InFlight | None:
@@ -162,11 +162,9 @@ class ModelRunner:
         return self.graphs.replay(layout, key, bucket)
 
     def _prepare_decode(self, sched: SchedulerOutput, bucket: int, flight: InFlight | None = None) -> list[int]:
-        """Write a decode step's inputs into the buffers, padded to `bucket` rows; returns the token slots. The
-        host mirrors are written in place (numpy views) and copied whole, asynchronously: the copies of the step
-        before last are done (its tokens were read), and padding rows hold values no real row reads. A token the
-        host does not have yet (sampled by `flight`) is copied on the device from `flight`'s output."""
-        bs, n = self.block_size, len(sched.scheduled)
+        """Write a decode step's inputs into the buffers, padded to `bucket` rows; returns the token slots. A
+        token the host does not have yet (sampled by `flight`) is copied on the device from `flight`'s output."""
+        bs = self.block_size
         ids, positions, slot_mapping, token_slots, tables, gather = [], [], [], [], [], ([], [])
         for row, (req, _) in enumerate(sched.scheduled):
             pos, table = req.num_computed_tokens, req.block_table
@@ -180,7 +178,24 @@ class ModelRunner:
             slot_mapping.append(table[pos // bs] * bs + pos % bs)
             token_slots.append(req.token_adapter_slots(pos, 1)[0])
             tables.append(table)
-        tokens, seqs, host_tables = (self._host[k].numpy() for k in ("tokens", "seqs", "block_tables"))
+        self._write_decode_inputs(bucket, ids, positions, slot_mapping, token_slots, tables)
+        if gather[0]:
+            index = host_to_device(list(gather), torch.int64, self.device)
+            self.buffers["input_ids"].index_copy_(0, index[0], flight.result.token_ids[index[1]])
+        return token_slots
+
+    def _pad_inputs(self, rows: int) -> None:
+        """Inputs of `rows` padding rows (what the eager warm-up and a capture run over)."""
+        self._write_decode_inputs(rows, [], [], [], [], [])
+
+    def _write_decode_inputs(self, bucket: int, ids: list[int], positions: list[int], slot_mapping: list[int],
+                             token_slots: list[int], tables: list[list[int]]) -> None:
+        """The rows given, then padding rows up to `bucket` (token 0 at position 0, no adapter, no KV store, one
+        token of page 0), written into the next host mirrors (numpy views) and copied whole, asynchronously."""
+        n = len(ids)
+        self._mirrors.reverse()
+        mirrors = self._mirrors[0]
+        tokens, seqs, host_tables = (m.numpy() for m in mirrors)
         tokens[0, :n], tokens[1, :n], tokens[2, :n], tokens[3, :n] = ids, positions, slot_mapping, token_slots
         tokens[:2, n:bucket], tokens[2:, n:bucket] = 0, -1
         seqs[0, : bucket + 1] = range(bucket + 1)
@@ -190,22 +205,8 @@ class ModelRunner:
         for row, table in enumerate(tables):
             host_tables[row, : len(table)] = table
         host_tables[n:bucket, 0] = 0
-        for name, dst in (("tokens", self._tokens), ("seqs", self._seqs), ("block_tables", self.buffers["block_tables"])):
-            dst.copy_(self._host[name], non_blocking=True)
-        if gather[0]:
-            index = host_to_device(list(gather), torch.int64, self.device)
-            self.buffers["input_ids"].index_copy_(0, index[0], flight.result.token_ids[index[1]])
-        return token_slots
-
-    def _pad_inputs(self, rows: int) -> None:
-        """Inputs of `rows` padding rows: token 0 at position 0, no adapter, no KV store, one token of page 0."""
-        buf = self.buffers
-        for name in ("input_ids", "positions", "block_tables"):
-            buf[name][:rows].zero_()
-        buf["slot_mapping"][:rows].fill_(-1)
-        buf["token_slots"][:rows].fill_(-1)
-        buf["seq_lens"][:rows].fill_(1)
-        buf["query_start_loc"][: rows + 1].copy_(torch.arange(rows + 1, device=self.device))
+        for dst, src in zip(self._inputs, mirrors):
+            dst.copy_(src, non_blocking=True)
 
     def _graph_forward(self, rows: int, active_slots: frozenset[int]) -> Tensor:
         """The forward a decode graph captures: the first `rows` rows of the buffers, logits of every row."""

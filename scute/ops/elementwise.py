@@ -14,17 +14,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from scute.ops import triton_enabled
+
 
 def _kernels():
     from scute.ops import elementwise_kernels  # lazy: triton.jit reads TRITON_INTERPRET when decorating
 
     return elementwise_kernels
-
-
-def _triton(x: Tensor) -> bool:
-    from scute.ops import triton_enabled
-
-    return triton_enabled(x)
 
 
 def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -37,7 +33,7 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """`rms_norm_ref`, one program per row on CUDA. x's rows need a unit last stride."""
-    if not _triton(x) or x.stride(-1) != 1:
+    if not triton_enabled(x) or x.stride(-1) != 1:
         return rms_norm_ref(x, weight, eps)
     rows = x.reshape(-1, x.shape[-1])
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
@@ -62,7 +58,7 @@ def rope_ref(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Te
 def rope_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """`rope_ref` in place on CUDA (one program per token and tensor); returns (q, k). q and k may be strided
     views (heads of a merged q/k/v output) with contiguous heads."""
-    if not _triton(q) or q.stride(-1) != 1 or k.stride(-1) != 1 or q.stride(1) != q.shape[2] or \
+    if not triton_enabled(q) or q.stride(-1) != 1 or k.stride(-1) != 1 or q.stride(1) != q.shape[2] or \
             k.stride(1) != k.shape[2]:
         return rope_ref(q, k, cos, sin)
     cos, sin = cos.contiguous(), sin.contiguous()
@@ -81,7 +77,7 @@ def silu_mul_ref(gate: Tensor, up: Tensor) -> Tensor:
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """`silu_mul_ref` in one kernel on CUDA; gate and up [T, N] with a unit last stride (column slices of one
     merged gate/up output will do)."""
-    if not _triton(gate) or gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1:
+    if not triton_enabled(gate) or gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1:
         return silu_mul_ref(gate, up)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     block = 1024

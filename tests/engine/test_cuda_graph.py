@@ -86,3 +86,7 @@ def test_decode_inputs_padded_to_the_bucket():
     assert buf["query_start_loc"][:5].tolist() == [0, 1, 2, 3, 4]
     assert buf["block_tables"][:3, : tables.shape[1]].tolist() == tables.tolist()
     assert buf["block_tables"][3, 0].item() == 0
+    # the next step writes the other host mirrors: this step's copies may still be queued behind the step in flight
+    used = runner._mirrors[0]
+    runner._pad_inputs(4)
+    assert runner._mirrors[0] is not used and runner._mirrors[1] is used

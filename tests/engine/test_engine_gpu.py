@@ -1,7 +1,4 @@
-"""The engine on CUDA: the same greedy tokens as transformers + PEFT in float32, and a bfloat16 run.
-
-(A throughput figure of the same small workload: ``bench/bench_engine_small.py``.)
-"""
+"""The engine on CUDA: the same greedy tokens as transformers + PEFT in float32, and a bfloat16 run."""
 
 from __future__ import annotations
 

@@ -1,25 +1,20 @@
 """`LinearGroup`: q/k/v and gate/up served by one op call, against the same layers alone and the reference path.
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1`` + ``SCUTE_TRITON_CPU=1``,
-the set-up of ``test_ops_triton.py``, including its fresh process when triton was imported first). The op calls
+the set-up of ``tests/interpreter.py``, including its fresh process when triton was imported first). The op calls
 and shrink launches are counted, so a grouping that silently stopped grouping fails here.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# As in test_ops_triton.py: triton reads TRITON_INTERPRET when first imported; if another test module imported it
-# already, this module's tests run in a fresh process (test_in_a_fresh_interpreter_process) and skip here.
-FRESH_PROCESS = DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1" and "triton" in sys.modules
-if DEVICE == "cpu" and not FRESH_PROCESS:
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.interpreter import DEVICE, run_in_fresh_process, skip_here, use_interpreter
+
+FRESH_PROCESS = use_interpreter()  # before triton is imported (tests/interpreter.py)
 pytest.importorskip("triton")
 
 import torch.nn.functional as F
@@ -39,19 +34,12 @@ TOL = 5e-3 if DEVICE == "cuda" else 1e-5  # tf32 dots on the GPU; exact fp32 pro
 
 @pytest.fixture(autouse=True)
 def _in_interpreter_process(request, monkeypatch):
-    if FRESH_PROCESS and request.node.originalname != "test_in_a_fresh_interpreter_process":
-        pytest.skip("runs in test_in_a_fresh_interpreter_process: triton was imported before TRITON_INTERPRET=1")
+    skip_here(request, FRESH_PROCESS)
     monkeypatch.setenv("SCUTE_TRITON_CPU", "1")
 
 
 def test_in_a_fresh_interpreter_process():
-    if not FRESH_PROCESS:
-        pytest.skip("this process runs the tests itself")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          check=False, cwd=os.path.abspath(os.path.join(__file__, "../../..")), env=env,
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    run_in_fresh_process(__file__, FRESH_PROCESS)
 
 
 @pytest.fixture

@@ -1,20 +1,15 @@
 """The elementwise kernels (`scute.ops.elementwise`) against their PyTorch references, on strided inputs like the
-column slices of a merged q/k/v or gate/up output. In Triton's interpreter on the CPU (float32; the set-up of
-``test_ops_triton.py``, with its fresh process when triton was imported first), on the GPU in float32 and bf16."""
+column slices of a merged q/k/v or gate/up output. In Triton's interpreter on the CPU (float32; `tests/interpreter.py`,
+with its fresh process when triton was imported first), on the GPU in float32 and bf16."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FRESH_PROCESS = DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1" and "triton" in sys.modules
-if DEVICE == "cpu" and not FRESH_PROCESS:
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.interpreter import DEVICE, run_in_fresh_process, skip_here, use_interpreter
+
+FRESH_PROCESS = use_interpreter()  # before triton is imported (tests/interpreter.py)
 pytest.importorskip("triton")
 
 from scute.ops import elementwise as ew  # noqa: E402
@@ -24,19 +19,12 @@ DTYPES = [torch.float32] if DEVICE == "cpu" else [torch.float32, torch.bfloat16]
 
 @pytest.fixture(autouse=True)
 def _in_interpreter_process(request, monkeypatch):
-    if FRESH_PROCESS and request.node.originalname != "test_in_a_fresh_interpreter_process":
-        pytest.skip("runs in test_in_a_fresh_interpreter_process: triton was imported before TRITON_INTERPRET=1")
+    skip_here(request, FRESH_PROCESS)
     monkeypatch.setenv("SCUTE_TRITON_CPU", "1")
 
 
 def test_in_a_fresh_interpreter_process():
-    if not FRESH_PROCESS:
-        pytest.skip("this process runs the tests itself")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          check=False, cwd=os.path.abspath(os.path.join(__file__, "../../..")), env=env,
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    run_in_fresh_process(__file__, FRESH_PROCESS)
 
 
 def _launches(monkeypatch, name: str) -> list:

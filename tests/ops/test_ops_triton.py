@@ -8,20 +8,14 @@ lazily on the first launch). With CUDA the same tests run compiled on the GPU. A
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# triton.language decorates its own helpers in the mode TRITON_INTERPRET says when triton is first imported, and
-# other test modules import it at collection (transformers -> torch._dynamo -> triton): then this module's tests
-# run in a fresh process with the variable set (test_in_a_fresh_interpreter_process), and skip here.
-FRESH_PROCESS = DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1" and "triton" in sys.modules
-if DEVICE == "cpu" and not FRESH_PROCESS:
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.interpreter import DEVICE, run_in_fresh_process, skip_here, use_interpreter
+
+FRESH_PROCESS = use_interpreter()  # before triton is imported (tests/interpreter.py)
 pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
@@ -50,18 +44,11 @@ FP32_TOL = 5e-3 if DEVICE == "cuda" else 2e-5
 
 @pytest.fixture(autouse=True)
 def _in_interpreter_process(request):
-    if FRESH_PROCESS and request.node.originalname != "test_in_a_fresh_interpreter_process":
-        pytest.skip("runs in test_in_a_fresh_interpreter_process: triton was imported before TRITON_INTERPRET=1")
+    skip_here(request, FRESH_PROCESS)
 
 
 def test_in_a_fresh_interpreter_process():
-    if not FRESH_PROCESS:
-        pytest.skip("this process runs the tests itself")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          cwd=os.path.abspath(os.path.join(__file__, "../../..")), env=env,
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    run_in_fresh_process(__file__, FRESH_PROCESS)
 
 
 def mixed_slots(dtype, gen, in_f=IN, out_f=OUT) -> list:
