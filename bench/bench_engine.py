@@ -15,8 +15,9 @@ head; each distinct adapter's live tensors once; the KV cache read at the median
 bandwidth measured in the same run: `bench/_device.py`) and the ratio. ``--eager`` adds the same rows with
 ``enforce_eager`` behaviour (graphs off) at the batch sizes it names. Baselines in the same process: ``--peft``
 (transformers + PEFT ``generate(adapter_names=...)`` on the LoRA batch at ``--peft-batch``: decode tokens/s from two
-generate calls of 1 and 1 + ``--peft-tokens`` new tokens) and ``--static`` (transformers with a static cache and
-``torch.compile(mode="reduce-overhead")`` for the base model: ms per decode step at 1 and 64 requests).
+generate calls of 1 and 1 + ``--peft-tokens`` new tokens) and ``--static`` (transformers with a static cache, whose
+decode forward `generate` compiles with ``torch.compile`` in "reduce-overhead" mode, for the base model: ms per
+decode step at 1 and 64 requests).
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/bench_engine.py --out bench/results/engine_h200.json`` (add
 ``--peft --static --eager 64`` for the baselines). Prints a table; writes JSON.
@@ -184,10 +185,10 @@ def peft_baseline(model_cfg, paths: list[str], batch: int, prompt_len: int, new_
 
     with torch.device("cuda"):
         base = LlamaForCausalLM._from_config(model_cfg, torch_dtype=torch.bfloat16).eval()
-    model = PeftModel.from_pretrained(base, paths[0], adapter_name="a0")
+    model = PeftModel.from_pretrained(base, paths[0], adapter_name="a0", low_cpu_mem_usage=True)
     names = ["a0"]
     for i, path in enumerate(paths[1:batch], start=1):
-        model.load_adapter(path, adapter_name=f"a{i}")
+        model.load_adapter(path, adapter_name=f"a{i}", low_cpu_mem_usage=True)
         names.append(f"a{i}")
     ids = torch.randint(0, model_cfg.vocab_size, (batch, prompt_len), device="cuda")
     adapter_names = [names[i % len(names)] for i in range(batch)]
@@ -208,12 +209,12 @@ def peft_baseline(model_cfg, paths: list[str], batch: int, prompt_len: int, new_
 
 
 def static_baseline(model_cfg, batches: list[int], prompt_len: int, new_tokens: int) -> list[dict]:
-    """transformers with a static KV cache and torch.compile(mode="reduce-overhead"), no adapters: ms/step."""
+    """transformers with a static KV cache, no adapters: ms/step. `generate` compiles the decode forward itself
+    when the cache is static (transformers' auto-compile: torch.compile in "reduce-overhead" mode, CUDA graphs)."""
     from transformers import LlamaForCausalLM
 
     with torch.device("cuda"):
         model = LlamaForCausalLM._from_config(model_cfg, torch_dtype=torch.bfloat16).eval()
-    model.forward = torch.compile(model.forward, mode="reduce-overhead")
     rows = []
     for batch in batches:
         ids = torch.randint(0, model_cfg.vocab_size, (batch, prompt_len), device="cuda")
@@ -242,6 +243,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--adapters", type=int, default=64, help="distinct adapters of the lora and mix cases (at most)")
     p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engine's token budget per step "
+                   "(default: the engine's)")
     p.add_argument("--eager", default="", help="batch sizes to run with graphs off too (e.g. 64)")
     p.add_argument("--eager-tokens", type=int, default=16)
     p.add_argument("--peft", action="store_true")
@@ -259,6 +262,7 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}; copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} "
           f"TFLOP/s", flush=True)
     cfg = LlamaConfig(**{**LLAMA3_8B, "num_hidden_layers": args.layers})
+    baseline_cfg = LlamaConfig(**{**LLAMA3_8B, "num_hidden_layers": args.layers})  # the engine sets cfg's attention
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16).eval()
@@ -273,7 +277,8 @@ def main() -> None:
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
     max_batch = max(batches)
     t = time.perf_counter()
-    engine = Engine(model, device="cuda", dtype="bfloat16", max_adapters=args.adapters, max_num_seqs=max_batch,
+    budget = {} if args.max_num_batched_tokens is None else dict(max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = Engine(model, device="cuda", dtype="bfloat16", max_adapters=args.adapters, max_num_seqs=max_batch, **budget,
                     max_model_len=args.prompt + args.new_tokens + 16, max_adapter_rank=256, max_cpu_adapters=2 * args.adapters,
                     kv_cache_memory_bytes=int(1.2 * max_batch * (args.prompt + args.new_tokens + 16) * kv_per_token))
     print(f"engine ready in {time.perf_counter() - t:.1f} s", flush=True)
@@ -305,8 +310,15 @@ def main() -> None:
                 print(fmt(r), flush=True)
                 with open(args.out, "w") as f:  # after every row: a run cut short keeps what it measured
                     json.dump(dict(device=torch.cuda.get_device_name(), copy_bandwidth=bw, rows=rows), f, indent=1)
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bandwidth=bw,
+    import peft
+    import transformers
+    import triton
+
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                  transformers=transformers.__version__, peft=peft.__version__,
+                  command="PYTHONPATH=. python3 " + " ".join(sys.argv), copy_bandwidth=bw,
                   matmul_flops=flops, layers=args.layers, prompt=args.prompt, new_tokens=args.new_tokens,
+                  max_num_batched_tokens=engine.config.max_num_batched_tokens,
                   weight_bytes=w_bytes, rows=rows, graphs_captured=engine.runner.graphs.num_captured
                   if engine.runner.graphs else 0)
     params = w_bytes / 2
@@ -315,14 +327,15 @@ def main() -> None:
             r["prefill_mfu"] = r["prefill_tok_s"] * 2 * params / flops
     del engine, model
     torch.cuda.empty_cache()
-    if args.peft:
-        result["peft"] = peft_baseline(cfg, paths["lora"], args.peft_batch, args.prompt, args.peft_tokens)
-        print("transformers + PEFT:", result["peft"], flush=True)
-    if args.static:
-        result["static_compile"] = static_baseline(cfg, [1, 64], args.prompt, 32)
-        print("transformers static cache + compile:", result["static_compile"], flush=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    for name, wanted, baseline in (
+            ("peft", args.peft, lambda: peft_baseline(baseline_cfg, paths["lora"], args.peft_batch, args.prompt,
+                                                      args.peft_tokens)),
+            ("static_compile", args.static, lambda: static_baseline(baseline_cfg, [1, 64], args.prompt, 32))):
+        if wanted:
+            result[name] = baseline()
+            print(f"{name}: {result[name]}", flush=True)
+        with open(args.out, "w") as f:  # after each baseline, as after each row
+            json.dump(result, f, indent=1)
     print_table(result)
 
 

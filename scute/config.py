@@ -26,8 +26,10 @@ class EngineConfig:
     # Most requests in one step (the decode batch size).
     max_num_seqs: int = 256
     # Token budget of one step: decode tokens plus prefill chunks. Long prompts are prefilled in chunks of
-    # at most this many tokens, so a step's cost stays bounded.
-    max_num_batched_tokens: int = 2048
+    # at most this many tokens, so a step's cost stays bounded. None: 8192 on a GPU (vLLM's offline default; a
+    # step of prompt tokens is launched from Python, and at 2048 tokens that costs about as long as the GPU takes
+    # to run it, docs/performance.md), 2048 on the CPU.
+    max_num_batched_tokens: int | None = None
     # Longest sequence (prompt + output) a request may reach; None = the model's max_position_embeddings,
     # capped by what the KV cache holds. A prompt this long or longer fails (alone) with an error.
     max_model_len: int | None = None
@@ -56,6 +58,8 @@ class EngineConfig:
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 8192 if self.torch_device().type == "cuda" else 2048
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_adapters", "max_adapter_rank")
         for name in positive:
             if int(getattr(self, name)) <= 0:

@@ -2,12 +2,14 @@
 
 CPU: `kv_cache_memory_bytes` (default 1 GiB). GPU: the same option if given, else
 ``gpu_memory_utilization × total`` minus what other processes hold minus the peak of a profiling forward of
-`max_num_batched_tokens` tokens (weights + activations) minus what the adapters' kernels allocate on top of it
-(the profiling forward runs before any adapter is loaded). Never more blocks than `max_num_seqs` requests of
+`max_num_batched_tokens` tokens (weights + activations; requests of at most PROFILE_SEQ_LEN tokens) minus what
+the adapters' kernels allocate on top of it (the profiling forward runs before any adapter is loaded). Never more blocks than `max_num_seqs` requests of
 `max_model_len` tokens can use.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -19,6 +21,7 @@ from scute.model.loader import LoadedModel
 from scute.ops.triton_ops import call_transient_bytes
 
 CPU_DEFAULT_BYTES = 1 << 30
+PROFILE_SEQ_LEN = 1024
 
 
 def plan_kv_cache(loaded: LoadedModel, config: EngineConfig) -> tuple[int, int]:
@@ -52,16 +55,22 @@ def _gpu_budget(loaded: LoadedModel, config: EngineConfig) -> int:
     device, model = loaded.device, loaded.model
     num_tokens = min(config.max_num_batched_tokens, loaded.max_position_embeddings)
     num_sample = min(config.max_num_seqs, num_tokens)
-    bs = config.block_size
-    shape = (-(-num_tokens // bs), bs, loaded.num_kv_heads, loaded.head_dim)
+    # The profile's tokens as requests of at most PROFILE_SEQ_LEN tokens each: the torch backend's per-request
+    # mask and scores then stay small, as the Triton and flash kernels' temporaries are at any length.
+    bs, seq = config.block_size, -(-min(PROFILE_SEQ_LEN, num_tokens) // config.block_size) * config.block_size
+    lens = [min(seq, num_tokens - start) for start in range(0, num_tokens, seq)]
+    width = seq // bs
+    shape = (len(lens) * width, bs, loaded.num_kv_heads, loaded.head_dim)
     caches = [(torch.zeros(shape, dtype=loaded.dtype, device=device),) * 2 for _ in range(loaded.num_layers)]
     arange = torch.arange(num_tokens, device=device)
+    starts = [0, *itertools.accumulate(lens)]
     meta = AttentionMetadata(
-        slot_mapping=arange, query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        block_tables=torch.arange(shape[0], dtype=torch.int32, device=device)[None],
-        max_query_len=num_tokens, max_seq_len=num_tokens, query_start_loc_host=[0, num_tokens],
-        seq_lens_host=[num_tokens], kv_caches=caches, backend="torch",
+        slot_mapping=torch.cat([i * seq + torch.arange(n, device=device) for i, n in enumerate(lens)]),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_tables=torch.arange(shape[0], dtype=torch.int32, device=device).view(len(lens), width),
+        max_query_len=max(lens), max_seq_len=max(lens), query_start_loc_host=starts, seq_lens_host=lens,
+        kv_caches=caches, backend="torch",
     )
     slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
     torch.cuda.synchronize(device)

@@ -73,6 +73,28 @@ TILE_ITEMS_PER_PROGRAM = 4  # ...about this many each (an item's setup is a chai
 # prefill of many tiles gives each item a run of chunks; a few tiles, one chunk per item)
 
 
+class ScuteOp:
+    """One pass: a `torch.library` custom op (with its fake) that `torch.compile` traces, called as the plain
+    function it wraps everywhere else. The dispatcher's wrapping of a Python custom op (schema checks, in-place
+    bookkeeping) costs an eager call 30-170 µs of host time, more than the Triton launch inside it
+    (`bench/profile_step.py`); a CUDA graph records the same launches either way."""
+
+    def __init__(self, name: str, mutates_args: tuple[str, ...], fn) -> None:
+        self.fn, self.op = fn, torch.library.custom_op(name, fn, mutates_args=mutates_args)
+        functools.update_wrapper(self, fn)
+
+    def register_fake(self, fake):
+        return self.op.register_fake(fake)
+
+    def __call__(self, *args, **kwargs):
+        return (self.op if torch.compiler.is_compiling() else self.fn)(*args, **kwargs)
+
+
+def scute_op(name: str, mutates_args: tuple[str, ...]):
+    """Decorator: the function as a `ScuteOp` named `name`."""
+    return lambda fn: ScuteOp(name, mutates_args, fn)
+
+
 def _kernels():
     from scute.ops import kernels  # lazy: triton.jit reads TRITON_INTERPRET when the kernels are decorated
 
@@ -141,7 +163,7 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- custom ops
-@torch.library.custom_op("scute::input_transform", mutates_args=())
+@scute_op("scute::input_transform", mutates_args=())
 def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, sorted_idx: Tensor, sorted_slots: Tensor,
                     num_tokens_per_slot: Tensor, slot_start: Tensor, num_proj: int, block_b: int,
                     min_block: int) -> Tensor:
@@ -164,10 +186,10 @@ def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, sorted_idx: T
         return out
     # block_b 1: the pool has no block-diagonal T (IA3's diagonal alone), and windows would be a grid of nothing
     tiled = x.shape[0] >= PRE_PASS_TILE_TOKENS and block_b > 1
-    # The two launches write disjoint tokens of out: on the GPU the windows run on a side stream beside the row
+    # The two launches write disjoint tokens of out: in a CUDA graph the windows run on a side stream beside the row
     # kernel. In line, where no slot has enough tokens (256 tokens of 64 OFT adapters), their launches alone took
     # 13 µs of a layer's critical path; beside it the layer still pays 13-22 µs for the forks and joins.
-    side = _side_streams(x.device) if tiled and not torch.compiler.is_compiling() else None
+    side = _side_streams(x.device) if tiled else None
     if side is not None:
         side[2].wait_stream(torch.cuda.current_stream(x.device))
     if tiled:
@@ -221,7 +243,7 @@ def _(x, table, token_slots, sorted_idx, sorted_slots, num_tokens_per_slot, slot
     return x.new_empty((num_proj, *x.shape))
 
 
-@torch.library.custom_op("scute::shrink_", mutates_args=("h",))
+@scute_op("scute::shrink_", mutates_args=("h",))
 def shrink_(h: Tensor, x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group: Tensor, tile_start: Tensor,
             tile_end: Tensor, num_proj: int, max_rank: int, block_k: int) -> None:
     """Down projection of every token by its group's A (all projections of the pool), split over K.
@@ -279,7 +301,7 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # 16-bit inputs: products are exact either way
 
 
-@torch.library.custom_op("scute::lora_delta_rows_", mutates_args=("ds",))
+@scute_op("scute::lora_delta_rows_", mutates_args=("ds",))
 def lora_delta_rows_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, sorted_idx: Tensor,
                      tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, half_n: int, chunks_per_prog: int,
                      max_rank: int, mat_dtype: torch.dtype) -> None:
@@ -314,7 +336,7 @@ def _(ds, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, 
     return None
 
 
-@torch.library.custom_op("scute::lora_delta_tiles_", mutates_args=("ds",))
+@scute_op("scute::lora_delta_tiles_", mutates_args=("ds",))
 def lora_delta_tiles_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, sorted_idx: Tensor,
                       tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, multi_tiles: Tensor,
                       num_multi: Tensor, max_rank: int, tile_half_n: int, mat_dtype: torch.dtype) -> None:
@@ -343,7 +365,7 @@ def _(ds, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, 
     return None
 
 
-@torch.library.custom_op("scute::lora_delta_shared_", mutates_args=("ds", "hv", "hs"))
+@scute_op("scute::lora_delta_shared_", mutates_args=("ds", "hv", "hs"))
 def lora_delta_shared_(ds: list[Tensor], hv: Tensor, hs: Tensor, x: Tensor, a: Tensor, bs: list[Tensor], m: Tensor,
                        sorted_idx: Tensor, sorted_slots: Tensor, num_tokens_per_slot: Tensor, slot_start: Tensor,
                        group: int, a_of: list[int], outs: list[int]) -> None:
@@ -394,7 +416,7 @@ def _delta_args(ds, outs, h, table, sorted_slots, sorted_idx, tile_group, tile_s
             ds[0].shape[0], table.shape[1], h.shape[2], *outs)
 
 
-@torch.library.custom_op("scute::epilogue_", mutates_args=("zs",))
+@scute_op("scute::epilogue_", mutates_args=("zs",))
 def epilogue_(zs: list[Tensor], ds: list[Tensor], table: Tensor, token_slots: Tensor, half_n: int,
               chunks_per_prog: int) -> None:
     """The epilogue, in place on each projection's base output.
@@ -453,11 +475,12 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     # its short launch is then off the chain), and each projection's epilogue waits for them and its GEMM. Their
     # buffers and the outputs are allocated here, on this stream, and used on the side streams only before the
     # join (the caching allocator's rule for cross-stream use). The shrink reads x, not x', so the side stream
-    # forks before the input transform, which runs on this stream beside it. Under torch.compile they run in line.
+    # forks before the input transform, which runs on this stream beside it. Side streams are used while a CUDA graph is
+    # captured (`_side_streams`); eager steps and torch.compile run the passes in line.
     shared, lowrank = kinds.shared, kinds.lowrank
     ds = [x.new_empty((x.shape[0], w.shape[0]), dtype=pool.delta_dtype(x.dtype)) for w in weights] \
         if lowrank or shared else [x.new_empty((1, 1), dtype=torch.float32)]
-    side = _side_streams(x.device) if (lowrank or shared) and not torch.compiler.is_compiling() else None
+    side = _side_streams(x.device) if lowrank or shared else None
     main = torch.cuda.current_stream(x.device) if side is not None else None
     if shared:  # on a side stream of its own: it writes only the shared group's rows of ds
         hv = x.new_empty((pool.shared_a.shape[0], x.shape[0], pool.shared_a.shape[1]))
@@ -553,10 +576,12 @@ _SIDE: dict[torch.device, tuple[torch.cuda.Stream, ...]] = {}
 
 
 def _side_streams(device: torch.device) -> tuple[torch.cuda.Stream, ...] | None:
-    """The device's side streams: the shrink, the one-token delta and the epilogues; the multi-token delta; the
-    pre-pass's windows; the shared group's delta (one set per device, so that every shrink of a device runs in
-    order: they share the arrival counters); None off the GPU."""
-    if device.type != "cuda":
+    """The device's side streams while a CUDA graph is being captured: the shrink, the one-token delta and the
+    epilogues; the multi-token delta; the pre-pass's windows; the shared group's delta (one set per device, so that
+    every shrink of a device runs in order: they share the arrival counters). None otherwise (under torch.compile,
+    off the GPU, and in eager steps: there each fork and join costs the host ~10-20 µs, which a step launched from
+    Python pays on its critical path; a graph pays it once, at capture)."""
+    if device.type != "cuda" or torch.compiler.is_compiling() or not torch.cuda.is_current_stream_capturing():
         return None
     if device not in _SIDE:
         _SIDE[device] = tuple(torch.cuda.Stream(device) for _ in range(4))

@@ -522,5 +522,35 @@ def test_custom_ops_trace_under_torch_compile(known_slots):
     check(y, x, w, b, slots, ts, FP32_TOL)
 
 
+def test_passes_are_custom_ops_under_compile_and_plain_calls_in_eager(monkeypatch):
+    """Under torch.compile each pass is its `torch.library` op in the traced graph; an eager call never enters
+    the dispatcher (its wrapping cost more host time than the launch inside it)."""
+    from scute.ops import triton_ops as T
+
+    gen, w, b = _case(torch.float32, seed=9)
+    slots = mixed_slots(torch.float32, gen)
+    pool = SlotPool(IN, (OUT,), len(slots), DEVICE, torch.float32)
+    pool.update([slots])
+    ts = token_slots("uniform", 5, len(slots), generator=gen).to(DEVICE)
+    x = torch.randn(5, IN, generator=gen).to(DEVICE)
+    meta = build_lora_meta(ts, pool.slot_group)
+
+    def layer(x):
+        return scute_linears_triton(x, [w], [b], pool, meta)[0] * 1.0
+
+    traced = []
+
+    def backend(gm, example_inputs):
+        traced.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(layer, fullgraph=True, backend=backend)(x)
+    assert {"scute.shrink_.default", "scute.epilogue_.default"} <= set(traced), traced
+    for name in ("input_transform", "shrink_", "lora_delta_rows_", "lora_delta_tiles_", "epilogue_"):
+        monkeypatch.setattr(getattr(T, name), "op", None)  # an eager call through the op would now fail
+    check(layer(x), x, w, b, slots, ts, FP32_TOL)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))
