@@ -1,4 +1,5 @@
-"""The `scute` command. `scute demo`: five adapters of five PEFT methods plus the base model, one batch."""
+"""The `scute` command. `scute demo`: five adapters of five PEFT methods plus the base model, one batch;
+`scute serve`: the OpenAI-compatible server; `scute explain`, `scute convert`."""
 
 from __future__ import annotations
 
@@ -81,9 +82,16 @@ def _convert(argv: list[str]) -> int:
     return convert_main(argv)
 
 
+def _serve(argv: list[str]) -> int:
+    from scute.serve.server import serve_main
+
+    return serve_main(argv)
+
+
 # Subcommands with their own argument parsers: `scute explain -h`, `scute convert -h`.
 DELEGATED = {
     "explain": (_explain, "per layer: slots filled, merged and live, bytes, FLOPs and predicted cost of an adapter"),
+    "serve": (_serve, "an OpenAI-compatible server (vLLM's endpoints and flags) of a model and its adapters"),
     "convert": (_convert, "convert an adapter of any method to a PEFT LoRA checkpoint (truncated SVD) for LoRA-only "
                           "servers, with its error"),
 }

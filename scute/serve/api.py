@@ -1,0 +1,175 @@
+"""The OpenAI-compatible HTTP API (vLLM's endpoints and field names) over an `AsyncEngine`.
+
+`build_app` returns a FastAPI app: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
+``stream: true`` as server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``POST
+/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (only with an allowed directory), ``GET /health`` and
+``GET /metrics``. ``model`` names the base model or a served adapter of any method. Every error is
+OpenAI-shaped JSON with a 4xx status (bad input never gets a 500), and fails only its own request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from scute.serve.async_engine import AsyncEngine, EngineDeadError
+from scute.serve.metrics import Metrics
+from scute.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, LoadAdapterRequest,
+                                  UnloadAdapterRequest)
+from scute.serve.responses import Job, chat_prompt, completion_body, completion_params, run_job, stream_job
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    served_model_name: str
+    model_root: str
+    adapters: dict[str, str] = field(default_factory=dict)  # name -> folder, as `/v1/models` lists them
+    api_key: str | None = None
+    runtime_adapter_dir: str | None = None  # real path of --allow-runtime-adapters, None: runtime loads refused
+    metrics: Metrics | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def adapter_for(self, model: str) -> str | None:
+        """The adapter a request's ``model`` names (None: the base model); 404 for an unknown name."""
+        if model in (self.served_model_name, self.model_root):
+            return None
+        if model in self.adapters:
+            return model
+        raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="Scute", docs_url=None, redoc_url=None)
+    app.state.scute = state
+
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, e: RequestValidationError):
+        err = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        kind = err.get("type", "")
+        if kind == "extra_forbidden":
+            message = f"unknown parameter {'.'.join(loc)!r}"
+        elif kind == "json_invalid" or not loc:
+            message = "the request body is not a valid JSON object"
+        else:
+            message = f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid value')}"
+        return JSONResponse(APIError(400, message, ".".join(loc) or None).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, e: HTTPException):
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_, e: EngineDeadError):
+        return JSONResponse(APIError(503, str(e)).body(), status_code=503)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if state.api_key is not None and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization") != f"Bearer {state.api_key}":
+                return JSONResponse(APIError(401, "missing or wrong API key").body(), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if state.engine.error is not None:
+            raise EngineDeadError(f"the engine stopped: {state.engine.error!r}")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        base = dict(id=state.served_model_name, object="model", created=state.created, owned_by="scute",
+                    root=state.model_root, parent=None, max_model_len=state.engine.engine.max_model_len)
+        cards = [base] + [dict(id=name, object="model", created=state.created, owned_by="scute", root=path,
+                               parent=state.served_model_name) for name, path in state.adapters.items()]
+        return {"object": "list", "data": cards}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        adapter = state.adapter_for(req.model)
+        params = completion_params(req)
+        prompts = [req.prompt] if isinstance(req.prompt, str) or _is_ids(req.prompt) else list(req.prompt)
+        if not prompts:
+            raise APIError(400, "prompt is empty", "prompt")
+        job = Job(state, "cmpl", req, prompts, params, adapter, chat=False)
+        return await _respond(job, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, raw: Request):
+        adapter = state.adapter_for(req.model)
+        params = completion_params(req)
+        prompt = chat_prompt(state.engine.engine.tokenizer, req)
+        job = Job(state, "chatcmpl", req, [prompt], params, adapter, chat=True)
+        return await _respond(job, raw)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_adapter(req: LoadAdapterRequest):
+        path = _allowed_path(state, req.lora_path)
+        if req.lora_name in (state.served_model_name, state.model_root):
+            raise APIError(400, f"{req.lora_name!r} is the base model's name", "lora_name")
+        try:
+            await state.engine.call(lambda: state.engine.engine.load_adapter(req.lora_name, path))
+        except (OSError, ValueError, TypeError) as e:  # AdapterError is a ValueError
+            state.metrics.adapter_loads.labels(state.metrics.model_name, "error").inc()
+            raise APIError(400, f"adapter {req.lora_name!r} cannot be loaded: {e}", "lora_path") from None
+        state.metrics.adapter_loads.labels(state.metrics.model_name, "ok").inc()
+        state.adapters[req.lora_name] = path
+        return Response(f"Success: adapter {req.lora_name!r} loaded.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_adapter(req: UnloadAdapterRequest):
+        if state.runtime_adapter_dir is None:
+            raise APIError(403, "runtime adapters are disabled: start the server with --allow-runtime-adapters DIR")
+        if req.lora_name not in state.adapters:
+            raise APIError(404, f"The model `{req.lora_name}` does not exist.", "lora_name")
+        await state.engine.call(lambda: state.engine.engine.unload_adapter(req.lora_name))
+        del state.adapters[req.lora_name]
+        return Response(f"Success: adapter {req.lora_name!r} unloaded.", media_type="text/plain")
+
+    return app
+
+
+async def _respond(job: Job, raw: Request):
+    if not job.req.stream:
+        work = asyncio.ensure_future(run_job(job))
+        while not work.done():  # a client that goes away aborts its requests (the stream's close aborts them)
+            await asyncio.wait({work}, timeout=0.25)
+            if not work.done() and await raw.is_disconnected():
+                work.cancel()
+                return Response(status_code=499)
+        return JSONResponse(completion_body(job, work.result()))
+    events = await stream_job(job)  # the first outputs are awaited here: an error is still a 4xx
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+def _allowed_path(state: ServerState, path: str) -> str:
+    """`path` resolved (symlinks too) inside the runtime adapter directory, or a 403 saying why not."""
+    root = state.runtime_adapter_dir
+    if root is None:
+        raise APIError(403, "runtime adapters are disabled: start the server with --allow-runtime-adapters DIR")
+    if ".." in path.replace("\\", "/").split("/"):
+        raise APIError(403, f"lora_path {path!r}: '..' is not allowed", "lora_path")
+    real = os.path.realpath(os.path.join(root, path))
+    if os.path.commonpath([real, root]) != root or real == root:
+        raise APIError(403, f"lora_path {path!r} resolves outside the allowed adapter directory", "lora_path")
+    return real
+
+
+def _is_ids(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)

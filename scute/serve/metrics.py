@@ -1,0 +1,63 @@
+"""Prometheus metrics of the server, with vLLM's names under the ``scute:`` prefix (one registry per app)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+        self.running = Gauge("scute:num_requests_running", "Requests in the running batch.", labels, registry=r)
+        self.waiting = Gauge("scute:num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=r)
+        self.kv_usage = Gauge("scute:kv_cache_usage_perc", "Fraction of KV blocks held by requests (1 = all).",
+                              labels, registry=r)
+        self.prompt_tokens = Counter("scute:prompt_tokens", "Prompt tokens of finished requests.", labels,
+                                     registry=r)
+        self.generation_tokens = Counter("scute:generation_tokens", "Generated tokens of finished requests.",
+                                         labels, registry=r)
+        self.requests = Counter("scute:request_success", "Finished requests by finish reason.",
+                                [*labels, "finished_reason"], registry=r)
+        self.ttft = Histogram("scute:time_to_first_token_seconds", "Time to the first generated token.", labels,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("scute:time_per_output_token_seconds", "Time per generated token after the first.",
+                              labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("scute:e2e_request_latency_seconds", "Time from arrival to the last token.", labels,
+                             buckets=LATENCY_BUCKETS + (160.0, 320.0), registry=r)
+        self.adapter_loads = Counter("scute:adapter_loads", "Runtime adapter loads by result.",
+                                     [*labels, "result"], registry=r)
+        self.model_name = model_name
+
+    def observe_step(self, engine, outputs) -> None:
+        """After each step, on the engine thread: the gauges, and the counters of the requests that finished
+        (aborted ones included: the engine reports those once more)."""
+        m = self.model_name
+        for out in outputs:
+            if out.finished:
+                c = out.outputs[0] if out.outputs else None
+                self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+                self.generation_tokens.labels(m).inc(len(c.token_ids) if c else 0)
+                self.requests.labels(m, (c.finish_reason if c else None) or "error").inc()
+        self.observe_engine(engine)
+
+    def observe_engine(self, engine) -> None:
+        scheduler, blocks = engine.scheduler, engine.block_manager
+        self.running.labels(self.model_name).set(len(scheduler.running))
+        self.waiting.labels(self.model_name).set(len(scheduler.waiting))
+        self.kv_usage.labels(self.model_name).set(1.0 - blocks.num_free_blocks / max(blocks.num_blocks, 1))
+
+    def observe_latency(self, output_tokens: int, arrival: float, first_token: float | None, end: float) -> None:
+        """The latencies of a request its client saw to the end."""
+        m = self.model_name
+        self.e2e.labels(m).observe(end - arrival)
+        if first_token is not None:
+            self.ttft.labels(m).observe(first_token - arrival)
+            if output_tokens > 1:
+                self.tpot.labels(m).observe((end - first_token) / (output_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,109 @@
+"""`scute serve MODEL [options]`: the OpenAI-compatible server (uvicorn), with vLLM's flags.
+
+Every `EngineConfig` option is a flag with vLLM's spelling (``--max-num-seqs``, ``--enforce-eager``, ...); vLLM's
+LoRA flags are accepted under their names (``--lora-modules NAME=PATH``, ``--max-loras``, ``--max-lora-rank``,
+``--enable-lora``: adapters are always on). An unknown flag is an error. Listens on 127.0.0.1 unless told.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+from scute.config import EngineConfig
+
+ALIASES = {"max_adapters": ["--max-loras"], "max_adapter_rank": ["--max-lora-rank"],
+           "max_cpu_adapters": ["--max-cpu-loras"]}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="scute serve", description="OpenAI-compatible server of a base model and "
+                                "its adapters (any PEFT method).")
+    p.add_argument("model", help="a Hugging Face folder or a .gguf file")
+    p.add_argument("--adapter", "--lora-modules", dest="adapters", action="extend", nargs="+", default=[],
+                   metavar="NAME=PATH", help="serve the PEFT folder PATH as model NAME (repeatable)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="the base model's name in the API (default: MODEL)")
+    p.add_argument("--api-key", default=os.environ.get("SCUTE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default $SCUTE_API_KEY)")
+    p.add_argument("--allow-runtime-adapters", metavar="DIR",
+                   help="enable /v1/load_lora_adapter for folders inside DIR (off by default)")
+    p.add_argument("--tokenizer", help="a tokenizer folder (default: the model's)")
+    p.add_argument("--enable-lora", action="store_true", help="accepted for vLLM compatibility (always on)")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    for f in dataclasses.fields(EngineConfig):
+        if not f.init:
+            continue
+        flags = [f"--{f.name.replace('_', '-')}", *ALIASES.get(f.name, [])]
+        if f.type in ("bool", bool):
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            p.add_argument(*flags, dest=f.name, action=action, default=f.default)
+        else:
+            kind = {"float": float}.get(str(f.type), int if "int" in str(f.type) else str)
+            p.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=f"(default {f.default})")
+    return p
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.init}
+
+
+def parse_adapters(items: list[str]) -> dict[str, str]:
+    adapters = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"scute serve: --adapter {item!r}: expected NAME=PATH")
+        adapters[name] = path
+    return adapters
+
+
+def make_state(engine, model: str, adapters: dict[str, str], served_model_name: str | None = None,
+               api_key: str | None = None, runtime_adapter_dir: str | None = None):
+    """The server's state over a built `Engine`: loads `adapters` (name -> PEFT folder) and starts the engine
+    thread. Raises AdapterError for an adapter that cannot be served."""
+    from scute.serve.api import ServerState
+    from scute.serve.async_engine import AsyncEngine
+    from scute.serve.metrics import Metrics
+
+    name = served_model_name or model
+    for adapter, path in adapters.items():
+        engine.load_adapter(adapter, path)
+    metrics = Metrics(name)
+    async_engine = AsyncEngine(engine, on_step=metrics.observe_step)
+    metrics.observe_engine(engine)
+    root = os.path.realpath(runtime_adapter_dir) if runtime_adapter_dir else None
+    if root is not None and not os.path.isdir(root):
+        raise SystemExit(f"scute serve: --allow-runtime-adapters {runtime_adapter_dir!r} is not a directory")
+    state = ServerState(async_engine, name, model, dict(adapters), api_key, root, metrics)
+    async_engine.start()
+    return state
+
+
+def serve_main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    import uvicorn
+
+    from scute import Engine
+    from scute.adapters import AdapterError
+    from scute.serve.api import build_app
+
+    adapters = parse_adapters(args.adapters)
+    try:
+        engine = Engine(args.model, tokenizer=args.tokenizer, **engine_options(args))
+        state = make_state(engine, args.model, adapters, args.served_model_name, args.api_key,
+                           args.allow_runtime_adapters)
+    except (AdapterError, OSError, ValueError) as e:
+        print(f"scute serve: {e}", file=sys.stderr)
+        return 1
+    app = build_app(state)
+    url = f"http://{args.host}:{args.port}/v1"
+    print(f"scute serve: {url} serving {', '.join([state.served_model_name, *adapters]) }", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        state.engine.shutdown()
+    return 0

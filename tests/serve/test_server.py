@@ -1,0 +1,201 @@
+"""`scute serve` through the official `openai` client and raw HTTP, against a real uvicorn server: the same tokens
+as `Engine.generate`, for the base model and every method, streamed and not; runtime adapters and their path
+rules; auth; every bad input a 4xx that leaves concurrent good requests intact; many concurrent streams; clients
+that disconnect leave no KV blocks held."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from scute import SamplingParams
+from tests.serve.conftest import API_KEY
+
+MODELS = ["tiny", "lora", "dora", "ia3", "vera", "oft"]
+PROMPT = "the quick brown fox jumps over"
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def http(server) -> httpx.Client:
+    return httpx.Client(base_url=server[0], headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+
+
+def want(reference, served, model: str, prompt, **options):
+    adapter = None if model == "tiny" else str(served / model)
+    out = reference.generate([prompt], SamplingParams(**options), [adapter], use_tqdm=False)[0]
+    assert out.error is None, out.error
+    return out.outputs[0]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_completion_streamed_and_not_equals_the_engine(server, reference, served, model):
+    expected = want(reference, served, model, PROMPT, temperature=0, max_tokens=8, ignore_eos=True)
+    c = client(server)
+    r = c.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == expected.text and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8 and r.model == model
+    chunks = list(c.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+@pytest.mark.parametrize("model", ["tiny", "dora", "oft"])
+def test_chat_streamed_and_not_equals_the_engine_on_the_template(server, reference, served, model):
+    messages = [{"role": "user", "content": "the lazy dog"}]
+    ids = reference.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    expected = want(reference, served, model, ids, temperature=0, max_tokens=6, ignore_eos=True)
+    c = client(server)
+    r = c.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == expected.text and r.choices[0].message.role == "assistant"
+    stream = c.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream) == expected.text
+
+
+def test_raw_http_token_ids_logprobs_and_sse_framing(server, reference, served):
+    ids = [5, 6, 7, 8, 9]
+    expected = want(reference, served, "vera", ids, temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
+    with http(server) as h:
+        body = dict(model="vera", prompt=ids, max_tokens=5, temperature=0, logprobs=2, ignore_eos=True)
+        r = h.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        assert lp["token_logprobs"] == pytest.approx([s[t] for t, s in zip(expected.token_ids, expected.logprobs)])
+        for top, step in zip(lp["top_logprobs"], expected.logprobs, strict=True):  # keyed by text: ids that
+            best = sorted(step.values(), reverse=True)[:2]  # decode alike share a key
+            assert 1 <= len(top) <= 2 and max(top.values()) == pytest.approx(best[0])
+            assert all(any(v == pytest.approx(b) for b in best) for v in top.values())
+        with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            lines = [line for line in s.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]) == expected.text
+
+
+def test_models_lists_the_base_and_every_adapter(server, served):
+    data = {m.id: m for m in client(server).models.list().data}
+    assert set(MODELS) <= set(data)
+    assert all(data[m].parent == "tiny" for m in MODELS[1:]) and data["tiny"].parent is None
+
+
+def test_auth_and_health(server):
+    assert httpx.get(server[0] + "/health").status_code == 200
+    r = httpx.post(server[0] + "/v1/completions", json=dict(model="tiny", prompt="a"))
+    assert r.status_code == 401 and r.json()["error"]["code"] == 401
+    bad = openai.OpenAI(base_url=server[0] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+BAD = [  # (body or raw bytes, status, a fragment the message must hold)
+    (dict(model="nope", prompt="a"), 404, "nope"),
+    (b"{not json", 400, "JSON"),
+    (dict(model="tiny", prompt="a", bogus=1), 400, "bogus"),
+    (dict(model="tiny", prompt="a", n=2), 400, "n="),
+    (dict(model="tiny", prompt="a", logit_bias={"5": 1.0}), 400, "logit_bias"),
+    (dict(model="tiny", prompt="a", temperature=-1), 400, "temperature"),
+    (dict(model="tiny", prompt=[7] * 80), 400, "max_model_len"),
+    (dict(model="tiny", prompt=[5, 100000]), 400, "vocabulary"),
+    (dict(model="tiny"), 400, "prompt"),
+]
+
+
+def test_bad_inputs_get_their_4xx_while_good_requests_complete(server, reference, served):
+    expected = want(reference, served, "ia3", PROMPT, temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server[0], headers={"Authorization": f"Bearer {API_KEY}"},
+                                     timeout=60) as h:
+            good = [h.post("/v1/completions", json=dict(model="ia3", prompt=PROMPT, max_tokens=12, temperature=0,
+                                                        ignore_eos=True)) for _ in range(4)]
+            bad = [h.post("/v1/completions", content=b, headers={"Content-Type": "application/json"})
+                   if isinstance(b, bytes) else
+                   h.post("/v1/completions", json=b) for b, _, _ in BAD]
+            return await asyncio.gather(*good, *bad)
+
+    results = asyncio.run(run())
+    for r in results[:4]:
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected.text
+    for r, (body, status, fragment) in zip(results[4:], BAD):
+        assert r.status_code == status, (body, r.text)
+        err = r.json()["error"]
+        assert fragment in err["message"] and err["code"] == status and {"type", "param"} <= set(err), err
+
+
+def test_runtime_adapters_and_their_path_rules(server, reference, served):
+    with http(server) as h:
+        r = h.post("/v1/load_lora_adapter", json=dict(lora_name="late", lora_path="late-lora"))
+        assert r.status_code == 200, r.text
+        expected = want(reference, served, "lora", PROMPT, temperature=0, max_tokens=5, ignore_eos=True)
+        r = h.post("/v1/completions", json=dict(model="late", prompt=PROMPT, max_tokens=5, temperature=0,
+                                                ignore_eos=True))
+        assert r.json()["choices"][0]["text"] == expected.text
+        for path, status in (("../vera", 403), (str(served / "vera"), 403), ("escape", 403), ("broken", 400),
+                             ("missing", 400)):
+            r = h.post("/v1/load_lora_adapter", json=dict(lora_name="x", lora_path=path))
+            assert r.status_code == status, (path, r.text)
+        assert h.post("/v1/unload_lora_adapter", json=dict(lora_name="late")).status_code == 200
+        assert h.post("/v1/completions", json=dict(model="late", prompt="a")).status_code == 404
+        assert h.post("/v1/unload_lora_adapter", json=dict(lora_name="late")).status_code == 404
+        assert 'scute:adapter_loads_total{model_name="tiny",result="ok"}' in h.get("/metrics").text
+
+
+def test_64_concurrent_streams(server, reference, served):
+    names = MODELS * 11
+    prompts = [f"{w} quick brown" for w in ("the", "a", "red", "blue", "one", "two", "cat", "dog")]
+    expected = {(m, p): want(reference, served, m, p, temperature=0, max_tokens=6, ignore_eos=True).text
+                for m in MODELS for p in prompts}
+
+    async def one(c, model, prompt):
+        stream = await c.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+        return "".join([ch.choices[0].text async for ch in stream if ch.choices])
+
+    async def run():
+        c = openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key=API_KEY, max_retries=0)
+        jobs = [(names[i], prompts[i % len(prompts)]) for i in range(64)]
+        texts = await asyncio.gather(*(one(c, m, p) for m, p in jobs))
+        return jobs, texts
+
+    jobs, texts = asyncio.run(run())
+    assert [expected[j] for j in jobs] == texts
+
+
+def metric_value(text: str, series: str) -> float:
+    line = next((line for line in text.splitlines() if line.startswith(series + " ")), None)
+    return 0.0 if line is None else float(line.split()[-1])
+
+
+def metric(text: str, name: str) -> float:
+    return float(re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))
+
+
+def test_clients_that_disconnect_leave_no_kv_blocks_held(server):
+    aborted = 'scute:request_success_total{finished_reason="abort",model_name="tiny"}'
+    with http(server) as h:
+        before = metric_value(h.get("/metrics").text, aborted)
+        for _ in range(3):
+            body = dict(model="oft", prompt=PROMPT, max_tokens=50, temperature=0, ignore_eos=True, stream=True)
+            with h.stream("POST", "/v1/completions", json=body) as s:
+                next(s.iter_lines())  # the first event, then the client goes away
+        deadline = time.monotonic() + 20
+        while True:
+            text = h.get("/metrics").text
+            if metric(text, "scute:num_requests_running") == 0 and metric(text, "scute:kv_cache_usage_perc") == 0:
+                break
+            assert time.monotonic() < deadline, text
+            time.sleep(0.1)
+        assert metric_value(text, aborted) == before + 3  # stopped by the disconnect, not run to their end
+    state = server[1]
+    assert not state.engine.engine.scheduler.running and not state.engine.engine.requests
