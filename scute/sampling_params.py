@@ -20,7 +20,13 @@ class SamplingParams:
     stop_token_ids: token ids that end the request (included in token_ids, like EOS).
     ignore_eos: keep generating after EOS.
     logprobs: None = no logprobs; k >= 0 = the log-probability of each chosen token plus the k most likely
-        (log-softmax of the raw logits).
+        (log-softmax of the raw logits: the penalties below change which token is chosen, not its logprob).
+    presence_penalty, frequency_penalty (in [-2, 2], 0 = off), repetition_penalty (> 0, 1 = off): vLLM's
+        penalties, applied to the raw logits before temperature / top-k / top-p / greedy. With count[v] the
+        occurrences of token v among the tokens generated so far: a token that occurs in the prompt or the
+        output has its logit divided by repetition_penalty if positive, multiplied by it otherwise; then
+        logit[v] -= frequency_penalty * count[v] + presence_penalty * (count[v] > 0). Positive values
+        discourage repeats, negative ones (or repetition_penalty < 1) encourage them.
     skip_special_tokens: leave special tokens out of the output text.
     """
 
@@ -36,6 +42,9 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -51,6 +60,11 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
         self._stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not s for s in self._stop):
             raise ValueError("stop strings must be non-empty")
@@ -59,6 +73,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether a penalty is on: the request's tokens then depend on all of its earlier tokens."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

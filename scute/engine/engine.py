@@ -159,17 +159,26 @@ class Engine:
         the step in flight are read: the host lands those (appends them, checks stops, builds the outputs this
         call reports) while the GPU runs, and the new step's tokens land in the next call (a request that
         stopped is computed once more, and that token dropped). Any other step first lands the step in flight:
-        its inputs need every token on the host."""
+        its inputs need every token on the host.
+
+        A request with a penalty (`SamplingParams.has_penalties`) is sampled from logits penalized by counts of all
+        of its tokens, built from the host's lists (`Penalties.of`); a token still in flight exists only on the
+        device. So a step that samples a penalized request whose newest token is in flight is not overlapped: the
+        step in flight lands first, then this step is launched (still a graph replay if it is a decode step) or
+        run eagerly. Steps without such a request overlap as before."""
         done, self._reported = self._reported, []
         sched = self.scheduler.schedule()
         self.stats["preemptions"] += len(sched.preempted)
         sampling = [req for req, n in sched.scheduled if req.num_computed_tokens + n == req.num_tokens]
-        flight = self.runner.launch(sched, sampling, self._in_flight) if sched.scheduled else None
+        land_first = any(r.num_pending and r.sampling_params.has_penalties for r in sampling)
+        flight = self.runner.launch(sched, sampling, self._in_flight) if sched.scheduled and not land_first else None
         landed = self._land()
-        if flight is None:  # requests the landing stopped leave the eager step
+        if flight is None:  # requests the landing stopped leave the step, which has every token on the host now
             sched.scheduled = [(r, n) for r, n in sched.scheduled if not r.is_finished]
             sched.num_batched_tokens = sum(n for _, n in sched.scheduled)
             sampling = [r for r in sampling if not r.is_finished]
+            if land_first and sched.scheduled:
+                flight = self.runner.launch(sched, sampling, None)
         if sched.scheduled:
             landed += self._run(sched, sampling, flight)
         elif not landed:

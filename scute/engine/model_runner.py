@@ -19,7 +19,7 @@ from scute.config import EngineConfig
 from scute.model.context import ForwardContext, forward_context
 from scute.engine.cuda_graph import AdapterLayout, DecodeGraphs
 from scute.engine.request import Request
-from scute.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from scute.engine.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
 from scute.engine.scheduler import SchedulerOutput
 from scute.engine.utils import host_to_device
 from scute.model.attention import AttentionMetadata, flash_attn_available
@@ -277,4 +277,4 @@ class ModelRunner:
                 cols += stops
             if sp.logprobs is not None:
                 num_logprobs = max(num_logprobs, sp.logprobs)
-        return SamplingBatch(temps, top_ks, top_ps, gens, (rows, cols), num_logprobs)
+        return SamplingBatch(temps, top_ks, top_ps, gens, (rows, cols), num_logprobs, Penalties.of(sampling))

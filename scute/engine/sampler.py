@@ -1,10 +1,12 @@
 """Token selection for the rows of a step that reach the end of their request.
 
-Greedy rows take the argmax. Sampled rows apply temperature, top-k and top-p, then pick
-``argmax(probs / E)`` with ``E ~ Exponential(1)`` per token (the exponential race: an exact draw from
-`probs`), where a request with a seed draws its noise from its own generator, so its tokens do not depend on
-the rest of the batch. Everything stays on the device; the caller's single `.tolist()` is the step's only
-host sync.
+Rows with penalties (presence, frequency, repetition: `Penalties`) first have their logits penalized by their
+request's earlier tokens, counted on the device; the other rows' logits are not touched. Greedy rows then take
+the argmax. Sampled rows apply temperature, top-k and top-p, then pick ``argmax(probs / E)`` with
+``E ~ Exponential(1)`` per token (the exponential race: an exact draw from `probs`), where a request with a seed
+draws its noise from its own generator, so its tokens do not depend on the rest of the batch. Everything stays
+on the device; the caller's single `.tolist()` is the step's only host sync. Logprobs are those of the raw
+logits, before penalties, masking and temperature.
 """
 
 from __future__ import annotations
@@ -27,10 +29,69 @@ class SamplingBatch:
     generators: list[torch.Generator | None]
     masked: tuple[list[int], list[int]]  # (rows, token ids) forced to -inf (min_tokens)
     num_logprobs: int  # -1: none wanted; else the largest top-k asked for (0 = chosen token only)
+    penalties: Penalties | None = None  # the rows with a penalty on, None if no row has one
 
     @property
     def all_greedy(self) -> bool:
         return all(t == 0.0 for t in self.temperatures)
+
+
+@dataclass
+class Penalties:
+    """The rows of a step with a penalty on (vLLM's presence, frequency and repetition penalties), with their
+    requests' tokens: `token_ids[i]` = [prompt, output], each padded with -1 to the longest of them. The host
+    must hold every token of these requests (`Engine` does not overlap a step that samples one, see `_step`)."""
+
+    rows: list[int]
+    presence: list[float]
+    frequency: list[float]
+    repetition: list[float]
+    token_ids: list[list[list[int]]]  # [P, 2, L]
+
+    @staticmethod
+    def of(sampling: list) -> Penalties | None:
+        """The penalized rows among a step's sampling `Request`s, None if there are none."""
+        rows = [row for row, req in enumerate(sampling) if req.sampling_params.has_penalties]
+        if not rows:
+            return None
+        requests = [sampling[row] for row in rows]
+        if any(r.num_pending for r in requests):
+            raise RuntimeError("a penalized request's newest token has not reached the host: Engine must land the "
+                               "step in flight before it samples this request")
+        width = max(max(r.num_prompt_tokens, len(r.output_token_ids)) for r in requests)
+        pad = lambda ids: ids + [-1] * (width - len(ids))  # noqa: E731
+        sps = [r.sampling_params for r in requests]
+        return Penalties(rows, [sp.presence_penalty for sp in sps], [sp.frequency_penalty for sp in sps],
+                         [sp.repetition_penalty for sp in sps],
+                         [[pad(r.prompt_token_ids), pad(r.output_token_ids)] for r in requests])
+
+    def apply(self, logits: Tensor) -> Tensor:
+        """`logits` [S, V] (float32) with the penalized rows replaced (a new tensor; the others copied as they are).
+        Three host-to-device copies (rows, penalties, padded token ids) and no host sync."""
+        device = logits.device
+        rows = host_to_device(self.rows, torch.int64, device)
+        values = host_to_device([self.presence, self.frequency, self.repetition], torch.float32, device)
+        ids = host_to_device(self.token_ids, torch.int64, device)
+        penalized = apply_penalties(logits[rows], ids[:, 0], ids[:, 1], values[0], values[1], values[2])
+        return logits.index_copy(0, rows, penalized)
+
+
+def apply_penalties(logits: Tensor, prompt_ids: Tensor, output_ids: Tensor, presence: Tensor, frequency: Tensor,
+                    repetition: Tensor) -> Tensor:
+    """Semantics: for each row i and token v, with count[i, v] = occurrences of v in output_ids[i] and
+    seen[i, v] = v in prompt_ids[i] or count[i, v] > 0 (ids -1 are padding):
+    x = logits[i, v]; if seen[i, v]: x = x / repetition[i] if x > 0 else x * repetition[i];
+    x = x - frequency[i] * count[i, v]; x = x - presence[i] * (count[i, v] > 0).
+    logits [P, V] float32; prompt_ids, output_ids [P, L] int64; presence, frequency, repetition [P]."""
+    num_rows, vocab = logits.shape
+    ids = torch.cat([prompt_ids, output_ids])  # [2P, L]: one scatter for both counts
+    counts = torch.zeros(2 * num_rows, vocab, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, ids.clamp(min=0), (ids >= 0).to(logits.dtype))  # padding adds 0 to token 0
+    in_prompt, count = counts[:num_rows] > 0, counts[num_rows:]
+    present = count > 0
+    r = repetition[:, None]
+    logits = torch.where(in_prompt | present, torch.where(logits > 0, logits / r, logits * r), logits)
+    return logits - frequency[:, None] * count - presence[:, None] * present
 
 
 @dataclass
@@ -46,15 +107,17 @@ class Sampler:
         self.generator = generator  # the engine's seeded generator, for rows without their own seed
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
-        if batch.all_greedy and not batch.masked[0] and batch.num_logprobs < 0:  # argmax needs no float32 copy
+        plain = not batch.masked[0] and batch.num_logprobs < 0 and batch.penalties is None
+        if batch.all_greedy and plain:  # argmax needs no float32 copy
             return SamplerOutput(logits.argmax(dim=-1), None, None, None)
         logits = logits.float()
         raw = logits
+        if batch.penalties is not None:  # on the raw logits, before the mask and temperature (as vLLM)
+            logits = batch.penalties.apply(logits)
         rows, cols = batch.masked
         if rows:
-            logits = logits.clone()
             index = host_to_device([rows, cols], torch.int64, logits.device)
-            logits[index[0], index[1]] = float("-inf")
+            logits = logits.index_put((index[0], index[1]), logits.new_tensor(float("-inf")))
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:
