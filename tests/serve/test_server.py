@@ -83,6 +83,17 @@ def test_raw_http_token_ids_logprobs_and_sse_framing(server, reference, served):
     assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]) == expected.text
 
 
+def test_penalties_reach_the_engine(server, reference, served):
+    options = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3)
+    expected = want(reference, served, "lora", PROMPT, temperature=0, max_tokens=10, ignore_eos=True, **options)
+    plain = want(reference, served, "lora", PROMPT, temperature=0, max_tokens=10, ignore_eos=True)
+    r = client(server).completions.create(model="lora", prompt=PROMPT, max_tokens=10, temperature=0,
+                                          presence_penalty=1.5, frequency_penalty=0.5,
+                                          extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+    assert r.choices[0].text == expected.text
+    assert expected.token_ids != plain.token_ids  # the penalties change these tokens
+
+
 def test_models_lists_the_base_and_every_adapter(server, served):
     data = {m.id: m for m in client(server).models.list().data}
     assert set(MODELS) <= set(data)
