@@ -18,12 +18,12 @@ OUT = os.path.join(HERE, "..", "..", "tests", "data", "vllm_signatures.json")
 
 def main() -> None:
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, LLMEngine, SamplingParams
     from vllm.engine.arg_utils import EngineArgs
     from vllm.lora.request import LoRARequest
     from vllm.outputs import CompletionOutput, RequestOutput
 
-    classes = {"LLM": LLM, "SamplingParams": SamplingParams, "LoRARequest": LoRARequest, "RequestOutput": RequestOutput,
+    classes = {"LLM": LLM, "LLMEngine": LLMEngine, "SamplingParams": SamplingParams, "LoRARequest": LoRARequest, "RequestOutput": RequestOutput,
                    "CompletionOutput": CompletionOutput}
     snapshot = {
         "vllm_version": vllm.__version__,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
-# What the shim mirrors: name in the snapshot -> how to reach it from a module holding the five classes.
+# What the shim mirrors: name in the snapshot -> how to reach it from the classes by name (`api_records`).
 API = {
     "LLM.__init__": ("LLM", "__init__"),
     "LLM.generate": ("LLM", "generate"),
@@ -18,7 +18,16 @@ API = {
     "LoRARequest": ("LoRARequest", None),
     "RequestOutput.__init__": ("RequestOutput", "__init__"),
     "CompletionOutput": ("CompletionOutput", None),
+    "LLM.chat": ("LLM", "chat"),
+    "LLMEngine.from_engine_args": ("LLMEngine", "from_engine_args"),
+    "LLMEngine.add_request": ("LLMEngine", "add_request"),
+    "LLMEngine.step": ("LLMEngine", "step"),
+    "LLMEngine.abort_request": ("LLMEngine", "abort_request"),
+    "LLMEngine.has_unfinished_requests": ("LLMEngine", "has_unfinished_requests"),
+    "LLMEngine.get_num_unfinished_requests": ("LLMEngine", "get_num_unfinished_requests"),
+    "LLMEngine.get_tokenizer": ("LLMEngine", "get_tokenizer"),
 }
+# `EngineArgs` is compared field by field: `engine_arg_defaults`.
 
 
 def signature_record(obj) -> list[dict]:

@@ -115,6 +115,9 @@ class Sampler:
         if batch.penalties is not None:  # on the raw logits, before the mask and temperature (as vLLM)
             logits = batch.penalties.apply(logits)
         rows, cols = batch.masked
+        if any(c >= logits.shape[1] for c in cols):  # a stop id beyond the logits can never be sampled anyway
+            keep = [(r, c) for r, c in zip(rows, cols) if c < logits.shape[1]]
+            rows, cols = [r for r, _ in keep], [c for _, c in keep]
         if rows:
             index = host_to_device([rows, cols], torch.int64, logits.device)
             logits = logits.index_put((index[0], index[1]), logits.new_tensor(float("-inf")))

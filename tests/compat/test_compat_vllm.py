@@ -11,39 +11,51 @@ import pytest
 
 import scute
 import scute.compat.vllm as shim
-from scute.compat.signatures import api_records
+from scute.compat.signatures import api_records, engine_arg_defaults
 
 SNAPSHOT = os.path.join(os.path.dirname(__file__), "..", "data", "vllm_signatures.json")
 SHIM_CLASSES = {"LLM": shim.LLM, "SamplingParams": shim.SamplingParams, "LoRARequest": shim.LoRARequest,
-                    "RequestOutput": shim.RequestOutput, "CompletionOutput": shim.CompletionOutput}
+                "RequestOutput": shim.RequestOutput, "CompletionOutput": shim.CompletionOutput,
+                "LLMEngine": shim.LLMEngine}
 
 
-def vllm_records() -> tuple[str, dict]:
-    """(source, records): from an importable vLLM (not our own shim installed as vllm), else the snapshot."""
+def vllm_records() -> tuple[str, dict, dict]:
+    """(source, records, EngineArgs defaults): from an importable vLLM (not our own shim installed as vllm),
+    else the snapshot."""
     if "vllm" not in sys.modules or sys.modules["vllm"] is not shim:
         try:
             import vllm
-            from vllm import LLM, SamplingParams
+            from vllm import LLM, EngineArgs, LLMEngine, SamplingParams
             from vllm.lora.request import LoRARequest
             from vllm.outputs import CompletionOutput, RequestOutput
         except ImportError:
             pass
         else:
             classes = {"LLM": LLM, "SamplingParams": SamplingParams, "LoRARequest": LoRARequest,
-                           "RequestOutput": RequestOutput, "CompletionOutput": CompletionOutput}
-            return f"vllm {vllm.__version__}", api_records(classes)
+                       "RequestOutput": RequestOutput, "CompletionOutput": CompletionOutput, "LLMEngine": LLMEngine}
+            return f"vllm {vllm.__version__}", api_records(classes), engine_arg_defaults(EngineArgs)
     with open(SNAPSHOT) as f:
         snap = json.load(f)
-    return f"snapshot of vllm {snap['vllm_version']}", snap["signatures"]
+    return f"snapshot of vllm {snap['vllm_version']}", snap["signatures"], snap["engine_args"]
 
 
 @pytest.mark.parametrize("api", list(api_records(SHIM_CLASSES)))
 def test_signatures_match_vllm(api):
-    source, records = vllm_records()
+    source, records, _ = vllm_records()
     ours = api_records(SHIM_CLASSES)[api]
     theirs = records[api]
     assert [p["name"] for p in ours] == [p["name"] for p in theirs], f"{api} parameter names differ from {source}"
     assert ours == theirs, f"{api} parameter kinds or defaults differ from {source}"
+
+
+def test_engine_args_signatures_match_vllm():
+    """Every vLLM `EngineArgs` field, in vLLM's order, with vLLM's default (None where vLLM builds it)."""
+    source, _, theirs = vllm_records()
+    ours = engine_arg_defaults(shim.EngineArgs)
+    assert list(ours) == list(theirs), f"EngineArgs fields differ from {source}"
+    for name, default in theirs.items():
+        built = default is None or default.startswith("<")  # a factory or an enum member: None here
+        assert ours[name] == ("None" if built else default), f"EngineArgs.{name}'s default differs from {source}"
 
 
 def test_snapshot_is_of_the_supported_vllm():
@@ -55,31 +67,6 @@ def test_snapshot_is_of_the_supported_vllm():
 
 
 # ---------------------------------------------------------------------------------------------- a real model
-WORDS = ["the", "a", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and", "cat", "runs", "sleeps", "red", "green", "blue", "one", "two", "three"]
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """A tiny Llama folder with a word-level tokenizer, a LoRA and a VeRA adapter (every tensor random)."""
-    from peft import LoraConfig, VeraConfig  # here, not at the top: the signature tests run in vLLM's venv too
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from tests.helpers import make_adapter, tiny_model
-
-    root = tmp_path_factory.mktemp("served")
-    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *WORDS])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    model = tiny_model("llama")  # vocab 128 >= the tokenizer's
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    make_adapter(str(root / "lora"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), seed=3)
-    make_adapter(str(root / "vera"), VeraConfig(r=8, target_modules=["q_proj", "up_proj"]), seed=4)
-    return root
-
-
 @pytest.fixture(scope="module")
 def llm(served):
     return shim.LLM(model=str(served / "model"), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
@@ -113,7 +100,7 @@ def test_unsupported_options_raise_never_ignored(served, llm):
                    {"runner": "pooling"}, {"speculative_config": {"method": "ngram"}}, {"no_such_option": 1}):
         with pytest.raises(shim.UnsupportedOptionError, match=next(iter(kwargs))):
             shim.LLM(folder, **kwargs)
-    for kwargs in ({"n": 2}, {"presence_penalty": 0.5}, {"repetition_penalty": 1.1}, {"min_p": 0.1},
+    for kwargs in ({"n": 2}, {"prompt_logprobs": 1}, {"bad_words": ["x"]}, {"min_p": 0.1},
                    {"logit_bias": {1: 2.0}}, {"output_kind": shim.RequestOutputKind.DELTA}):
         with pytest.raises(shim.UnsupportedOptionError, match=next(iter(kwargs))):
             shim.SamplingParams(**kwargs)
@@ -178,6 +165,8 @@ def test_sampling_params_map_to_scute():
     assert s.greedy and s.max_tokens == 9 and s.seed == 3 and s.stop_strings == ("x",) and s.logprobs == 1
     s = shim.SamplingParams(temperature=0.7, top_k=5, top_p=0.5).to_scute()
     assert (s.temperature, s.top_k, s.top_p) == (0.7, 5, 0.5)
+    s = shim.SamplingParams(presence_penalty=0.2, frequency_penalty=-0.1, repetition_penalty=1.1).to_scute()
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.2, -0.1, 1.1)
     assert sp.clone().max_tokens == 9 and "max_tokens=9" in repr(sp)
     with pytest.raises(ValueError):
         shim.SamplingParams(temperature=-1.0)

@@ -51,3 +51,16 @@ def test_min_tokens_mask_and_logprobs():
     raw = logits.log_softmax(-1)
     assert torch.allclose(out.logprobs, raw.gather(-1, out.token_ids[:, None])[:, 0])  # of the raw logits
     assert out.top_ids[:, 0].tolist() == [3, 3]
+
+
+def test_a_stop_id_beyond_the_vocabulary_under_min_tokens_is_harmless():
+    """min_tokens masks the stop ids; one the model cannot produce (vLLM scripts pass such ids) is skipped."""
+    from tests.helpers import tiny_model
+
+    from scute import Engine, SamplingParams
+
+    engine = Engine(tiny_model(), device="cpu", dtype="float32", max_model_len=64)
+    sp = SamplingParams(temperature=0, max_tokens=6, min_tokens=4, stop_token_ids=[32003])
+    plain = SamplingParams(temperature=0, max_tokens=6, min_tokens=4)
+    out, ref = engine.generate([[5, 6, 7], [5, 6, 7]], [sp, plain], use_tqdm=False)
+    assert out.error is None and out.outputs[0].token_ids == ref.outputs[0].token_ids
