@@ -19,6 +19,7 @@ Run: ``PYTHONPATH=. python bench/bench_ops.py --out results.json`` (``--sweep`` 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _device import copy_bandwidth  # noqa: E402
 
-from scute.ops import SlotPool, build_lora_meta, scute_linears_triton, triton_ops
+from scute.ops import SlotPool, build_lora_meta, launch, scute_linears_triton
 from scute.ops.cost import CallBytes, layer_call_bytes, lora_floor_bytes
 from scute.ops.testing import random_slots, vera_pair
 
@@ -306,15 +307,16 @@ def bars(rows: list[dict]) -> dict:
     return out
 
 
-DEFAULT = dict(half_n=triton_ops.HALF_N, tile_half_n=triton_ops.TILE_HALF_N, block_k=triton_ops.BLOCK_K,
-               target_programs=triton_ops.TARGET_PROGRAMS, target_expand=triton_ops.TARGET_EXPAND_PROGRAMS,
-               warps=triton_ops.EXPAND_WARPS, tile_items=triton_ops.TILE_ITEMS_PER_PROGRAM,
-               tile_programs=triton_ops.TILE_PROGRAMS_PER_SM, tile_warps=triton_ops.TILE_WARPS,
-               stages=(triton_ops.SHRINK_STAGES, triton_ops.EXPAND_STAGES, triton_ops.TILE_STAGES),
-               epilogue_half_n=triton_ops.EPILOGUE_HALF_N, epilogue_warps=triton_ops.EPILOGUE_WARPS)
+_C = launch.LaunchConfig()
+DEFAULT = dict(half_n=_C.half_n, tile_half_n=_C.tile_half_n, block_k=_C.block_k,
+               target_programs=_C.target_programs, target_expand=_C.target_expand_programs,
+               warps=_C.expand_warps, tile_items=_C.tile_items_per_program,
+               tile_programs=_C.tile_programs_per_sm, tile_warps=_C.tile_warps,
+               stages=(_C.shrink_stages, _C.expand_stages, _C.tile_stages),
+               epilogue_half_n=_C.epilogue_half_n, epilogue_warps=_C.epilogue_warps)
 # Other launch constants were swept against these defaults and lost (bench/results/sweep_*_h200.json): the
-# one-token delta's HALF_N 128 at 2 warps; the shrink's rank tile capped at 16 or 32 and TARGET_PROGRAMS 2048; the
-# multi-token delta's chunks at TILE_HALF_N 64 and its rank loop pipelined (stages 2, 3); the epilogue at 2·128
+# one-token delta's half_n 128 at 2 warps; the shrink's rank tile capped at 16 or 32 and target_programs 2048; the
+# multi-token delta's chunks at tile_half_n 64 and its rank loop pipelined (stages 2, 3); the epilogue at 2·128
 # columns and 1 warp. This sweep: the multi-token delta's persistent programs per SM and items per program.
 SWEEP = [dict(DEFAULT, tile_programs=3),
          dict(DEFAULT, tile_programs=4),
@@ -324,15 +326,13 @@ SWEEP = [dict(DEFAULT, tile_programs=3),
 
 
 def apply(cfg: dict) -> None:
-    """Set the launchers' tuning constants (module constants read at call time)."""
-    triton_ops.TARGET_PROGRAMS, triton_ops.TARGET_EXPAND_PROGRAMS = cfg["target_programs"], cfg["target_expand"]
-    triton_ops.EXPAND_WARPS = cfg["warps"]  # the one-token expand's
-    triton_ops.SHRINK_STAGES, triton_ops.EXPAND_STAGES, triton_ops.TILE_STAGES = cfg["stages"]
-    triton_ops.TILE_HALF_N = cfg["tile_half_n"]
-    triton_ops.TILE_ITEMS_PER_PROGRAM, triton_ops.TILE_PROGRAMS_PER_SM = cfg["tile_items"], cfg["tile_programs"]
-    triton_ops.TILE_WARPS = cfg["tile_warps"]
-    triton_ops.EPILOGUE_HALF_N, triton_ops.EPILOGUE_WARPS = cfg["epilogue_half_n"], cfg["epilogue_warps"]
-    triton_ops.persistent_programs.cache_clear()
+    """Make `cfg` the launch configuration the passes read (`scute.ops.launch.CONFIG`)."""
+    launch.CONFIG = dataclasses.replace(
+        launch.LaunchConfig(), half_n=cfg["half_n"], block_k=cfg["block_k"], target_programs=cfg["target_programs"],
+        target_expand_programs=cfg["target_expand"], expand_warps=cfg["warps"], tile_half_n=cfg["tile_half_n"],
+        shrink_stages=cfg["stages"][0], expand_stages=cfg["stages"][1], tile_stages=cfg["stages"][2],
+        tile_items_per_program=cfg["tile_items"], tile_programs_per_sm=cfg["tile_programs"],
+        tile_warps=cfg["tile_warps"], epilogue_half_n=cfg["epilogue_half_n"], epilogue_warps=cfg["epilogue_warps"])
 
 
 def sweep(layer: Layer, bw: float, lat: float, default: dict) -> tuple[list[dict], dict]:

@@ -6,6 +6,7 @@ kernels overlap the GEMMs, so it is more than the layer's time). Run: ``PYTHONPA
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -18,12 +19,12 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, "bench")
 import bench_ops as B  # noqa: E402
 
-from scute.ops import build_lora_meta, scute_linears_triton, triton_ops  # noqa: E402
+from scute.ops import build_lora_meta, launch, scute_linears_triton  # noqa: E402
 
 CONFIGS = {
     "default": {},
-    "split1": dict(MAX_SPLIT_K=1),
-    "tiles8w": dict(TILE_WARPS=8),
+    "split1": dict(max_split_k=1),
+    "tiles8w": dict(tile_warps=8),
 }
 
 
@@ -73,7 +74,7 @@ def timeline(fn) -> list[str]:
 
 def compiled_stats() -> list[str]:
     lines = []
-    k = triton_ops._kernels()
+    k = launch.kernels()
     for name in ("input_transform_kernel", "shrink_kernel", "delta_rows_kernel", "delta_tiles_kernel",
                  "epilogue_kernel"):
         fn = getattr(k, name)
@@ -97,23 +98,19 @@ def main() -> None:
     rows = [(v, int(b), int(n)) for v, b, n in (r.split(":") for r in args.rows.split(","))]
     configs = {c: CONFIGS[c] for c in args.configs.split(",")}
     layer = B.Layer()
-    base = {k: getattr(triton_ops, k) for k in ("MAX_SPLIT_K", "EXPAND_WARPS", "SHRINK_WARPS", "SHRINK_STAGES",
-                                                "EXPAND_STAGES", "TILE_STAGES", "TARGET_EXPAND_PROGRAMS", "HALF_N",
-                                                "TILE_WARPS")}
     for variant, batch, n in rows:
         pools = B.build_pools(layer, variant, n, B.GROUPED)
         xs = layer.inputs(batch)
         ts = torch.arange(batch, device="cuda") % n
         for cname, cfg in configs.items():
-            for k, v in {**base, **cfg}.items():
-                setattr(triton_ops, k, v)
+            launch.CONFIG = dataclasses.replace(launch.LaunchConfig(), **cfg)
             metas = {pool.group_key: build_lora_meta(ts, pool.slot_group) for pool in pools.values()}
             active = frozenset(ts.tolist())
 
             def fn():
                 for names, pool in pools.items():
                     scute_linears_triton(xs[B.INPUT[names[0]]], [layer.w[p] for p in names], [None] * len(names),
-                                         pool, metas[pool.group_key], half_n=triton_ops.HALF_N, active_slots=active)
+                                         pool, metas[pool.group_key], active_slots=active)
             times = kernel_times(fn)
             total = sum(times.values())
             parts = ", ".join(f"{k.split('_kernel')[0]} {v:.1f}" for k, v in sorted(times.items(), key=lambda x: -x[1]))

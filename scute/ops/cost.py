@@ -10,7 +10,7 @@ A layer call (``P`` projections of one input, see `scute.ops.triton_ops`) moves,
   `SlotPool.delta_dtype`), the epilogue (read d, read and write the adapter tokens' rows of z);
 * the pool's shared group (`scute.ops.pool`), when the step has a token of it: A x on cuBLAS reads every
   token's x and writes h for every token; per projection, its members' rows of h and m are read, m ⊙ h written
-  and read again (above `SHARED_FUSED_TOKENS` tokens: below, the GEMM forms it), and their rows of d written (and
+  and read again (above `shared_fused_tokens` tokens: below, the GEMM forms it), and their rows of d written (and
   read by the epilogue).
 
 The model is of a call that knows the step's slots (`scute_linears_triton`'s ``active_slots``): passes that no
@@ -25,11 +25,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scute.ops import triton_ops
 from scute.ops.meta import max_tiles
 from scute.ops.pool import _exact_delta, _needs_expand, _storage_key, slot_groups
 from scute.ops.slots import Slots
-from scute.ops.triton_ops import choose_split_k
+from scute.ops.launch import choose_split_k, config
 
 VEC_BYTES = 4  # the pool keeps slot vectors in float32
 
@@ -96,15 +95,15 @@ def layer_call_bytes(slots: Sequence[Sequence[Slots | None]], in_features: int, 
 
 def _shared_group_bytes(column: list[Slots | None], in_features: int, out_features: Sequence[int], members: int,
                         n_tok: int, elem: int, d_elem: int) -> CallBytes:
-    """The shared group's passes (`scute.ops.triton_ops.lora_delta_shared_`): `column` its representative's slots,
+    """The shared group's passes (`scute.ops.shared_delta.lora_delta_shared_`): `column` its representative's slots,
     `members` (≥ 1) its tokens in the step; its matrices are in the adapters' bytes."""
     a_keys = {_storage_key(sl.A, "mat"): sl.A for sl in column if sl is not None and sl.A is not None}
     rank = next(iter(a_keys.values())).shape[0]
     outs = [o for sl, o in zip(column, out_features) if sl is not None and sl.A is not None]
     h_all = len(a_keys) * n_tok * (in_features + rank) * elem  # A x for every token: x read, h written
-    # per member and projection: h and m (float32) read; from SHARED_FUSED_TOKENS + 1 tokens on by a scale pass,
+    # per member and projection: h and m (float32) read; from shared_fused_tokens + 1 tokens on by a scale pass,
     # which writes m ⊙ h for the GEMM to read
-    fused = n_tok <= triton_ops.SHARED_FUSED_TOKENS
+    fused = n_tok <= config().shared_fused_tokens
     h_rows = members * len(outs) * rank * ((1 if fused else 3) * elem + VEC_BYTES)
     return CallBytes(activations=h_all + h_rows + members * sum(outs) * 2 * d_elem,
                      launches=len(a_keys) + (1 if fused else 2))

@@ -1,6 +1,6 @@
 """Triton kernels of the six-slot op: input-transform pre-pass, shrink, expand with epilogue.
 
-Imported lazily (by `scute.ops.triton_ops` on first use) because `triton.jit` decides at decoration time whether
+Imported lazily (`scute.ops.launch.kernels`, on first use) because `triton.jit` decides at decoration time whether
 to run compiled or in the interpreter (``TRITON_INTERPRET=1``). Table layout and flags: `scute.ops.pool`.
 
 A tile is up to BLOCK_M = 16 tokens of one adapter group (at decode: one token). The shrink is a tile GEMM on
@@ -10,7 +10,7 @@ tf32) over the grid (tile, K split x rank tile, projection); masked rows move no
 decode, the programs an SM holds are what hides their load latency): `delta_rows_kernel` runs a one-token tile
 (most tiles at decode) as a row, whose h is a rank-length vector (its product with a block of B rows is a
 multiply-sum along each row's contiguous rank values, in fp32, over rank steps of 16, or up to 64 in a pool of
-wide ranks: `triton_ops.row_block_r`); `delta_tiles_kernel` runs a tile of several tokens as a tensor-core
+wide ranks: `launch.row_block_r`); `delta_tiles_kernel` runs a tile of several tokens as a tensor-core
 product (h split in two 16-bit parts: about 16 mantissa bits), reading each B block once for all of them. The shrink's
 K-split partials of h are summed by the row kernel as it reads them, or once by the shrink for multi-token tiles
 and groups wider than one rank step (see `shrink_kernel`). None of these reads the base output, so they run

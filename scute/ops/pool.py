@@ -16,7 +16,7 @@ A *group* is the unit of weight reuse: slots whose A and B are views of the same
 group, so their tokens are sorted together and the shared matrices are read once per batch; every other slot is
 its own group. The pool's largest such group (the *shared group*) is not in the table's low-rank fields at all: its
 tokens' delta is two dense products, ``h = A x`` for every token and ``d = B (m ⊙ h)`` for the group's sorted rows
-(`scute.ops.triton_ops.lora_delta_shared_`), from the matrices and each member's m in buffers of their own
+(`scute.ops.shared_delta.lora_delta_shared_`), from the matrices and each member's m in buffers of their own
 (``shared_a``, ``shared_b``, ``shared_m``), so a wide shared rank (VeRA's 256) neither widens every other group's
 rank tiles nor runs as 16-token tiles. Tensors are deduplicated by storage (a shared matrix is copied once per
 pool, whatever the number of adapters using it), and a shared A used by several projections of one pool is

@@ -7,7 +7,8 @@ from __future__ import annotations
 from scute.engine.kv_plan import adapter_transient_bytes
 from scute.model.hf import swap_linears
 from scute.ops.meta import max_tiles
-from scute.ops.triton_ops import call_transient_bytes, choose_split_k
+from scute.ops.launch import choose_split_k
+from scute.ops.triton_ops import call_transient_bytes
 from tests.helpers import tiny_model
 
 T, RANK, ELEM = 64, 32, 2

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from scute.ops import triton_ops
+from scute.ops import launch
 from scute.ops.cost import VEC_BYTES, CallBytes, layer_call_bytes, lora_floor_bytes
 from scute.ops.meta import max_tiles
+from scute.ops.launch import choose_split_k
 from scute.ops.testing import random_slots, vera_pair
-from scute.ops.triton_ops import choose_split_k
 
 IN, OUT, R, E = 64, 48, 4, 2  # bf16-sized elements
 
@@ -60,7 +62,8 @@ def test_shared_group_passes(fused, monkeypatch):
     tile GEMM (unless the GEMM forms it: `SHARED_FUSED_TOKENS`), its row of d written and read by the epilogue;
     cuBLAS's product + scale + GEMM are 3 launches (2 fused). A step with no member does not run them
     (`SlotPool.step_kinds`): neither A nor B is read."""
-    monkeypatch.setattr(triton_ops, "SHARED_FUSED_TOKENS", 1 << 20 if fused else 0)
+    fused_tokens = 1 << 20 if fused else 0
+    monkeypatch.setattr(launch, "CONFIG", dataclasses.replace(launch.CONFIG, shared_fused_tokens=fused_tokens))
     pair = vera_pair(8, IN, OUT, generator=torch.Generator().manual_seed(3))
     g = torch.Generator().manual_seed(4)
     slots = [[*(random_slots("vera", IN, OUT, vera_pair=pair, generator=g) for _ in range(2)), lora(5)]]

@@ -33,9 +33,16 @@ from scute.ops.meta import BLOCK_M, LoraMeta, max_tiles  # noqa: E402
 from scute.ops.pool import F_RANK  # noqa: E402
 from scute.ops.reference import input_transform_ref  # noqa: E402
 from scute.ops.testing import POPULARITY, random_slots, token_slots, vera_pair  # noqa: E402
-from scute.ops.triton_ops import input_transform  # noqa: E402
+from scute.ops import input_transform as input_transform_mod, launch, shared_delta, shrink as shrink_mod  # noqa: E402
+from scute.ops.input_transform import input_transform  # noqa: E402
 
 IN, OUT = 32, 48
+
+
+def set_config(monkeypatch, **changes) -> None:
+    """Run the test under the launch configuration with `changes`."""
+    monkeypatch.setattr(launch, "CONFIG", dataclasses.replace(launch.CONFIG, **changes))
+
 # Small tiles keep the interpreter fast and make the tiny layers span several tiles.
 HALF_N, BLOCK_K = 16, 16
 # tf32 dots on the GPU; exact fp32 products in the interpreter.
@@ -163,8 +170,8 @@ def test_row_and_tile_chunks_differ(popularity, monkeypatch):
     """The two expand launches cut the columns differently (one-token tiles: chunks of 2·32 columns; multi-token
     tiles: 2·16, one chunk per persistent item), RoAd pairs included: each launch must cover every column of its
     own tiles."""
-    monkeypatch.setattr(triton_ops, "TILE_HALF_N", 16)
-    monkeypatch.setattr(triton_ops, "TILE_ITEMS_PER_PROGRAM", 1 << 20)
+    set_config(monkeypatch, tile_half_n=16)
+    set_config(monkeypatch, tile_items_per_program=1 << 20)
     gen, w, b = _case(torch.float32, seed=31)
     slots = mixed_slots(torch.float32, gen)
     ts = token_slots(popularity, 33, len(slots), generator=gen).to(DEVICE)
@@ -176,11 +183,11 @@ def test_row_and_tile_chunks_differ(popularity, monkeypatch):
 def test_row_rank_step():
     """The one-token delta's rank step: 16 for a rank-16 pool; for a pool of wide ranks, as wide as its chunk allows
     within the block of a rank-16 pool (2·HALF_N x 16 elements), up to 64 (the tests' wide pools run at 64)."""
-    assert triton_ops.row_block_r(16, triton_ops.HALF_N) == 16
-    assert triton_ops.row_block_r(256, 64) == 16 and triton_ops.row_block_r(256, 32) == 32
-    assert triton_ops.row_block_r(256, 16) == 64 and triton_ops.row_block_r(100, 16) == 64
-    assert triton_ops.row_block_r(32, 16) == 32
-    assert triton_ops.rows_half_n(1, [OUT], 256) == 16  # a VeRA-wide pool at decode: narrow chunks, 64-rank steps
+    assert launch.row_block_r(16, launch.CONFIG.half_n) == 16
+    assert launch.row_block_r(256, 64) == 16 and launch.row_block_r(256, 32) == 32
+    assert launch.row_block_r(256, 16) == 64 and launch.row_block_r(100, 16) == 64
+    assert launch.row_block_r(32, 16) == 32
+    assert launch.rows_half_n(1, [OUT], 256) == 16  # a VeRA-wide pool at decode: narrow chunks, 64-rank steps
 
 
 def test_ranks_1_to_256_in_one_batch():
@@ -230,20 +237,20 @@ def test_split_partials(split, monkeypatch):
     the last split to arrive sums those of wider groups (r = 17, 256) and of multi-token tiles into split 0.
     Every popularity law; the arrival counters are back to zero after each call (the next call relies on it).
     K = 64: on the GPU a split needs 16 columns."""
-    monkeypatch.setattr(triton_ops, "TARGET_PROGRAMS", 1 << 20)
-    monkeypatch.setattr(triton_ops, "MAX_SPLIT_K", split)
+    set_config(monkeypatch, target_programs=1 << 20)
+    set_config(monkeypatch, max_split_k=split)
     in_f = 64
     gen = torch.Generator().manual_seed(41)
     w = (torch.randn(OUT, in_f, generator=gen) / in_f ** 0.5).to(DEVICE)
     b = torch.randn(OUT, generator=gen).to(DEVICE)
     slots = mixed_slots(torch.float32, gen, in_f)
-    assert triton_ops.choose_split_k(in_f, 1, BLOCK_K) == split
+    assert launch.choose_split_k(in_f, 1, BLOCK_K) == split
     for law in ("distinct", "identical", "skewed"):
         ts = token_slots(law, 33, len(slots), generator=gen).to(DEVICE)
         x = torch.randn(33, in_f, generator=gen).to(DEVICE)
         (y,) = run_triton(x, [w], [b], [slots], ts, torch.float32)
         check(y, x, w, b, slots, ts, FP32_TOL)
-        assert all(int(c.abs().sum()) == 0 for bufs in triton_ops._COUNTERS.values() for c in bufs)
+        assert all(int(c.abs().sum()) == 0 for bufs in shrink_mod._COUNTERS.values() for c in bufs)
 
 
 @pytest.mark.parametrize("expand_programs", [1024, 1])
@@ -252,7 +259,7 @@ def test_three_projections_one_launch(expand_programs, monkeypatch):
     for all three) is multiplied once and read once, in the shared group (slot 6) and in a second pair's group,
     which stays in the table (slot 7). With a target of 1 expand program, each program streams every chunk of its
     projection."""
-    monkeypatch.setattr(triton_ops, "TARGET_EXPAND_PROGRAMS", expand_programs)
+    set_config(monkeypatch, target_expand_programs=expand_programs)
     gen = torch.Generator().manual_seed(21)
     outs = (48, 16, 16)  # k and v of one width: VeRA's B views coincide
     ws = [(torch.randn(o, IN, generator=gen) / IN ** 0.5).to(DEVICE) for o in outs]
@@ -344,9 +351,9 @@ def test_input_transform_matches_reference(blocks, iters, tiled, monkeypatch):
     gen, _, _ = _case(torch.float32, seed=12)
     ts = _shuffled({8: 17, 9: 3, 10: 16, 0: 2, -1: 2}, gen) if tiled else \
         torch.tensor([8, 9, 8, -1, 9, 0, 8], device=DEVICE)
-    monkeypatch.setattr(triton_ops, "PRE_PASS_TOKENS", ts.shape[0] // iters)
-    monkeypatch.setattr(triton_ops, "PRE_PASS_TILE_TOKENS", 1 if tiled else 1 << 30)
-    assert triton_ops.pre_pass_iters(ts.shape[0]) == iters
+    set_config(monkeypatch, pre_pass_tokens=ts.shape[0] // iters)
+    set_config(monkeypatch, pre_pass_tile_tokens=1 if tiled else 1 << 30)
+    assert input_transform_mod.pre_pass_iters(ts.shape[0]) == iters
     slots = mixed_slots(torch.float32, gen)
     kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
     block = {"mixed": 8, "equal": 8, "sixteen": 16, "diag": 8}[blocks]
@@ -371,8 +378,8 @@ def test_input_transform_several_chunks_per_program(iters, tiled, monkeypatch):
     programs of 4 blocks each)."""
     in_f, gen = 2048, torch.Generator().manual_seed(13)
     ts = _shuffled({0: 18, 1: 2, 2: 1, -1: 1}, gen) if tiled else torch.tensor([0, 2, -1, 1, 0, 0, 1], device=DEVICE)
-    monkeypatch.setattr(triton_ops, "PRE_PASS_TOKENS", ts.shape[0] // iters)
-    monkeypatch.setattr(triton_ops, "PRE_PASS_TILE_TOKENS", 1 if tiled else 1 << 30)
+    set_config(monkeypatch, pre_pass_tokens=ts.shape[0] // iters)
+    set_config(monkeypatch, pre_pass_tile_tokens=1 if tiled else 1 << 30)
     kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
     slots = [random_slots("oft", in_f, OUT, block=8, **kw), random_slots("ia3", in_f, OUT, feedforward=True, **kw),
              random_slots("lora", in_f, OUT, rank=4, **kw)]
@@ -394,14 +401,14 @@ def test_input_windows_and_rows_split_the_tokens():
     pool = SlotPool(IN, (OUT,), len(slots), DEVICE, torch.float32)
     pool.update([slots])
     meta = build_lora_meta(ts, pool.slot_group)
-    assert meta.sorted_slots[16].item() == 9 and triton_ops.WINDOW_MIN_TOKENS == 16
+    assert meta.sorted_slots[16].item() == 9 and launch.CONFIG.window_min_tokens == 16
     n = ts.shape[0]
     windows = torch.full((1, n, IN), float("nan"), device=DEVICE)
-    triton_ops.input_windows(windows, x, pool.table, meta.sorted_idx, meta.sorted_slots, meta.num_tokens_per_slot,
-                             meta.slot_start, pool.block_b, pool.min_block)
+    input_transform_mod.input_windows(windows, x, pool.table, meta.sorted_idx, meta.sorted_slots,
+                                      meta.num_tokens_per_slot, meta.slot_start, pool.block_b, pool.min_block)
     rows = torch.full((1, n, IN), float("nan"), device=DEVICE)
-    triton_ops.input_rows(rows, x, pool.table, meta.token_slots, meta.num_tokens_per_slot, pool.block_b,
-                          pool.min_block, True)
+    input_transform_mod.input_rows(rows, x, pool.table, meta.token_slots, meta.num_tokens_per_slot, pool.block_b,
+                                   pool.min_block, True)
     big = torch.isin(ts, torch.tensor([8, 10], device=DEVICE)).cpu()
     assert torch.equal(windows[0].isfinite().all(1).cpu(), big)
     assert torch.equal(rows[0].isfinite().all(1).cpu(), ~big)
@@ -415,7 +422,7 @@ def test_shared_group_writes_only_its_rows(fused, monkeypatch):
     which write the other rows: a row written by both would be a race the result cannot show), with the right
     values: 70 members over two row tiles (the second partly past the count), rank 8 (a masked K step); m ⊙ h by
     the scale pass, or formed inside the tile GEMM (`SHARED_FUSED_TOKENS`)."""
-    monkeypatch.setattr(triton_ops, "SHARED_FUSED_TOKENS", 1 << 20 if fused else 0)
+    set_config(monkeypatch, shared_fused_tokens=1 << 20 if fused else 0)
     gen, _, _ = _case(torch.float32, seed=15)
     pair = vera_pair(8, IN, OUT, device=DEVICE, generator=gen)
     kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
@@ -430,7 +437,7 @@ def test_shared_group_writes_only_its_rows(fused, monkeypatch):
     n, r = ts.shape[0], pool.shared_a.shape[1]
     ds = [torch.full((n, OUT), float("nan"), device=DEVICE)]
     hv, hs = x.new_empty((1, n, r)), x.new_empty((1, n, r))
-    triton_ops.lora_delta_shared_(ds, hv, hs, x, pool.shared_a, pool.shared_b, pool.shared_m, meta.sorted_idx,
+    shared_delta.lora_delta_shared_(ds, hv, hs, x, pool.shared_a, pool.shared_b, pool.shared_m, meta.sorted_idx,
                                   meta.sorted_slots, meta.num_tokens_per_slot, meta.slot_start, pool.shared_group,
                                   list(pool.shared_a_of), list(pool.shared_outs))
     member = ((ts == 1) | (ts == 3)).cpu()
@@ -489,7 +496,7 @@ def test_scute_linear_module(monkeypatch):
         check(y2[0], x[0], layer.weight, layer.bias, layer.slots, ts, FP32_TOL)
     # the context's host-side slots reach the op: a step of LoRA tokens runs no pre-pass for the pool's OFT slots
     called = []
-    op = triton_ops.input_transform
+    op = input_transform
     monkeypatch.setattr(triton_ops, "input_transform", lambda *a, **kw: called.append(1) or op(*a, **kw))
     ts = torch.tensor([0, 1, -1, 0, 12, 1, 0], device=DEVICE)
     for active in (None, frozenset(ts.tolist())):
