@@ -11,7 +11,7 @@ One call serves ``P`` projections sharing the input ``x`` (``P = 1`` for a `Scut
     z_p ← o ⊙ z_p + o2 ⊙ rot_g(z_p) + c + v ⊙ d_p    in place, after GEMM p and the deltas    (`epilogue.py`)
 
 Each pass is a `ScuteOp` (a `torch.library` custom op with a fake, so `torch.compile` traces through; a plain call
-elsewhere) launching Triton kernels (`kernels.py`) with the launch configuration of `launch.py`. Tokens whose slot
+elsewhere) launching Triton kernels (`kernels/`) with the launch configuration of `launch.py`. Tokens whose slot
 is −1 are never read or written by the kernels after the GEMM: their rows are exactly ``F.linear(x, W, b)``.
 Every launch has a fixed grid (sized by the number of tokens and slots, not by the data) and no host sync, so
 the whole call can be captured in a CUDA graph.
