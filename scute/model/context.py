@@ -32,8 +32,6 @@ class ForwardContext:
     lora_meta: the adapter kernels' per-step token metadata (a `scute.ops.meta.MetaCache`: tokens sorted by
         adapter, tiles), built once per step by the first `ScuteLinear` that needs it (None until then), or
         ahead by the engine into preallocated buffers.
-    group_outputs: outputs a `LinearGroup` computed for members not called yet (``scute.model.linear``), each
-        handed out once; they live no longer than the step.
     """
 
     token_adapter_slots: Tensor
@@ -42,7 +40,6 @@ class ForwardContext:
     attn: Any = None
     lora_meta: Any = None
     slot_rows: dict = field(default_factory=dict)  # id(slots tensor) -> the reference op's rows per slot
-    group_outputs: dict = field(default_factory=dict)  # LinearGroup -> (input, token slots, {member index: output})
 
     def adapter_slots(self, num_tokens: int) -> Tensor:
         """The slots of a layer call over `num_tokens` rows (all tokens, or only the sampled ones)."""

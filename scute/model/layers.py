@@ -14,6 +14,7 @@ import types
 from torch import Tensor, nn
 
 from scute.model.attention import scute_attention
+from scute.model.linear import project
 from scute.ops.elementwise import rms_norm, rope_, silu_mul
 
 RMS_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
@@ -52,13 +53,11 @@ def fuse_layers(model: nn.Module) -> int:
 
 def attention_forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
                       attention_mask: Tensor | None = None, **kwargs) -> tuple[Tensor, None]:
-    """HF's Llama-family attention over the packed row [1, T, hidden]: q/k/v, (Qwen3: q/k norms), the rotary
-    embedding in place, the paged attention, o."""
+    """HF's Llama-family attention over the packed row [1, T, hidden]: q/k/v (one call for their `LinearGroup`),
+    (Qwen3: q/k norms), the rotary embedding in place, the paged attention, o."""
     num_tokens = hidden_states.shape[1]
     x = hidden_states[0]
-    q = self.q_proj(x).view(num_tokens, -1, self.head_dim)
-    k = self.k_proj(x).view(num_tokens, -1, self.head_dim)
-    v = self.v_proj(x).view(num_tokens, -1, self.head_dim)
+    q, k, v = (y.view(num_tokens, -1, self.head_dim) for y in project(x, self.q_proj, self.k_proj, self.v_proj))
     if hasattr(self, "q_norm"):
         q, k = self.q_norm(q), self.k_norm(k)
     cos, sin = position_embeddings
@@ -70,6 +69,7 @@ def attention_forward(self, hidden_states: Tensor, position_embeddings: tuple[Te
 
 
 def mlp_forward(self, x: Tensor) -> Tensor:
-    """HF's gated MLP with SiLU: down(silu(gate(x)) · up(x)), the activation and product in one kernel."""
+    """HF's gated MLP with SiLU: down(silu(gate(x)) · up(x)), gate/up in one call for their `LinearGroup`, the
+    activation and product in one kernel."""
     flat = x.reshape(-1, x.shape[-1])
-    return self.down_proj(silu_mul(self.gate_proj(flat), self.up_proj(flat))).view(*x.shape[:-1], -1)
+    return self.down_proj(silu_mul(*project(flat, self.gate_proj, self.up_proj))).view(*x.shape[:-1], -1)

@@ -1,5 +1,6 @@
 """`ScuteLinear`: an `nn.Linear` whose tokens each run through their own adapter's normal form; `LinearGroup`:
-sibling `ScuteLinear`s that read one input (q/k/v, gate/up), served by one op call on the Triton path."""
+sibling `ScuteLinear`s that read one input (q/k/v, gate/up), served by one op call on the Triton path when the
+model's forward calls the group (`project`)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ class ScuteLinear(nn.Module):
     graph stays valid while ``pool.signature`` is unchanged (re-capture when it changes, e.g. on the first OFT
     adapter of a layer).
 
-    A member of a `LinearGroup` (``group``, set by the group) is served by the group on the Triton path; its own
-    pool is then built only if it ever computes alone.
+    A member of a `LinearGroup` (``group``, set by the group) called by itself computes alone; `project` serves
+    the whole group in one call. Its own pool is built only if it ever computes alone.
     """
 
     def __init__(self, base: nn.Linear, max_adapters: int) -> None:
@@ -71,8 +72,6 @@ class ScuteLinear(nn.Module):
             self.group.update_pool()
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.group is not None and self.group.serves(x):
-            return self.group.forward(self, x)
         return self.forward_alone(x)
 
     def forward_alone(self, x: Tensor) -> Tensor:
@@ -105,16 +104,14 @@ class ScuteLinear(nn.Module):
 
 class LinearGroup:
     """Sibling `ScuteLinear`s with one input and one slot count (vLLM's packed modules: ``qkv_proj`` = q/k/v,
-    ``gate_up_proj`` = gate/up); each keeps its own parameters, the group adds one `SlotPool` of all of them.
+    ``gate_up_proj`` = gate/up); each keeps its own parameters, views of one merged weight, and the group adds one
+    `SlotPool` of all of them.
 
-    On the Triton path the first member called with an input computes every member's output for it in one
-    `scute_linears_triton` call: one launch per kernel instead of one per projection (and VeRA's shared A
-    multiplied once); on an H200, 21% less adapter time per Llama-3-8B layer at 64 tokens of 64 LoRAs and 45% at
-    one token (docs/performance.md, the lora and lora_grouped rows). The other members claim their
-    output when called with the *same input tensor object* in the same forward; an output is handed out once.
-    Unclaimed outputs wait in the forward context (``ctx.group_outputs``), so none outlives the step. A member
-    whose output waits for another input computes alone: correctness never depends on the call pattern. A group
-    with no adapter in any slot costs nothing (each member: the plain GEMM); the CPU reference never groups.
+    ``group(x)`` computes every member's output for `x`: on the Triton path in one `scute_linears_triton` call
+    (one launch per kernel instead of one per projection, VeRA's shared A multiplied once; a group with no adapter
+    in any slot is one GEMM over the merged weight), elsewhere (the CPU reference, torch.compile) each member alone.
+    The forwards of `scute.model.layers` call it through `project`; a model whose forward calls the members one by
+    one gets each computed alone, which is exact too.
     """
 
     def __init__(self, name: str, members: Sequence[ScuteLinear]) -> None:
@@ -145,36 +142,27 @@ class LinearGroup:
         return self.weight, self.bias
 
     def serves(self, x: Tensor) -> bool:
-        # Under torch.compile every member runs alone (kept simple: the hand-out between calls is Python state a
-        # graph would have to replay); like any pool, a member's own one must exist before tracing (`forward_alone`).
+        """Whether one call serves the group: on the Triton path, outside torch.compile (kept simple: each member's
+        own pool, built before tracing, serves a traced graph)."""
         if torch.compiler.is_compiling() or not triton_enabled(x):
             return False
         return any(m.num_filled for m in self.members) or self.merged() is not None
 
-    def forward(self, member: ScuteLinear, x: Tensor) -> Tensor:
-        """`member`'s output for `x`: claimed if waiting for this very input, else computed (for all members)."""
-        ctx = get_forward_context()
+    def __call__(self, x: Tensor) -> list[Tensor]:
+        """Every member's output for `x` (shapes ``(*x.shape[:-1], out_p)``)."""
+        if not self.serves(x):
+            return [m.forward_alone(x) for m in self.members]
         flat = x.reshape(-1, self.in_features)
-        token_slots = ctx.adapter_slots(flat.shape[0])
-        index, shape = self.members.index(member), (*x.shape[:-1], member.out_features)
-        waiting = ctx.group_outputs.get(self)
-        if waiting is not None and index in waiting[2]:
-            x_in, slots_in, outputs = waiting
-            if x_in is not x or slots_in is not token_slots:
-                return member.forward_alone(x)  # its output waits for another input
-            if len(outputs) == 1:
-                del ctx.group_outputs[self]  # every output of the round handed out
-            return outputs.pop(index).view(shape)
         merged = self.merged()
         if merged is not None and not any(m.num_filled for m in self.members):  # no adapter: the one GEMM
             ys = merged_gemm(flat, *merged, self.out_features)
         else:
+            ctx = get_forward_context()
             pool = self.pool = pool_for(self.pool, flat, self.members)
             ys = scute_linears_triton(flat, [m.weight for m in self.members], [m.bias for m in self.members], pool,
-                                      lora_meta(ctx, token_slots, pool), active_slots=ctx.active_adapter_slots,
-                                      merged=merged)
-        ctx.group_outputs[self] = (x, token_slots, {i: y for i, y in enumerate(ys) if i != index})
-        return ys[index].view(shape)
+                                      lora_meta(ctx, ctx.adapter_slots(flat.shape[0]), pool),
+                                      active_slots=ctx.active_adapter_slots, merged=merged)
+        return [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
 
     def update_pool(self) -> None:
         """Called by a member's `set_slot`: the pool follows every member's slots."""
@@ -199,6 +187,14 @@ def _merge_parameters(members: Sequence[ScuteLinear]) -> tuple[Tensor, Tensor | 
             m.bias = nn.Parameter(bias[rows], requires_grad=m.bias.requires_grad)
         offset += m.out_features
     return weight, bias
+
+
+def project(x: Tensor, *linears: nn.Module) -> list[Tensor]:
+    """``[linear(x) for linear in linears]``, in one call when they are exactly the members of one `LinearGroup`."""
+    group = getattr(linears[0], "group", None)
+    if group is not None and list(linears) == group.members:
+        return group(x)
+    return [linear(x) for linear in linears]
 
 
 def pool_for(pool: SlotPool | None, x: Tensor, linears: Sequence[ScuteLinear]) -> SlotPool:

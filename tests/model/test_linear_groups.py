@@ -1,4 +1,5 @@
-"""`LinearGroup`: q/k/v and gate/up served by one op call, against the same layers alone and the reference path.
+"""`LinearGroup`: q/k/v and gate/up served by one op call (`group(x)`, `project`), against the same layers alone
+and the reference path.
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1`` + ``SCUTE_TRITON_CPU=1``,
 the set-up of ``tests/interpreter.py``, including its fresh process when triton was imported first). The op calls
@@ -8,6 +9,7 @@ and shrink launches are counted, so a grouping that silently stopped grouping fa
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 import torch
@@ -23,7 +25,8 @@ import scute.model.linear as linear_mod
 from scute.adapters import load_adapter
 from scute.model.context import ForwardContext, forward_context
 from scute.model.hf import place_adapter, swap_linears
-from scute.model.linear import LinearGroup, ScuteLinear
+from scute.model.layers import mlp_forward
+from scute.model.linear import LinearGroup, ScuteLinear, project
 from scute.ops import scute_linear_ref, triton_ops
 from scute.ops.testing import random_slots, token_slots, vera_pair
 from tests.helpers import FIVE_METHODS, make_adapter, rel_err, tiny_model
@@ -68,10 +71,18 @@ def calls(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- a tiny Llama
 def _llama(paths: dict, packed: dict | None):
+    """The tiny Llama with adapters; its MLPs call gate/up through `project` (scute.model.layers' MLP forward),
+    its attention HF's own (q, k, v called one by one: each alone)."""
     model = tiny_model("llama").to(DEVICE)
     linears = swap_linears(model, 8) if packed is None else swap_linears(model, 8, packed_modules_mapping=packed)
     for slot, (name, path) in enumerate(paths.items()):
         place_adapter(linears, slot, load_adapter(path, model, name=name))
+    return _fused_mlps(model)
+
+
+def _fused_mlps(model):
+    for layer in model.model.layers:
+        layer.mlp.forward = types.MethodType(mlp_forward, layer.mlp)
     return model
 
 
@@ -79,7 +90,6 @@ def _logits(model, input_ids, row_slots, device=DEVICE):
     ctx = ForwardContext(token_adapter_slots=row_slots.repeat_interleave(input_ids.shape[1]).to(device))
     with torch.no_grad(), forward_context(ctx):
         logits = model(input_ids.to(device)).logits
-    assert ctx.group_outputs == {}, "every output a group computed was claimed"
     return logits.cpu()
 
 
@@ -91,16 +101,17 @@ def test_tiny_llama_grouped_equals_alone_equals_reference(tmp_path, calls, monke
     input_ids = torch.randint(0, 128, (7, 3), generator=torch.Generator().manual_seed(5))
     row_slots = torch.tensor([2, -1, 0, 4, 1, -1, 3])  # vera, base, lora, oft, dora, base, ia3
     with torch.no_grad():
-        base = tiny_model("llama")(input_ids).logits
-        base_here = tiny_model("llama").to(DEVICE)(input_ids.to(DEVICE)).logits.cpu()
+        base_here = _fused_mlps(tiny_model("llama").to(DEVICE))(input_ids.to(DEVICE)).logits.cpu()
 
     grouped = _logits(_llama(paths, None), input_ids, row_slots)
-    # per layer: q/k/v in one call, o alone, gate/up in one call, down alone; the LM head has no adapter
-    assert calls["ops"] == [3, 1, 2, 1] * 2 and calls["shrink"] == 8
+    # per layer: q, k, v and o alone, gate/up in one call, down alone; the LM head has no adapter
+    assert calls["ops"] == [1, 1, 1, 1, 2, 1] * 2 and calls["shrink"] == 12
     calls["ops"], calls["shrink"] = [], 0
     alone = _logits(_llama(paths, {}), input_ids, row_slots)
     assert calls["ops"] == [1] * 14 and calls["shrink"] == 14
     monkeypatch.delenv("SCUTE_TRITON_CPU")
+    with torch.no_grad():
+        base = _fused_mlps(tiny_model("llama"))(input_ids).logits
     model = _llama(paths, None).cpu()
     reference = _logits(model, input_ids, row_slots, "cpu")
 
@@ -162,28 +173,25 @@ def _check(y, layer, x, ts) -> None:
         assert rel_err(y[~plain], ref[~plain]) <= TOL
 
 
-def test_member_called_with_another_input_computes_alone(calls):
+def test_group_call_and_members_alone(calls):
+    """`group(x)` and `project` compute every member in one call; a member called by itself computes alone; a
+    `project` over linears that are not exactly a group's members calls each."""
     gen, (q, k, v), group = _qkv(1)
     _place((q, k, v), gen)
     ts = token_slots("uniform", 9, SLOTS, generator=gen).to(DEVICE)
     x, x2 = (torch.randn(9, IN, generator=gen).to(DEVICE) for _ in range(2))
-    ctx = ForwardContext(token_adapter_slots=ts)
-    with torch.no_grad(), forward_context(ctx):
-        yq = q(x)  # computes q, k and v for x: one call
-        yk2 = k(x2)  # k's output waits for x: k computes alone for x2
-        yv = v(x)  # claims its output: no call
-        assert calls["ops"] == [3, 1] and set(ctx.group_outputs[group][2]) == {1}  # k's output for x waits
-        yk = k(x)  # claims it: handed out once, then dropped
-        assert calls["ops"] == [3, 1] and ctx.group_outputs == {}
-        yk_again = k(x)  # nothing waits for k: a new round for x
-        assert calls["ops"] == [3, 1, 3] and set(ctx.group_outputs[group][2]) == {0, 2}
-        yq_view = q(x.view(9, IN))  # another tensor object (same values): q's output waits for x, so alone
-        assert calls["ops"] == [3, 1, 3, 1]
-    for y, layer, inp in ((yq, q, x), (yk2, k, x2), (yv, v, x), (yk, k, x), (yk_again, k, x), (yq_view, q, x)):
-        _check(y, layer, inp, ts)
     with torch.no_grad(), forward_context(ForwardContext(token_adapter_slots=ts)):
-        v(x)  # a new forward: nothing of the last one is claimed
-    assert calls["ops"] == [3, 1, 3, 1, 3]
+        yq, yk, yv = group(x)
+        assert calls["ops"] == [3]
+        yk2 = k(x2)
+        assert calls["ops"] == [3, 1]
+        yq3, yk3, yv3 = project(x, q, k, v)
+        assert calls["ops"] == [3, 1, 3]
+        yq4, yv4 = project(x, q, v)  # not the group's members: each alone
+        assert calls["ops"] == [3, 1, 3, 1, 1]
+    for y, layer, inp in ((yq, q, x), (yk, k, x), (yv, v, x), (yk2, k, x2), (yq4, q, x), (yv4, v, x)):
+        _check(y, layer, inp, ts)
+    assert torch.equal(yq3, yq) and torch.equal(yk3, yk) and torch.equal(yv3, yv)
 
 
 def test_group_with_only_k_adapted(calls):
@@ -191,13 +199,13 @@ def test_group_with_only_k_adapted(calls):
     ts = token_slots("skewed", 9, SLOTS, generator=gen).to(DEVICE)
     x = torch.randn(9, IN, generator=gen).to(DEVICE)
     with torch.no_grad(), forward_context(ForwardContext(token_adapter_slots=ts)):
-        for layer in (q, k, v):  # no adapter anywhere in the group: the plain GEMMs, no op call
-            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        for layer, y in zip((q, k, v), group(x)):  # no adapter anywhere in the group: one GEMM, no op call
+            torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-6, atol=1e-6)
     assert calls["ops"] == [] and group.pool is None
     k.set_slot(1, random_slots("lora", IN, k.out_features, rank=5, device=DEVICE, generator=gen))
     k.set_slot(4, random_slots("oft", IN, k.out_features, block=4, device=DEVICE, generator=gen))
     with torch.no_grad(), forward_context(ForwardContext(token_adapter_slots=ts)):
-        ys = [layer(x) for layer in (q, k, v)]
+        ys = group(x)
     assert calls["ops"] == [3] and calls["shrink"] == 1
     for y, layer in zip(ys, (q, k, v)):
         _check(y, layer, x, ts)
@@ -210,12 +218,12 @@ def test_set_slot_on_one_member_updates_the_group_pool(calls):
     ts = token_slots("uniform", 9, SLOTS, generator=gen).to(DEVICE)
     x = torch.randn(1, 9, IN, generator=gen).to(DEVICE)
     with torch.no_grad(), forward_context(ForwardContext(token_adapter_slots=ts)):
-        before = [layer(x) for layer in (q, k, v)]
+        before = group(x)
     table = group.pool.table.data_ptr()
     v.set_slot(0, random_slots("lora", IN, v.out_features, rank=7, device=DEVICE, generator=gen))
     v.set_slot(3, None)
     with torch.no_grad(), forward_context(ForwardContext(token_adapter_slots=ts)):
-        after = [layer(x) for layer in (q, k, v)]
+        after = group(x)
     assert calls["ops"] == [3, 3] and group.pool.table.data_ptr() == table  # updated in place
     assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
     changed = (ts == 0) | (ts == 3)
@@ -226,7 +234,7 @@ def test_set_slot_on_one_member_updates_the_group_pool(calls):
 
 
 def test_torch_compile_runs_each_member_alone(calls):
-    """Under torch.compile the members run alone (the hand-out between calls stays out of the graph)."""
+    """Under torch.compile a group's members run alone (each with its own pool, built before tracing)."""
     gen, layers, _ = _qkv(4)
     _place(layers, gen)
     ts = token_slots("zipf", 9, SLOTS, generator=gen).to(DEVICE)
@@ -237,7 +245,7 @@ def test_torch_compile_runs_each_member_alone(calls):
             layer.forward_alone(x)
         calls["ops"] = []
         torch._dynamo.reset()
-        compiled = torch.compile(lambda x: [layer(x) for layer in layers], fullgraph=True, backend="aot_eager")(x)
+        compiled = torch.compile(lambda x: layers[0].group(x), fullgraph=True, backend="aot_eager")(x)
     assert calls["ops"] == [1, 1, 1]
     for y, y_eager in zip(compiled, eager):
         torch.testing.assert_close(y, y_eager, rtol=TOL, atol=TOL)
