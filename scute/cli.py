@@ -77,7 +77,7 @@ def _explain(argv: list[str]) -> int:
 
 
 def _convert(argv: list[str]) -> int:
-    from scute.compat.convert import convert_main
+    from scute.compat.convert_cli import convert_main
 
     return convert_main(argv)
 

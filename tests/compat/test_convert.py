@@ -10,7 +10,8 @@ import torch
 from peft import IA3Config, LoraConfig, OFTConfig, PeftModel, VeraConfig
 
 from scute.adapters import load_adapter
-from scute.compat.convert import convert_adapter, convert_main, effective_delta, save_lora, target_modules
+from scute.compat.convert import convert_adapter, effective_delta, save_lora, target_modules
+from scute.compat.convert_cli import convert_main
 from scute.ops.reference import scute_linear_ref
 from tests.helpers import ALL_LINEAR, effect_err, make_adapter, tiny_model
 
