@@ -1,4 +1,5 @@
-"""What the engine returns, with vLLM's field names: `RequestOutput` holding one `CompletionOutput`."""
+"""What the engine returns, with vLLM's field names: `RequestOutput` holding its `CompletionOutput`s (one, or
+`SamplingParams.n`)."""
 
 from __future__ import annotations
 
@@ -30,11 +31,15 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The state of one request: its prompt, its completion so far, and `error` if it failed.
+    """The state of one request: its prompt, its completions so far, and `error` if it failed.
 
-    A failed request (bad adapter, prompt too long, ...) has finished=True, an empty completion with
+    outputs: one `CompletionOutput` per sample (`SamplingParams.n`, index 0..n-1); finished once all are.
+    A failed request (bad adapter, prompt too long, ...) has finished=True, empty completions with
     finish_reason "error", and the reason in `error`; the other requests of the batch are unaffected.
     num_cached_tokens: prompt tokens whose KV came from the prefix cache.
+    prompt_logprobs: None unless `SamplingParams.prompt_logprobs` was set; then None for the first prompt token
+        and, for each later one, {token_id: log-probability} of that token (and the top-k asked for) given the
+        tokens before it (while the prompt is being computed, the positions done so far).
     """
 
     request_id: str
@@ -45,3 +50,4 @@ class RequestOutput:
     error: str | None = None
     adapter_name: str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -28,6 +28,14 @@ class SamplingParams:
         logit[v] -= frequency_penalty * count[v] + presence_penalty * (count[v] > 0). Positive values
         discourage repeats, negative ones (or repetition_penalty < 1) encourage them.
     skip_special_tokens: leave special tokens out of the output text.
+    n: the number of completions of the prompt (`RequestOutput.outputs` holds n, index 0..n-1). The prompt is
+        computed once: the first sample prefills it, the others then start from its full KV blocks (shared
+        by reference count) and compute only the rest. With a seed s, sample i draws from seed s + i (sample
+        0 is the request alone with seed s); greedy gives n identical completions.
+    prompt_logprobs: None = none; k >= 0 = for every prompt token after the first, its log-probability given
+        the tokens before it plus the k most likely tokens at that position (log-softmax of the raw logits), in
+        `RequestOutput.prompt_logprobs`. Such a request reads no KV from the prefix cache (cached tokens would
+        have no logits): its whole prompt is computed.
     """
 
     temperature: float = 1.0
@@ -45,6 +53,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    n: int = 1
+    prompt_logprobs: int | None = None
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +70,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be None or >= 0, got {self.prompt_logprobs}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")

@@ -8,7 +8,6 @@ These have the signatures and field names of vLLM 0.32 (checked against vLLM its
 * A `LoRARequest` may point at any adapter Scute serves (LoRA, DoRA, IA3, VeRA, OFT, ...), not only LoRA.
 * An option Scute does not implement raises `UnsupportedOptionError` (a ValueError) naming it, unless it has
   vLLM's default value; nothing is silently ignored. `SUPPORTED_LLM_OPTIONS` lists what is honoured.
-  ``SamplingParams(prompt_logprobs=...)`` is one: Scute does not return prompt logprobs.
 * In `LLM(...)`, `max_loras`, `max_lora_rank`, `max_cpu_loras` default to Scute's limits (8 adapters per
   step, rank 256, 64 on CPU) rather than vLLM's (1, 16, max_loras) when not given; `EngineArgs` keeps vLLM's.
   They never change outputs, only capacity.
@@ -96,7 +95,8 @@ class LLM:
         outs = self.engine.generate(items, sps, adapters, use_tqdm=use_tqdm)
         if failed := [o for o in outs if o.error is not None]:
             raise ValueError(f"{len(failed)} of {len(outs)} requests failed; the first: {failed[0].error}")
-        return [to_vllm_output(o, lora, sp.logprobs, self.engine.tokenizer) for o, lora, sp in zip(outs, loras, sps)]
+        return [to_vllm_output(o, lora, sp.logprobs, self.engine.tokenizer, prompt_k=sp.prompt_logprobs)
+                for o, lora, sp in zip(outs, loras, sps)]
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, lora_request: LoRARequest | None = None, chat_template: str | None = None,

@@ -38,7 +38,8 @@ class _Tracked:
     lora: LoRARequest | None
     logprobs: int | None  # top-k asked for
     final_only: bool
-    converted: list = field(default_factory=list)  # the positions' vLLM logprobs made so far
+    prompt_logprobs: int | None = None
+    converted: dict = field(default_factory=dict)  # the positions' vLLM logprobs made so far (`to_vllm_output`)
 
 
 class LLMEngine:
@@ -98,7 +99,7 @@ class LLMEngine:
         req = self.engine.requests.get(request_id)
         if req is not None and req.is_finished and req.error is not None:  # failed before it could run
             raise ValueError(f"request {request_id!r} failed: {req.error}")
-        self._tracked[request_id] = _Tracked(lora_request, sp.logprobs, final_only)
+        self._tracked[request_id] = _Tracked(lora_request, sp.logprobs, final_only, sp.prompt_logprobs)
         return request_id
 
     def step(self) -> list[RequestOutput]:
@@ -114,7 +115,7 @@ class LLMEngine:
             elif tracked.final_only:
                 continue
             outputs.append(to_vllm_output(out, tracked.lora, tracked.logprobs, self.engine.tokenizer,
-                                          tracked.converted))
+                                          tracked.converted, tracked.prompt_logprobs))
         return outputs
 
     def abort_request(self, request_ids: str | Iterable[str], internal: bool = False) -> None:

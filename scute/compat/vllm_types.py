@@ -54,17 +54,17 @@ class RequestOutputKind(enum.Enum):
 
 
 class SamplingParams:
-    """vLLM's `SamplingParams`. Honoured: temperature (< 1e-5 = greedy), top_p, top_k, seed, stop,
-    stop_token_ids, ignore_eos, max_tokens, min_tokens, logprobs, presence_penalty, frequency_penalty,
-    repetition_penalty, skip_special_tokens,
+    """vLLM's `SamplingParams`. Honoured: n (sample i of a seeded request draws from seed + i), temperature
+    (< 1e-5 = greedy), top_p, top_k, seed, stop, stop_token_ids, ignore_eos, max_tokens, min_tokens, logprobs,
+    prompt_logprobs, presence_penalty, frequency_penalty, repetition_penalty, skip_special_tokens,
     include_stop_str_in_output; output_kind CUMULATIVE or FINAL_ONLY (`LLM.generate` returns final outputs
     either way; `LLMEngine.step` reports a FINAL_ONLY request once, finished); skip_clone (no effect). Any other option raises unless left at vLLM's default."""
 
     _HONOURED: ClassVar[set[str]] = {"temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens",
                  "min_tokens", "logprobs", "skip_special_tokens", "include_stop_str_in_output", "output_kind",
-                 "skip_clone", "presence_penalty", "frequency_penalty", "repetition_penalty"}
-    _WHY: ClassVar[dict[str, str]] = {"prompt_logprobs": "Scute returns logprobs of generated tokens only",
-                                      "n": "one completion per request: add the prompt n times"}
+                 "skip_clone", "presence_penalty", "frequency_penalty", "repetition_penalty", "n",
+                 "prompt_logprobs"}
+    _WHY: ClassVar[dict[str, str]] = {}
 
     def __init__(self, n: int = 1, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  repetition_penalty: float = 1.0, temperature: float = 1.0, watermarking: bool | None = None,
@@ -98,7 +98,7 @@ class SamplingParams:
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
             skip_special_tokens=skip_special_tokens, include_stop_str_in_output=include_stop_str_in_output,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty,
+            repetition_penalty=repetition_penalty, n=n, prompt_logprobs=prompt_logprobs,
         )
 
     def to_scute(self) -> scute.SamplingParams:
@@ -109,8 +109,8 @@ class SamplingParams:
         return SamplingParams(**{k: v for k, v in self.__dict__.items() if not k.startswith("_")})
 
     def __repr__(self) -> str:
-        shown = ("temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids",
-                 "ignore_eos", "logprobs")
+        shown = ("n", "temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids",
+                 "ignore_eos", "logprobs", "prompt_logprobs")
         return f"SamplingParams({', '.join(f'{k}={getattr(self, k)!r}' for k in shown)})"
 
 
@@ -245,27 +245,37 @@ def adapter_request(engine: scute.Engine, lora: LoRARequest | None) -> AdapterRe
 
 
 def to_vllm_output(out: scute.RequestOutput, lora: LoRARequest | None, k: int | None, tokenizer,
-                   converted: list | None = None) -> RequestOutput:
-    """A `scute.RequestOutput` as vLLM's, with `k` top logprobs asked for. `converted`: the positions' vLLM
-    logprobs made by an earlier call for this request (extended in place, so a stream converts each once)."""
+                   converted: dict | None = None, prompt_k: int | None = None) -> RequestOutput:
+    """A `scute.RequestOutput` as vLLM's (its n completions, its prompt logprobs), with `k` top logprobs asked
+    for (`prompt_k` for the prompt's). `converted`: the vLLM logprobs made by earlier calls for this request, per
+    completion index and "prompt" (extended in place, so a stream converts each position once)."""
+    converted = {} if converted is None else converted
     completions = []
     for c in out.outputs:
         logprobs = None
         if c.logprobs is not None:
-            logprobs = [] if converted is None else converted
-            logprobs.extend(_logprobs(step, k or 0, tokenizer) for step in c.logprobs[len(logprobs):])
-            logprobs = list(logprobs)
+            logprobs = _extend(converted.setdefault(c.index, []), c.logprobs, k, tokenizer)
         completions.append(CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob, logprobs,
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                             lora_request=lora))
-    return RequestOutput(out.request_id, out.prompt, list(out.prompt_token_ids), None, completions, out.finished,
-                         lora_request=lora, num_cached_tokens=out.num_cached_tokens)
+    prompt_logprobs = None
+    if out.prompt_logprobs is not None:  # [None, {token: logprob}, ...]: the first prompt token has none
+        prompt_logprobs = [None, *_extend(converted.setdefault("prompt", []), out.prompt_logprobs[1:], prompt_k,
+                                          tokenizer)]
+    return RequestOutput(out.request_id, out.prompt, list(out.prompt_token_ids), prompt_logprobs, completions,
+                         out.finished, lora_request=lora, num_cached_tokens=out.num_cached_tokens)
+
+
+def _extend(done: list, steps: list[dict[int, float]], k: int | None, tokenizer) -> list:
+    """`done` (the first positions' vLLM logprobs) extended over the rest of `steps`; a copy of it."""
+    done.extend(_logprobs(step, k or 0, tokenizer) for step in steps[len(done):])
+    return list(done)
 
 
 def _logprobs(step: dict[int, float], k: int, tokenizer) -> dict[int, Logprob]:
     """One position's {token: logprob} (the chosen token and the top k) with vLLM's ranks: the top k are
     ranked 1..k; a chosen token outside them gets rank None (its rank in the vocabulary is not computed)."""
-    chosen = next(iter(step))  # the engine puts the chosen token first
+    chosen = next(iter(step))  # the engine puts the chosen (or prompt) token first
     ranked = sorted(step, key=lambda t: -step[t])
     ranks = {t: i + 1 for i, t in enumerate(ranked[:k])}
     if len(step) > k:

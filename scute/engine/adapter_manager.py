@@ -1,25 +1,64 @@
-"""`AdapterManager`: loaded adapters in CPU memory, and the `max_adapters` device slots they are served from.
+"""`AdapterManager`: loaded adapters in CPU memory, the `max_adapters` device slots they are served from, and
+the loads that fill both off the step loop.
 
-Two tiers. CPU: adapters named with `load` (kept until `unload`) and adapters loaded by path (an LRU cache of
-`max_cpu_adapters`, keyed by the folder and its files' size and mtime, so an edited folder is read again).
+Two tiers. CPU: adapters named with `load_named` (kept until `unload`) and adapters loaded by path (an LRU cache
+of `max_cpu_adapters`, keyed by the folder and its files' size and mtime, so an edited folder is read again).
 Device: slot i of every `ScuteLinear` holds one adapter, keyed by its *content identity*; a slot in use by a
 running request is pinned, an unused one keeps its adapter (a later request for it costs nothing) until the
 least recently used is evicted for a new one.
+
+Loads. A request's adapter is *ready* when it sits in a device slot or a device copy of it is *staged*. The rest
+runs on the loader thread (`AdapterLoader`): a folder not in the CPU cache is read, validated and converted
+there (meanwhile the request holds a `PendingAdapter`), and every adapter is copied to the device there. The
+scheduler asks for a request's load when the request arrives (`prefetch`) and when it finds it not ready
+(`ready`: the request waits, others pass it); loads start in the arrival order of the earliest request waiting
+for each, at most `MAX_PREFETCH` in progress or staged at once. `acquire` only gives a ready adapter a slot; the
+engine puts it there between steps (`place`) and takes the loader's results (`poll`): a failed load finishes the
+requests waiting for it, alone, with the message the synchronous load raises. Only `load_named` (and
+`get_by_path`) read on the caller's thread, and raise to it.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import os
 from collections import OrderedDict
-from dataclasses import replace
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
-from scute.adapters import Adapter, AdapterError, load_adapter
+from scute.adapters import Adapter, AdapterError, alora_start, load_adapter, read_checkpoint
 from scute.adapters.adapter import SharedMemo
+from scute.engine.adapter_loader import AdapterLoader, Staged
+from scute.engine.request import NEVER, Request, RequestStatus
 from scute.model.hf import place_adapter
 from scute.model.linear import ScuteLinear
+
+MAX_PREFETCH = 4  # adapter loads in progress or staged on the device (waiting for a slot), at most
+
+
+@dataclass(eq=False)
+class PendingAdapter:
+    """`Request.adapter` while the request's adapter folder is being read; `ready` swaps in the loaded one."""
+
+    name: str
+    path: str
+    key: tuple  # (folder, its files' signature): the CPU cache's key
+    adapter: Adapter | None = None  # once loaded
+    error: str | None = None  # once failed
+    invocation_tokens = None  # unknown before the read: `ready` sets the request's aLoRA gate when it binds
+
+
+@dataclass(eq=False)
+class _Load:
+    source: str | Adapter  # a folder to read, or an adapter on the CPU to copy to the device
+    pending: PendingAdapter | None = None
+    waiters: set[Request] = field(default_factory=set)
+    future: Future | None = None  # None: queued
 
 
 class AdapterManager:
@@ -28,13 +67,22 @@ class AdapterManager:
         max_cpu_adapters: int, device: torch.device,
     ) -> None:
         self.model, self.linears, self.device = model, linears, device
-        self.max_adapters, self.max_adapter_rank, self.max_cpu_adapters = max_adapters, max_adapter_rank, max_cpu_adapters
+        self.max_adapters, self.max_adapter_rank = max_adapters, max_adapter_rank
+        self.max_cpu_adapters = max_cpu_adapters
         self.named: dict[str, Adapter] = {}
         self._by_path: OrderedDict[tuple, Adapter] = OrderedDict()
         self._slots: list[str | None] = [None] * max_adapters  # identity held by each device slot
         self._refs: dict[str, int] = {}  # identity -> running requests using it
         self._unused: OrderedDict[str, None] = OrderedDict()  # placed, unused identities, LRU first
-        self._moved: SharedMemo = {}  # shared matrices on the device, one copy for every adapter that reads them
+        self._moved: SharedMemo = {}  # shared matrices on the device, one copy for every adapter (loader thread)
+        self.loader = AdapterLoader(device)
+        self._loads: dict[tuple, _Load] = {}  # ("path", folder, signature) or ("move", identity) -> its load
+        self._queue: list[tuple[int, int, tuple]] = []  # heap of (arrival of a waiting request, seq, load key)
+        self._seq = itertools.count()
+        self._started: list[tuple] = []  # keys of the loads given to the loader, not polled yet
+        self._staged: dict[str, tuple[Staged, set[Request]]] = {}  # identity -> device copy, requests waiting
+        self._placements: list[tuple[int, Staged]] = []  # slots given by `acquire`, filled by `place`
+        self._failed: list[tuple[Request, str]] = []
 
     # ------------------------------------------------------------------ CPU tier
     def load(self, path: str | os.PathLike, name: str | None = None, **options: object) -> Adapter:
@@ -56,19 +104,133 @@ class AdapterManager:
         self.named.pop(name)
 
     def get_by_path(self, path: str | os.PathLike, name: str | None = None) -> Adapter:
-        """An adapter by folder, from the CPU cache when its files are unchanged."""
+        """An adapter by folder, from the CPU cache when its files are unchanged, else read here."""
         path = os.path.abspath(os.fspath(path))
         key = (path, _signature(path))
-        if key in self._by_path:
-            self._by_path.move_to_end(key)
-            adapter = self._by_path[key]
-            return adapter if name in (None, adapter.name) else replace(adapter, name=name)
-        adapter = self.load(path, name)
+        return self._cached(key, name) or self._cache(key, self.load(path, name))
+
+    def lookup(self, path: str | os.PathLike, name: str | None = None) -> Adapter | PendingAdapter:
+        """An adapter by folder without reading it on this thread: from the CPU cache when its files are
+        unchanged, else a `PendingAdapter` that the loader fills. A folder without adapter files raises at once."""
+        path = os.path.abspath(os.fspath(path))
+        key = (path, _signature(path))
+        if cached := self._cached(key, name):
+            return cached
+        if not key[1]:  # nothing to read: the read fails at once, with its own message
+            read_checkpoint(path)
+        load = self._loads.setdefault(("path", *key), _Load(path, PendingAdapter(os.path.basename(path), path, key)))
+        return load.pending
+
+    def _cached(self, key: tuple, name: str | None) -> Adapter | None:
+        adapter = self._by_path.get(key)
+        if adapter is None:
+            return None
+        self._by_path.move_to_end(key)
+        return adapter if name in (None, adapter.name) else replace(adapter, name=name)
+
+    def _cache(self, key: tuple, adapter: Adapter) -> Adapter:
         if self.max_cpu_adapters > 0:
             self._by_path[key] = adapter
             while len(self._by_path) > self.max_cpu_adapters:
                 self._by_path.popitem(last=False)
         return adapter
+
+    # ------------------------------------------------------------------ loads (the scheduler and the engine)
+    def ready(self, req: Request) -> bool:
+        """Whether a waiting request's adapter can be given a slot now (placed, or staged); if not, its load is
+        asked for (the request waits for it) and False returned."""
+        adapter = req.adapter
+        if isinstance(adapter, PendingAdapter):
+            if adapter.adapter is None:
+                if adapter.error is not None:
+                    self._failed.append((req, adapter.error))
+                else:
+                    self._want(("path", *adapter.key), adapter.path, req)
+                return False
+            adapter = _bind(req, adapter.adapter)
+        if adapter is None or adapter.identity in self._slots:
+            return True
+        if adapter.identity in self._staged:
+            self._staged[adapter.identity][1].add(req)
+            return True
+        self._want(("move", adapter.identity), adapter, req)
+        return False
+
+    prefetch = ready  # on arrival: a cold adapter starts loading while the requests ahead of it run
+
+    def _want(self, key: tuple, source: str | Adapter, req: Request) -> None:
+        load = self._loads.setdefault(key, _Load(source))
+        if req not in load.waiters:
+            load.waiters.add(req)
+            if load.future is None:
+                heapq.heappush(self._queue, (req.arrival, next(self._seq), key))
+        self._start()
+
+    def _start(self) -> None:
+        """Give queued loads to the loader, earliest waiting request first, while fewer than `MAX_PREFETCH` are
+        in progress or staged. Staged copies and queued loads no waiting request wants any more are dropped."""
+        for ident, (_, waiters) in list(self._staged.items()):
+            if not any(r.status is RequestStatus.WAITING for r in waiters):
+                del self._staged[ident]
+        while self._queue and len(self._started) + len(self._staged) < MAX_PREFETCH:
+            _, _, key = heapq.heappop(self._queue)
+            load = self._loads.get(key)
+            if load is None or load.future is not None:
+                continue
+            if not any(r.status is RequestStatus.WAITING for r in load.waiters):
+                del self._loads[key]
+                continue
+            load.future = self.loader.submit(self._job, load.source)
+            self._started.append(key)
+
+    def _job(self, source: str | Adapter) -> tuple[Adapter, Staged]:
+        """One load, on the loader thread: a folder read and converted (or an adapter on the CPU), moved."""
+        adapter = source if isinstance(source, Adapter) else self.load(source)
+        return adapter, self.loader.move(adapter, self._moved)
+
+    def poll(self, finish: Callable[[Request], None]) -> list[Request]:
+        """Take the loader's finished loads (the engine, between steps): a folder's adapter joins the CPU cache
+        and its device copy is staged; each waiting request of a failed load is finished with the error (its
+        type and message, as the synchronous load raises it), taken out of the queue by `finish`, and returned."""
+        failed, self._failed = self._failed, []
+        for key in [k for k in self._started if self._loads[k].future.done()]:
+            self._started.remove(key)
+            load = self._loads.pop(key)
+            try:
+                adapter, staged = load.future.result()
+            except Exception as e:  # noqa: BLE001 - it fails the requests of this adapter, nothing else
+                error = f"{type(e).__name__}: {e}"
+                if load.pending is not None:
+                    load.pending.error = error
+                failed += [(r, error) for r in load.waiters]
+                continue
+            if load.pending is not None:
+                load.pending.adapter = self._cache(load.pending.key, adapter)
+            if adapter.identity not in self._slots:  # else the copy is not needed: the slot still holds it
+                self._staged.setdefault(adapter.identity, (staged, set()))[1].update(load.waiters)
+        done = []
+        for req, error in failed:
+            if req.status is RequestStatus.WAITING:
+                req.finish("error", error=error)
+                finish(req)
+                done.append(req)
+        self._start()
+        return done
+
+    def wait_for_load(self, timeout: float = 0.05) -> bool:
+        """When nothing can run: wait up to `timeout` seconds for a load to finish; whether one was in progress."""
+        self._start()
+        if not self._started:
+            return False
+        if not any(self._loads[k].future.done() for k in self._started):
+            self.loader.wait_any(timeout)
+        return True
+
+    def place(self) -> None:
+        """Put the adapters `acquire` gave slots to into them (the engine: after `schedule`, before the step)."""
+        for slot, staged in self._placements:
+            place_adapter(self.linears, slot, staged.use())
+        self._placements.clear()
 
     # ------------------------------------------------------------------ device slots
     @property
@@ -80,19 +242,22 @@ class AdapterManager:
         return adapter is None or adapter.identity in self._refs or len(self._refs) < self.max_adapters
 
     def acquire(self, adapter: Adapter | None) -> int:
-        """Pin the adapter in a device slot (placing it there if needed); returns the slot (−1 = base)."""
+        """Pin a ready adapter in a device slot (giving it one: `place` fills it); returns the slot (−1 = base)."""
         if adapter is None:
             return -1
         ident = adapter.identity
+        staged, _ = self._staged.pop(ident, (None, None))
         if ident in self._slots:
             self._unused.pop(ident, None)
         else:
+            if staged is None:
+                raise RuntimeError(f"adapter {adapter.name!r} is not on the device: acquire only a ready one")
             if None in self._slots:
                 slot = self._slots.index(None)
             else:
                 evicted, _ = self._unused.popitem(last=False)  # can_activate() guarantees one exists
                 slot = self._slots.index(evicted)
-            place_adapter(self.linears, slot, adapter.to(device=self.device, memo=self._moved))
+            self._placements.append((slot, staged))
             self._slots[slot] = ident
         self._refs[ident] = self._refs.get(ident, 0) + 1
         return self._slots.index(ident)
@@ -105,6 +270,18 @@ class AdapterManager:
         if self._refs[ident] == 0:
             del self._refs[ident]
             self._unused[ident] = None
+
+
+def _bind(req: Request, adapter: Adapter) -> Adapter:
+    """Give a request the adapter its `PendingAdapter` loaded, named as the request names it, and the adapter's
+    gate (`Request.adapter_start`, as `Request` sets it for an adapter known on arrival)."""
+    if req.adapter_name not in (None, adapter.name):
+        adapter = replace(adapter, name=req.adapter_name)
+    req.adapter = adapter
+    inv = adapter.invocation_tokens
+    start = 0 if inv is None else alora_start(req.prompt_token_ids, inv)
+    req.adapter_start = NEVER if start is None else start
+    return adapter
 
 
 def _signature(path: str) -> tuple:

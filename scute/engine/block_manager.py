@@ -75,8 +75,19 @@ class BlockManager:
             req.block_hashes.append(chain_hash(parent, req.all_token_ids[i * bs:(i + 1) * bs]))
 
     def get_computed_blocks(self, req: Request) -> list[int]:
-        """The longest run of cached blocks matching the request's leading full blocks. At least one token
-        is always left to compute (its logits give the next token)."""
+        """The leading full blocks whose KV the request can reuse: the longest run of cached blocks matching its
+        tokens, or, for a parallel sample (`Request.prompt_source`), the full prompt blocks its first sample has
+        computed and still holds, whichever is longer. At least one token is always left to compute (its logits
+        give the next token). A request still owed prompt logprobs reads no cached block (their tokens would
+        have no logits)."""
+        cached = [] if req.needs_prompt_logprobs else self._cached_blocks(req)
+        source = req.prompt_source
+        if source is None or not source.block_table or source.is_finished:
+            return cached
+        num = min(source.num_computed_tokens, req.num_prompt_tokens, req.num_tokens - 1) // self.block_size
+        return max(cached, source.block_table[:num], key=len)
+
+    def _cached_blocks(self, req: Request) -> list[int]:
         if not self.enable_prefix_caching:
             return []
         self._update_hashes(req)

@@ -22,6 +22,7 @@ from scute.engine.block_manager import BlockManager
 from scute.engine.kv_plan import plan_kv_cache
 from scute.engine.model_runner import InFlight, ModelRunner
 from scute.engine.output_processor import OutputProcessor
+from scute.engine.parallel_sampling import ParentRequest
 from scute.engine.request import AdapterRequest, Request
 from scute.engine.scheduler import Scheduler, SchedulerOutput
 from scute.model.loader import load_model
@@ -50,6 +51,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._reported: list[Request] = []  # finished outside a step (errors, aborts): reported by the next step
         self._in_flight: InFlight | None = None  # a decode step launched, its tokens not read yet
+        self._forking: list[ParentRequest] = []  # requests with n > 1 whose other samples wait for the prompt
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "batched_tokens": 0, "preemptions": 0}
@@ -85,13 +87,13 @@ class Engine:
             return spec, spec.name
         if isinstance(spec, AdapterRequest):
             if spec.path is not None:
-                return self.adapters.get_by_path(spec.path, spec.name), spec.name
+                return self.adapters.lookup(spec.path, spec.name), spec.name
             spec = spec.name
         name = os.fspath(spec)
         if name in self.adapters.named:
             return self.adapters.named[name], name
         if os.path.isdir(name) or os.sep in name or isinstance(spec, os.PathLike):
-            adapter = self.adapters.get_by_path(name)
+            adapter = self.adapters.lookup(name)  # read on the adapter loader, unless cached
             return adapter, adapter.name
         raise AdapterError(f"adapter {name!r}: no adapter of this name was loaded with Engine.load_adapter, "
                            "and it is not a PEFT folder")
@@ -99,8 +101,8 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     sampling_params: SamplingParams | None = None, adapter: AdapterSpec = None) -> None:
-        """Queue a request. A bad adapter or prompt fails this request alone: the next `step()` returns it
-        finished with finish_reason "error" and the reason in `error`."""
+        """Queue a request. A bad adapter or prompt fails this request alone: a later `step()` returns it
+        finished with finish_reason "error" and the reason in `error` (the next one, or the one after its load)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         sp = sampling_params if sampling_params is not None else SamplingParams()
@@ -114,11 +116,15 @@ class Engine:
         req = Request(request_id, text, token_ids, sp, adapter_obj, adapter_name, next(self._arrivals))
         req.eos_token_ids = self.eos_token_ids
         self.requests[request_id] = req
+        if sp.n > 1:  # the other samples start once this one has computed the prompt (`_release_samples`)
+            self._forking.append(ParentRequest(req))
         if error is None and len(token_ids) >= self.max_model_len:
             error = (f"ValueError: prompt has {len(token_ids)} tokens, max_model_len is {self.max_model_len} "
                      "(it needs room for at least one generated token): shorten the prompt or raise max_model_len")
         if error is not None:
-            req.finish("error", error=error)
+            for sample in req.samples:
+                sample.finish("error", error=error)
+            self._forking = [p for p in self._forking if p.head is not req]
             self._reported.append(req)
         else:
             self.scheduler.add_request(req)
@@ -137,16 +143,20 @@ class Engine:
         return ids
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
-        """Stop requests; each is reported once more by the next `step()` with finish_reason "abort"."""
+        """Stop requests (all n samples of each); each is reported once more by the next `step()` with
+        finish_reason "abort" (samples that had finished keep their reason)."""
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             req = self.requests.get(rid)
-            if req is not None and not req.is_finished:
-                req.finish("abort")
-                self.scheduler.finish(req)
+            if req is not None and not all(s.is_finished for s in req.samples):
+                for sample in req.samples:
+                    if not sample.is_finished:
+                        sample.finish("abort")
+                        self.scheduler.finish(sample)
                 self._reported.append(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._reported) or self._in_flight is not None
+        return (self.scheduler.has_unfinished_requests() or bool(self._reported) or self._in_flight is not None
+                or bool(self._forking))
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -166,8 +176,11 @@ class Engine:
         device. So a step that samples a penalized request whose newest token is in flight is not overlapped: the
         step in flight lands first, then this step is launched (still a graph replay if it is a decode step) or
         run eagerly. Steps without such a request overlap as before."""
+        self._release_samples()
         done, self._reported = self._reported, []
+        done += self.adapters.poll(self.scheduler.finish)  # adapters loaded meanwhile; failed loads fail their requests
         sched = self.scheduler.schedule()
+        self.adapters.place()  # the adapters given slots go there now, between steps
         self.stats["preemptions"] += len(sched.preempted)
         sampling = [req for req, n in sched.scheduled if req.num_computed_tokens + n == req.num_tokens]
         land_first = any(r.num_pending and r.sampling_params.has_penalties for r in sampling)
@@ -185,7 +198,7 @@ class Engine:
             done += self._fail_unschedulable()
         done += [r for r in landed if r.is_finished]
         progressed = [r for r in landed if not r.is_finished] if stream else []
-        return [self._output(r) for r in done + progressed]
+        return self._outputs(done + progressed, stream)
 
     def _run(self, sched: SchedulerOutput, sampling: list[Request], flight: InFlight | None) -> list[Request]:
         """Account for a scheduled step: run it to its end unless it is `flight` (launched, its tokens pending);
@@ -228,8 +241,8 @@ class Engine:
 
     def _fail_unschedulable(self) -> list[Request]:
         """Liveness guard: nothing runs and the head request still cannot start (should not happen when
-        max_model_len fits the KV cache) — fail it rather than loop forever."""
-        if self.scheduler.running or not self.scheduler.waiting:
+        max_model_len fits the KV cache) — fail it rather than loop forever; or waiting requests' adapters load."""
+        if self.scheduler.running or not self.scheduler.waiting or self.adapters.wait_for_load():
             return []
         req = self.scheduler.waiting[0]
         req.finish("error", error=f"RuntimeError: request needs {req.num_tokens} tokens of KV cache, which "
@@ -237,10 +250,26 @@ class Engine:
         self.scheduler.finish(req)
         return [req]
 
+    def _release_samples(self) -> None:
+        """Queue the held samples of the requests whose first sample computed its prompt (or finished)."""
+        for parent in [p for p in self._forking if p.ready]:
+            self._forking.remove(parent)
+            for sample in parent.release():
+                self.scheduler.add_request(sample)
+            if parent.head.finish_reason == "error":  # its first sample failed before computing the prompt
+                self._reported.append(parent.head)
+
+    def _outputs(self, reqs: list[Request], stream: bool) -> list[RequestOutput]:
+        """One output per request, its n samples together (reported by the id of sample 0); a request not
+        finished is reported only when streaming."""
+        heads = dict.fromkeys(r if r.parent is None else r.parent.head for r in reqs)
+        return [self._output(h) for h in heads if stream or all(s.is_finished for s in h.samples)]
+
     def _output(self, req: Request) -> RequestOutput:
-        if req.is_finished:
+        out = self.output_processor.make_output(req)
+        if out.finished:
             self.requests.pop(req.request_id, None)  # reported for the last time
-        return self.output_processor.make_output(req)
+        return out
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -20,6 +20,7 @@ from scute.model.context import ForwardContext, forward_context
 from scute.engine.cuda_graph import AdapterLayout, DecodeGraphs
 from scute.engine.request import Request
 from scute.engine.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
+from scute.engine.prompt_logprobs import PromptRows
 from scute.engine.scheduler import SchedulerOutput
 from scute.engine.utils import host_to_device
 from scute.model.attention import AttentionMetadata, flash_attn_available
@@ -107,13 +108,16 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, sampling: list[Request]) -> SamplerOutput | None:
         """Run one step eagerly, to its end; returns the sampler's output for the requests in `sampling` (in that
         order). Decode steps that replay a graph go through `launch` instead."""
-        ids, positions, ctx, logits_indices = self.prepare(sched, sampling)
+        ids, positions, ctx, logits_indices, prompt_rows = self.prepare(sched, sampling)
         with forward_context(ctx):
             out = self.model(input_ids=ids[None], position_ids=positions[None], logits_to_keep=logits_indices,
                              use_cache=False)
+        logits = out.logits[0]
+        if prompt_rows is not None:  # only in steps computing prompt tokens of a request with prompt_logprobs
+            logits = prompt_rows.collect(logits)
         if not sampling:
             return None
-        return self.sampler(out.logits[0], self.sampling_batch(sampling))
+        return self.sampler(logits, self.sampling_batch(sampling))
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, sampling: list[Request], flight: InFlight | None) -> InFlight | None:
@@ -226,18 +230,23 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput, sampling: list[Request]):
         bs, buf = self.block_size, self.buffers
         input_ids, positions, slot_mapping, token_slots = [], [], [], []
-        query_start_loc, seq_lens, block_tables, logits_indices = [0], [], [], []
+        query_start_loc, seq_lens, block_tables, logits_indices, sample_slots = [0], [], [], [], []
+        prompt_rows: PromptRows | None = None
         for req, num_new in sched.scheduled:
             start, table = req.num_computed_tokens, req.block_table
             input_ids += req.all_token_ids[start:start + num_new]
             positions += range(start, start + num_new)
             slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + num_new)]
             token_slots += req.token_adapter_slots(start, num_new)
+            if req.needs_prompt_logprobs:  # the logits of its prompt positions too, in token order
+                prompt_rows = prompt_rows or PromptRows()
+                prompt_rows.add(req, start, num_new, query_start_loc[-1], logits_indices, sample_slots)
             query_start_loc.append(query_start_loc[-1] + num_new)
             seq_lens.append(start + num_new)
             block_tables.append(table)
             if start + num_new == req.num_tokens:
                 logits_indices.append(query_start_loc[-1] - 1)
+                sample_slots.append(req.token_adapter_slots(req.num_tokens - 1, 1)[0])
         width = max(len(t) for t in block_tables)
         padded = [t + [0] * (width - len(t)) for t in block_tables]
         meta = AttentionMetadata(
@@ -251,15 +260,16 @@ class ModelRunner:
         )
         ctx = ForwardContext(
             token_adapter_slots=host_to_device(token_slots, torch.int64, self.device, buf["token_slots"]),
-            sample_adapter_slots=host_to_device([r.token_adapter_slots(r.num_tokens - 1, 1)[0] for r in sampling],
-                                                torch.int64, self.device, buf["sample_slots"]),
+            sample_adapter_slots=host_to_device(sample_slots, torch.int64, self.device, _fits(buf["sample_slots"], sample_slots)),
             active_adapter_slots=frozenset(token_slots),
             attn=meta,
         )
         ids = host_to_device(input_ids, torch.int64, self.device, buf["input_ids"])
         pos = host_to_device(positions, torch.int64, self.device, buf["positions"])
-        logits_idx = host_to_device(logits_indices, torch.int64, self.device, buf["logits_indices"])
-        return ids, pos, ctx, logits_idx
+        logits_idx = host_to_device(logits_indices, torch.int64, self.device, _fits(buf["logits_indices"], logits_indices))
+        if prompt_rows is not None:
+            prompt_rows.to_device(self.device, len(logits_indices))
+        return ids, pos, ctx, logits_idx, prompt_rows
 
     def sampling_batch(self, sampling: list[Request]) -> SamplingBatch:
         temps, top_ks, top_ps, gens, rows, cols, num_logprobs = [], [], [], [], [], [], -1
@@ -278,3 +288,9 @@ class ModelRunner:
             if sp.logprobs is not None:
                 num_logprobs = max(num_logprobs, sp.logprobs)
         return SamplingBatch(temps, top_ks, top_ps, gens, (rows, cols), num_logprobs, Penalties.of(sampling))
+
+
+def _fits(buffer: Tensor, values: list) -> Tensor | None:
+    """`buffer` if it can hold `values` (a step's sampled rows always fit; prompt-logprob rows may not)."""
+    return buffer if len(values) <= buffer.shape[0] else None
+

@@ -23,13 +23,14 @@ class OutputProcessor:
                 continue
             req.append_token(token)
             self.stats["generated_tokens"] += 1
-            if req.num_output_tokens == 1:
+            if req.num_output_tokens == 1 and req.sample_index == 0:  # the n samples of a request: one prompt
                 self.stats["prompt_tokens"] += req.num_prompt_tokens
             k = req.sampling_params.logprobs
             if k is not None:
                 req.cumulative_logprob += chosen[row]
-                entry = {} if top is None else dict(zip(top[0][row][:k], top[1][row][:k]))
-                entry[token] = chosen[row]
+                entry = {token: chosen[row]}  # the chosen token first, then the top k (vLLM's order)
+                if top is not None:
+                    entry.update(zip(top[0][row][:k], top[1][row][:k]))
                 req.logprobs.append(entry)
             self.check_stop(req, token)
 
@@ -62,13 +63,22 @@ class OutputProcessor:
         return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens)
 
     def make_output(self, req: Request) -> RequestOutput:
+        """The output of `req` and of the other samples of its request (`SamplingParams.n`), one completion each."""
+        samples = req.samples
+        sp = req.sampling_params
+        prompt_logprobs = None
+        if sp.prompt_logprobs is not None and req.error is None:
+            prompt_logprobs = [None, *req.prompt_logprobs]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [self._completion(s) for s in samples],
+                             all(s.is_finished for s in samples), next((s.error for s in samples if s.error), None),
+                             req.adapter_name, req.num_cached_tokens, prompt_logprobs)
+
+    def _completion(self, req: Request) -> CompletionOutput:
         sp = req.sampling_params
         text = req.text if isinstance(req.stop_reason, str) else self.decode(req)  # a stop string cut the text
-        completion = CompletionOutput(
-            index=0, text=text, token_ids=list(req.output_token_ids),
+        return CompletionOutput(
+            index=req.sample_index, text=text, token_ids=list(req.output_token_ids),
             cumulative_logprob=req.cumulative_logprob if sp.logprobs is not None else None,
             logprobs=list(req.logprobs) if sp.logprobs is not None else None,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
         )
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.is_finished,
-                             req.error, req.adapter_name, req.num_cached_tokens)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import sys
 from dataclasses import dataclass
@@ -81,6 +82,13 @@ class Request:
         self.num_preemptions = 0
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] = []
+        # SamplingParams.prompt_logprobs: one entry per prompt token after the first, filled as the prompt is computed.
+        self.prompt_logprobs: list[dict[int, float]] = []
+        # SamplingParams.n > 1: the `ParentRequest` of the n samples (this request is sample `sample_index`; sample 0
+        # carries the request's id); `prompt_source` is sample 0 for the others, whose prompt blocks they share.
+        self.parent = None
+        self.sample_index = 0
+        self.prompt_source: Request | None = None
         self.generator: torch.Generator | None = None
         self.text = ""  # detokenized output, kept current only when stop strings need it
         self.eos_token_ids: list[int] = []  # the model's EOS ids (they end it unless ignore_eos)
@@ -100,6 +108,27 @@ class Request:
     @property
     def adapter_identity(self) -> str | None:
         return None if self.adapter is None else self.adapter.identity
+
+    @property
+    def samples(self) -> list[Request]:
+        """The samples reported together with this one: the n of its parent request, or itself."""
+        return [self] if self.parent is None else self.parent.samples
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether some prompt logprobs are still to be computed (then no prompt KV may come from the cache)."""
+        return self.sampling_params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    def fork(self, index: int) -> Request:
+        """Sample `index` of this request (SamplingParams.n): the same prompt and adapter, n = 1, seed s + index,
+        no prompt logprobs (the request's come from sample 0); it shares this request's prompt blocks."""
+        sp = self.sampling_params
+        seed = None if sp.seed is None else sp.seed + index
+        child = Request(f"{self.request_id}#{index}", self.prompt, self.prompt_token_ids,
+                        dataclasses.replace(sp, n=1, seed=seed, prompt_logprobs=None), self.adapter, self.adapter_name,
+                        self.arrival)
+        child.eos_token_ids, child.sample_index, child.prompt_source = self.eos_token_ids, index, self
+        return child
 
     def token_adapter_slots(self, start: int, num: int) -> list[int]:
         """The adapter slots of the tokens at positions [start, start + num) (−1: the base model)."""

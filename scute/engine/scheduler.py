@@ -8,7 +8,10 @@ budget, `max_num_seqs`, the KV blocks and the adapter slots allow.
 Fairness and liveness: when KV blocks run out, the newest running request is preempted (its blocks freed, its
 tokens recomputed later, nothing dropped) and goes back to the head of the queue, so the oldest request always
 progresses. A waiting request blocked only by the adapter cap lets later requests pass, but once it has waited
-`STARVATION_STEPS` steps nothing passes it any more: the running adapters drain and it gets a slot.
+`STARVATION_STEPS` steps nothing passes it any more: the running adapters drain and it gets a slot. A request
+whose adapter is not on the device yet (loading on the adapter loader since it arrived) is passed too, and
+counts no steps: it waits for its own adapter only. The scheduler places nothing: `acquire` gives a slot, the
+engine fills it between steps.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
-        self.adapters = adapters  # AdapterManager: can_activate / acquire / release
+        self.adapters = adapters  # AdapterManager: prefetch / ready / can_activate / acquire / release
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Free blocks kept back when admitting, so running requests can grow a little before preempting.
@@ -46,7 +49,14 @@ class Scheduler:
         self._blocked_steps: dict[str, int] = {}
 
     def add_request(self, req: Request) -> None:
-        self.waiting.append(req)
+        """Queue a request in arrival order: a parallel sample, queued once its first sample computed the
+        prompt, goes ahead of the requests that arrived after its own."""
+        if self.waiting and self.waiting[-1].arrival > req.arrival:
+            later = next(i for i, r in enumerate(self.waiting) if r.arrival > req.arrival)
+            self.waiting.insert(later, req)
+        else:
+            self.waiting.append(req)
+        self.adapters.prefetch(req)  # a cold adapter starts loading now, while the requests ahead of it run
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -79,6 +89,9 @@ class Scheduler:
         passed: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if not self.adapters.ready(req):  # its adapter is loading: it waits for it alone, later ones pass
+                passed.append(self.waiting.popleft())
+                continue
             if not self.adapters.can_activate(req.adapter):
                 waited = self._blocked_steps.get(req.request_id, 0) + 1
                 self._blocked_steps[req.request_id] = waited

@@ -40,7 +40,7 @@ class Metrics:
             if out.finished:
                 c = out.outputs[0] if out.outputs else None
                 self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
-                self.generation_tokens.labels(m).inc(len(c.token_ids) if c else 0)
+                self.generation_tokens.labels(m).inc(sum(len(d.token_ids) for d in out.outputs))
                 self.requests.labels(m, (c.finish_reason if c else None) or "error").inc()
         self.observe_engine(engine)
 

@@ -108,7 +108,7 @@ def sampling_params(req: _Sampling, max_tokens: int | None, logprobs: int | None
                    skip_special_tokens=req.skip_special_tokens,
                    include_stop_str_in_output=req.include_stop_str_in_output)
     options.update({k: getattr(req, k) for k in ("temperature", "top_p", "top_k") if getattr(req, k) is not None})
-    options.update({k: getattr(req, k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")
+    options.update({k: getattr(req, k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty", "n")
                     if k in _ENGINE_FIELDS})
     try:
         return SamplingParams(**options)

@@ -42,11 +42,11 @@ class Job:
     def seen(self, index: int, out: RequestOutput) -> None:
         """Metrics: the first token's time, and the request's latencies once it finished."""
         now = time.monotonic()
-        if self.first_token[index] is None and out.outputs and out.outputs[0].token_ids:
+        if self.first_token[index] is None and any(c.token_ids for c in out.outputs):
             self.first_token[index] = now
         if out.finished and out.error is None and self.state.metrics is not None:
-            self.state.metrics.observe_latency(len(out.outputs[0].token_ids), self.arrival, self.first_token[index],
-                                               now)
+            self.state.metrics.observe_latency(max(len(c.token_ids) for c in out.outputs), self.arrival,
+                                               self.first_token[index], now)
 
 
 def completion_params(req: _Sampling) -> SamplingParams:
@@ -97,23 +97,24 @@ def _raise_errors(outs) -> None:
 
 
 def completion_body(job: Job, outs: list[RequestOutput]) -> dict:
+    """The answer: prompt i's completion j (of n) is choice i·n + j, as OpenAI's."""
     choices = []
     for i, out in enumerate(outs):
-        c = out.outputs[0]
-        choice = dict(index=i, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                      logprobs=_logprobs(job, c.token_ids, c.logprobs, 0))
-        if job.chat:
-            choice["message"] = {"role": "assistant", "content": c.text}
-        else:
-            choice["text"] = c.text
-        choices.append(choice)
+        for c in out.outputs:
+            choice = dict(index=i * job.params.n + c.index, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                          logprobs=_logprobs(job, c.token_ids, c.logprobs, 0))
+            if job.chat:
+                choice["message"] = {"role": "assistant", "content": c.text}
+            else:
+                choice["text"] = c.text
+            choices.append(choice)
     return dict(id=job.request_id, object="chat.completion" if job.chat else "text_completion",
                 created=job.created, model=job.req.model, choices=choices, usage=_usage(outs))
 
 
 def _usage(outs) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(o.outputs[0].token_ids) for o in outs if o.outputs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return dict(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
@@ -179,30 +180,38 @@ async def stream_job(job: Job) -> AsyncIterator[str]:
 
 
 async def _events(job: Job, queue: asyncio.Queue, pending: list, tasks: list) -> AsyncIterator[str]:
-    sent_text, sent_tokens, finals = [""] * len(tasks), [0] * len(tasks), {}
+    n = job.params.n  # prompt i's completion j is choice i·n + j
+    sent_text, sent_tokens, ended, finals = [""] * (n * len(tasks)), [0] * (n * len(tasks)), set(), {}
     try:
         if job.chat:
-            yield _sse(job, [dict(index=0, delta={"role": "assistant", "content": ""}, logprobs=None,
-                                  finish_reason=None)])
+            for index in range(n):
+                yield _sse(job, [dict(index=index, delta={"role": "assistant", "content": ""}, logprobs=None,
+                                      finish_reason=None)])
         while len(finals) < len(tasks):
             i, out = pending.pop(0) if pending else await queue.get()
             if isinstance(out, BaseException):
                 raise out
             job.seen(i, out)
-            c = out.outputs[0]
-            text = c.text if out.finished or not c.text.endswith("\ufffd") else c.text.rstrip("\ufffd")
-            delta, lp = text[len(sent_text[i]):], _logprobs(job, c.token_ids, c.logprobs, sent_tokens[i])
-            sent_text[i], sent_tokens[i] = text, len(c.token_ids)
-            if out.error is not None:
-                delta = ""
-            if not delta and not out.finished:
-                continue
-            choice = dict(index=i, logprobs=lp, finish_reason=c.finish_reason if out.finished else None)
-            choice.update(delta={"content": delta} if job.chat else {}, **({} if job.chat else {"text": delta}))
             if out.finished:
-                choice["stop_reason"] = c.stop_reason
                 finals[i] = out
-            yield _sse(job, [choice])
+            for c in out.outputs:
+                index, finished = i * n + c.index, c.finish_reason is not None
+                if index in ended:
+                    continue
+                text = c.text if finished or not c.text.endswith("\ufffd") else c.text.rstrip("\ufffd")
+                delta, lp = text[len(sent_text[index]):], _logprobs(job, c.token_ids, c.logprobs, sent_tokens[index])
+                sent_text[index] = text
+                if out.error is not None:
+                    delta = ""
+                if not delta and not finished and len(c.token_ids) == sent_tokens[index]:
+                    continue  # nothing new (a chunk per new token, as vLLM: even one whose text is held back)
+                sent_tokens[index] = len(c.token_ids)
+                choice = dict(index=index, logprobs=lp, finish_reason=c.finish_reason if finished else None)
+                choice.update(delta={"content": delta} if job.chat else {}, **({} if job.chat else {"text": delta}))
+                if finished:
+                    choice["stop_reason"] = c.stop_reason
+                    ended.add(index)
+                yield _sse(job, [choice])
         if job.include_usage:
             yield _sse(job, [], usage=_usage([finals[i] for i in sorted(finals)]))
         yield "data: [DONE]\n\n"

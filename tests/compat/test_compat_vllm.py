@@ -94,13 +94,34 @@ def test_generate_matches_the_engine_and_has_vllm_fields(served, llm):
     assert c.cumulative_logprob == pytest.approx(sum(step[t].logprob for step, t in zip(c.logprobs, c.token_ids)))
 
 
+def test_n_and_prompt_logprobs_in_vllm_form(served, llm):
+    """n completions in one RequestOutput (index 0..n-1; greedy: identical), prompt logprobs as vLLM's list (None
+    first, then {token: Logprob} with the prompt token and the top k), equal to the engine's."""
+    sp = shim.SamplingParams(temperature=0, max_tokens=5, min_tokens=5, n=3, prompt_logprobs=2, logprobs=1)
+    lora = shim.LoRARequest("lora", 1, str(served / "lora"))
+    [out] = llm.generate("the quick brown fox", sp, lora_request=lora, use_tqdm=False)
+    engine = scute.Engine(str(served / "model"), dtype="float32", max_model_len=64)
+    [want] = engine.generate(["the quick brown fox"], scute.SamplingParams(temperature=0, max_tokens=5, min_tokens=5,
+                                                                            prompt_logprobs=2),
+                             [str(served / "lora")], use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(c.token_ids == want.outputs[0].token_ids and len(c.logprobs) == 5 for c in out.outputs)
+    prompt = out.prompt_token_ids
+    assert len(out.prompt_logprobs) == len(prompt) >= 2 and out.prompt_logprobs[0] is None
+    for i, (step, ref) in enumerate(zip(out.prompt_logprobs[1:], want.prompt_logprobs[1:]), start=1):
+        assert prompt[i] in step and {t: lp.logprob for t, lp in step.items()} == pytest.approx(ref)
+        assert sorted(lp.rank for t, lp in step.items() if lp.rank is not None) == [1, 2]
+        assert all(isinstance(lp, shim.Logprob) and lp.decoded_token is not None for lp in step.values())
+    assert "n=3" in repr(sp) and sp.to_scute().n == 3 and sp.to_scute().prompt_logprobs == 2
+
+
 def test_unsupported_options_raise_never_ignored(served, llm):
     folder = str(served / "model")
     for kwargs in ({"tensor_parallel_size": 2}, {"quantization": "awq"}, {"trust_remote_code": True},
                    {"runner": "pooling"}, {"speculative_config": {"method": "ngram"}}, {"no_such_option": 1}):
         with pytest.raises(shim.UnsupportedOptionError, match=next(iter(kwargs))):
             shim.LLM(folder, **kwargs)
-    for kwargs in ({"n": 2}, {"prompt_logprobs": 1}, {"bad_words": ["x"]}, {"min_p": 0.1},
+    for kwargs in ({"bad_words": ["x"]}, {"min_p": 0.1},
                    {"logit_bias": {1: 2.0}}, {"output_kind": shim.RequestOutputKind.DELTA}):
         with pytest.raises(shim.UnsupportedOptionError, match=next(iter(kwargs))):
             shim.SamplingParams(**kwargs)

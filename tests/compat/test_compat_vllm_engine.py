@@ -98,6 +98,26 @@ def test_abort(served):
     assert not engine.has_unfinished_requests()
 
 
+def test_n_streams_as_one_request(served):
+    """`step` reports an n=2 request by its own id, both completions in each output, cumulative, with its prompt
+    logprobs; seeded samples are those of seed s and s + 1 alone."""
+    engine = shim.LLMEngine.from_engine_args(engine_args(served))
+    sp = shim.SamplingParams(temperature=0.9, seed=7, max_tokens=5, min_tokens=5, n=2, prompt_logprobs=0, logprobs=0)
+    engine.add_request("p", "the quick brown fox", sp, lora_request=shim.LoRARequest("ia3", 1, str(served / "ia3")))
+    seen = run_loop(engine, [])
+    assert set(seen) == {"p"} and seen["p"][-1].finished and not any(o.finished for o in seen["p"][:-1])
+    final = seen["p"][-1]
+    assert [c.index for c in final.outputs] == [0, 1] and all(len(c.logprobs) == 5 for c in final.outputs)
+    assert len(final.prompt_logprobs) == len(final.prompt_token_ids) and final.prompt_logprobs[0] is None
+    assert all(len(step) == 1 for step in final.prompt_logprobs[1:])
+    alone = scute.Engine(str(served / "model"), dtype="float32", max_model_len=64)
+    for i, c in enumerate(final.outputs):
+        one = scute.SamplingParams(temperature=0.9, seed=7 + i, max_tokens=5, min_tokens=5)
+        [want] = alone.generate(["the quick brown fox"], one, [str(served / "ia3")], use_tqdm=False)
+        assert c.token_ids == want.outputs[0].token_ids
+    assert final.outputs[0].token_ids != final.outputs[1].token_ids
+
+
 def test_engine_refusals_name_the_option(served):
     folder = str(served / "model")
     for changes in ({"tensor_parallel_size": 2}, {"quantization": "awq"}, {"speculative_config": {"method": "ngram"}},
@@ -107,8 +127,8 @@ def test_engine_refusals_name_the_option(served):
     with pytest.raises(TypeError, match="no_such_option"):
         shim.EngineArgs(model=folder, no_such_option=1)
     shim.EngineArgs(model=folder, tensor_parallel_size=1, pipeline_parallel_size=1, kv_cache_dtype="auto")  # defaults
-    with pytest.raises(shim.UnsupportedOptionError, match="prompt_logprobs"):
-        shim.SamplingParams(temperature=0.0, logprobs=1, prompt_logprobs=1)
+    with pytest.raises(shim.UnsupportedOptionError, match="bad_words"):
+        shim.SamplingParams(temperature=0.0, logprobs=1, bad_words=["x"])
     with pytest.raises(shim.UnsupportedOptionError, match="stat_loggers"):
         shim.LLMEngine.from_engine_args(engine_args(served), stat_loggers=[object()])
     engine = shim.LLMEngine.from_engine_args(engine_args(served, enable_lora=False))
@@ -186,7 +206,7 @@ from vllm.lora.request import LoRARequest
 
 
 def create_test_prompts(lora_path):
-    greedy = SamplingParams(temperature=0.0, logprobs=1, max_tokens=128, stop_token_ids=[32003])
+    greedy = SamplingParams(temperature=0.0, logprobs=1, prompt_logprobs=1, max_tokens=128, stop_token_ids=[32003])
     return [
         ("the quick brown fox", greedy, None),
         ("one two three", SamplingParams(temperature=0.8, top_k=5, presence_penalty=0.2, max_tokens=12), None),

@@ -83,6 +83,50 @@ def test_raw_http_token_ids_logprobs_and_sse_framing(server, reference, served):
     assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]) == expected.text
 
 
+def test_n_choices_for_completions_and_chat(server, reference, served):
+    """n=2 over two prompts: four choices, prompt-major (prompt i's completion j is choice 2i + j), greedy ones
+    equal to the engine's (their log-probabilities identify the tokens); streamed, each choice assembles from its
+    own chunks; chat likewise; seeded samples differ."""
+    second = "red green blue"
+    wants = [want(reference, served, "ia3", p, temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+             for p in (PROMPT, second)]
+    logprobs = [pytest.approx([lp[t] for t, lp in zip(w.token_ids, w.logprobs)]) for w in wants]
+    assert logprobs[0] != [lp[t] for t, lp in zip(wants[1].token_ids, wants[1].logprobs)]
+    body = dict(model="ia3", prompt=[PROMPT, second], n=2, max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
+    with http(server) as h:
+        r = h.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        assert [ch["index"] for ch in choices] == [0, 1, 2, 3] and r.json()["usage"]["completion_tokens"] == 24
+        assert [ch["logprobs"]["token_logprobs"] for ch in choices] == [logprobs[0]] * 2 + [logprobs[1]] * 2
+        with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line and line != "data: [DONE]"]
+    streamed = {i: [v for ch in chunks for c in ch["choices"] if c["index"] == i
+                    for v in c["logprobs"]["token_logprobs"]] for i in range(4)}
+    assert streamed == {0: logprobs[0], 1: logprobs[0], 2: logprobs[1], 3: logprobs[1]}
+    assert sum(c["finish_reason"] == "length" for ch in chunks for c in ch["choices"]) == 4
+    messages = [{"role": "user", "content": "the lazy dog"}]
+    ids = reference.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    expected = want(reference, served, "dora", ids, temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
+    chat_logprobs = pytest.approx([lp[t] for t, lp in zip(expected.token_ids, expected.logprobs)])
+    c = client(server)
+    options = dict(model="dora", messages=messages, n=2, max_tokens=5, temperature=0, logprobs=True,
+                   extra_body={"ignore_eos": True})
+    r = c.chat.completions.create(**options)
+    assert [ch.index for ch in r.choices] == [0, 1]
+    assert all([t.logprob for t in ch.logprobs.content] == chat_logprobs for ch in r.choices)
+    assert all(ch.message.content == expected.text for ch in r.choices)
+    stream = list(c.chat.completions.create(**options, stream=True))
+    for i in range(2):
+        mine = [ch.choices[0] for ch in stream if ch.choices and ch.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "length"
+        assert [t.logprob for m in mine if m.logprobs for t in m.logprobs.content] == chat_logprobs
+    seeded = c.completions.create(model="tiny", prompt=PROMPT, n=2, max_tokens=8, temperature=1.0, seed=5, logprobs=0,
+                                  extra_body={"ignore_eos": True})
+    assert seeded.choices[0].logprobs.token_logprobs != seeded.choices[1].logprobs.token_logprobs  # seeds 5, 6
+
+
 def test_penalties_reach_the_engine(server, reference, served):
     options = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3)
     expected = want(reference, served, "lora", PROMPT, temperature=0, max_tokens=10, ignore_eos=True, **options)
@@ -113,7 +157,8 @@ BAD = [  # (body or raw bytes, status, a fragment the message must hold)
     (dict(model="nope", prompt="a"), 404, "nope"),
     (b"{not json", 400, "JSON"),
     (dict(model="tiny", prompt="a", bogus=1), 400, "bogus"),
-    (dict(model="tiny", prompt="a", n=2), 400, "n="),
+    (dict(model="tiny", prompt="a", n=0), 400, "n must be"),
+    (dict(model="tiny", prompt="a", best_of=2), 400, "best_of="),
     (dict(model="tiny", prompt="a", logit_bias={"5": 1.0}), 400, "logit_bias"),
     (dict(model="tiny", prompt="a", temperature=-1), 400, "temperature"),
     (dict(model="tiny", prompt=[7] * 80), 400, "max_model_len"),

@@ -1,0 +1,108 @@
+"""`AdapterLoader`: adapters read, converted and copied to the device on a thread of their own while steps run.
+
+One daemon thread takes jobs from its own queue, one at a time in the order given, and settles each job's
+`concurrent.futures.Future`; the engine thread looks at the futures between steps (`AdapterManager.poll`) and
+never waits for one while anything can run. On CUDA a job runs with a side stream of the loader's as its current
+stream, so its copies (the adapter's tensors to the device, the base W0 a converter reads back) never queue
+behind a step; `move` records an event behind the copies and waits for it, and the engine's stream waits for it
+too before it reads the tensors (`Staged.use`), which also records them on that stream so that their memory is
+not handed out again before the stream is done with them. On the CPU a move is plain: `Adapter.to` returns the
+tensors themselves.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from scute.adapters import Adapter
+from scute.adapters.adapter import SharedMemo
+
+
+@dataclass(eq=False)
+class Staged:
+    """An adapter copied to the device by the loader, waiting for a slot."""
+
+    adapter: Adapter
+    event: torch.cuda.Event | None  # behind the copies (CUDA), None on the CPU
+
+    def use(self) -> Adapter:
+        """The adapter, safe to read on the current stream (call on the thread that runs the steps)."""
+        if self.event is not None:
+            tensors = [x for s in self.adapter.layers.values() for x in s.tensors().values()]
+            stream = torch.cuda.current_stream(tensors[0].device if tensors else None)
+            stream.wait_event(self.event)
+            for x in tensors:
+                x.record_stream(stream)
+        return self.adapter
+
+
+class AdapterLoader:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._cond = threading.Condition()
+        self._pending = 0  # jobs given and not finished
+        self._finished = 0  # jobs finished so far
+        self._num_threads = torch.get_num_threads()  # the engine thread's: converters compute as they would there
+
+    def submit(self, fn: Callable, *args) -> Future:
+        """Run ``fn(*args)`` on the loader thread after the jobs given before; its future holds the result or
+        the exception."""
+        future: Future = Future()
+        with self._cond:
+            self._pending += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="scute-adapter-loader", daemon=True)
+            self._thread.start()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def move(self, adapter: Adapter, memo: SharedMemo) -> Staged:
+        """`adapter` copied to the device (a job's last part, on the loader thread); `memo` as for `Adapter.to`."""
+        moved = adapter.to(device=self.device, memo=memo)
+        if self.device.type != "cuda":
+            return Staged(moved, None)
+        event = torch.cuda.Event()
+        event.record()  # on the loader's side stream, the current one of this thread
+        event.synchronize()
+        return Staged(moved, event)
+
+    @property
+    def busy(self) -> bool:
+        return self._pending > 0
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until every job given so far has finished (tests; shutdown); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending == 0, timeout)
+
+    def wait_any(self, timeout: float) -> None:
+        """Wait until one more job finishes, the loader is idle, or `timeout` seconds pass."""
+        with self._cond:
+            finished = self._finished
+            self._cond.wait_for(lambda: self._finished != finished or self._pending == 0, timeout)
+
+    def _run(self) -> None:
+        torch.set_num_threads(self._num_threads)
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        while True:
+            future, fn, args = self._jobs.get()
+            try:
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                    result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - the job's error, raised where its future is read
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+            with self._cond:
+                self._pending -= 1
+                self._finished += 1
+                self._cond.notify_all()

@@ -1,0 +1,189 @@
+"""Adapters by path load on the adapter loader's thread while steps run: tokens unchanged (the Oracle's), other
+requests keep stepping during a slow load, a failed load fails only its requests, loads start on arrival in
+arrival order (a bounded number at once), and evicted adapters come back with the same tokens.
+
+`gate` replaces the checkpoint read by one that records each read (folder, thread) and blocks the folders in
+`gate.blocked` until `gate.release` is set: a load held as long as the test wants, without timing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from scute import AdapterRequest, SamplingParams
+from scute.adapters import conversion
+from scute.engine import adapter_manager
+from scute.engine.adapter_manager import MAX_PREFETCH
+from scute.engine.request import RequestStatus
+from tests.helpers import GREEDY, METHODS, PROMPTS, Oracle, check, edit_adapter_config, make_adapter, mixed_requests
+
+LOADER = "scute-adapter-loader"
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    return Oracle(tmp_path_factory.mktemp("adapters"))
+
+
+class Gate:
+    def __init__(self) -> None:
+        self.blocked: set[str] = set()
+        self.started, self.release = threading.Event(), threading.Event()
+        self.reads: list[tuple[str, str]] = []  # (folder, thread name) of every read
+
+    def loader_reads(self) -> list[str]:
+        return [path for path, thread in self.reads if thread == LOADER]
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    g, read = Gate(), conversion.read_checkpoint
+
+    def gated_read(path, *args, **kwargs):
+        path = os.path.abspath(os.fspath(path))
+        g.reads.append((path, threading.current_thread().name))
+        if path in g.blocked:
+            g.started.set()
+            assert g.release.wait(10), "the test never released the read"
+        return read(path, *args, **kwargs)
+
+    monkeypatch.setattr(conversion, "read_checkpoint", gated_read)
+    yield g
+    g.release.set()
+
+
+def run(engine) -> dict[str, object]:
+    """Step until every request finished; each request's last output."""
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final[out.request_id] = out
+    return final
+
+
+def test_mixed_batch_by_path_matches_the_oracle(oracle, gate):
+    """The five methods and the base model by path, loaded on the loader thread: the Oracle's tokens, and the
+    loader's adapters bit-identical to a conversion on this thread."""
+    prompts, adapters = mixed_requests()
+    engine = oracle.engine()
+    outputs = engine.generate(prompts, GREEDY, [None if a is None else oracle.paths[a] for a in adapters],
+                              use_tqdm=False)
+    check(oracle, outputs, prompts, adapters)
+    assert sorted(gate.loader_reads()) == sorted(os.path.abspath(oracle.paths[m]) for m in METHODS)
+    assert len(gate.reads) == len(METHODS)  # none on this thread, each folder once
+    for method in METHODS:
+        loaded, here = engine.adapters.lookup(oracle.paths[method]), engine.adapters.load(oracle.paths[method])
+        assert loaded.identity == here.identity and loaded.layers.keys() == here.layers.keys()
+        for name, slots in here.layers.items():
+            for key, x in slots.tensors().items():
+                assert torch.equal(loaded.layers[name].tensors()[key], x), (method, name, key)
+
+
+def test_steps_run_while_an_adapter_loads(oracle, gate):
+    """While DoRA's read is held, requests on loaded adapters and the base model produce a token every step and
+    the DoRA request waits; once released it completes with the Oracle's tokens."""
+    engine = oracle.engine()
+    engine.generate([PROMPTS[0]] * 2, GREEDY, [oracle.paths["lora"], oracle.paths["ia3"]], use_tqdm=False)
+    gate.blocked.add(os.path.abspath(oracle.paths["dora"]))
+    prompts, adapters = [PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[1]], ["dora", None, "lora", "ia3"]
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, prompt, adapter in zip(ids, prompts, adapters):
+        engine.add_request(rid, prompt, GREEDY, None if adapter is None else oracle.paths[adapter])
+    assert gate.started.wait(10)
+    tokens = dict.fromkeys(ids, 0)
+    for _ in range(5):
+        for out in engine.step():
+            tokens[out.request_id] = len(out.outputs[0].token_ids)
+    assert not gate.release.is_set() and gate.loader_reads()[-1] == os.path.abspath(oracle.paths["dora"])
+    assert tokens == {"r0": 0, "r1": 5, "r2": 5, "r3": 5}  # a token every step each, while DoRA loads
+    assert engine.requests["r0"].status is RequestStatus.WAITING
+    gate.release.set()
+    final = run(engine)
+    check(oracle, [final[rid] for rid in ids], prompts, adapters)
+
+
+def bad_adapters(oracle: Oracle, root) -> dict[str, str]:
+    corrupt = str(root / "corrupt")
+    shutil.copytree(oracle.paths["lora"], corrupt)
+    weights = os.path.join(corrupt, "adapter_model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    other = str(root / "other-model")
+    make_adapter(other, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), hidden=32)
+    unknown = str(root / "unknown-method")
+    shutil.copytree(oracle.paths["ia3"], unknown)
+    edit_adapter_config(unknown, peft_type="NO_SUCH_METHOD")
+    return {"corrupt": corrupt, "other model": other, "unknown method": unknown}
+
+
+def test_a_failed_load_fails_only_its_requests(oracle, tmp_path, gate):
+    """Each request of an adapter whose load fails on the loader ends with finish_reason "error" and the message
+    the synchronous load raises; the other requests complete."""
+    bad = bad_adapters(oracle, tmp_path)
+    engine = oracle.engine()
+    expected = {}
+    for name, path in bad.items():
+        with pytest.raises(ValueError) as e:
+            engine.adapters.load(path)
+        expected[name] = f"{type(e.value).__name__}: {e.value}"
+    good_prompts, good_adapters = PROMPTS, [None, "lora", "oft", "vera"]
+    bad_specs = [*bad.values(), AdapterRequest("named-corrupt", bad["corrupt"])]
+    specs = bad_specs + [None if a is None else oracle.paths[a] for a in good_adapters]
+    prompts = [PROMPTS[0]] * len(bad_specs) + good_prompts
+    for i, (prompt, spec) in enumerate(zip(prompts, specs)):
+        engine.add_request(f"r{i}", prompt, GREEDY, spec)
+        assert not engine.requests[f"r{i}"].is_finished  # accepted: the read happens on the loader
+    final = run(engine)
+    outputs = [final[f"r{i}"] for i in range(len(prompts))]
+    check(oracle, outputs[len(bad_specs):], good_prompts, good_adapters)
+    for out, name in zip(outputs, [*bad, "corrupt"]):
+        assert out.error == expected[name]
+        assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
+    assert outputs[-len(good_adapters) - 1].adapter_name == "named-corrupt"
+    assert set(gate.loader_reads()) >= {os.path.abspath(p) for p in bad.values()}
+
+
+def test_eviction_and_reload_keep_tokens(oracle, gate, monkeypatch):
+    """Two device slots and two CPU-cached adapters for five adapters, twice over: adapters are evicted and
+    read and placed again, tokens unchanged."""
+    placed, place = [], adapter_manager.place_adapter
+    monkeypatch.setattr(adapter_manager, "place_adapter",
+                        lambda linears, slot, a: (placed.append(a.identity), place(linears, slot, a))[1])
+    engine = oracle.engine(max_adapters=2, max_cpu_adapters=2)
+    prompts, adapters = mixed_requests()
+    specs = [None if a is None else oracle.paths[a] for a in adapters]
+    for _ in range(2):
+        outputs = engine.generate(prompts, GREEDY, specs, use_tqdm=False)
+        check(oracle, outputs, prompts, adapters)
+    assert len(set(placed)) == len(METHODS) and len(placed) > len(METHODS) + 2  # placed again after eviction
+    assert len(gate.loader_reads()) > len(METHODS) and len(gate.reads) == len(gate.loader_reads())  # re-read
+
+
+def test_prefetch_on_arrival_in_order_and_bounded(oracle, gate, monkeypatch):
+    """With max_num_seqs full, requests on five cold adapters arrive: their loads start at once (before any of
+    them can be scheduled), in arrival order, `MAX_PREFETCH` at most given to the loader while none is placed."""
+    engine = oracle.engine(max_num_seqs=2)
+    submitted, submit = [], engine.adapters.loader.submit
+    monkeypatch.setattr(engine.adapters.loader, "submit", lambda fn, *a: (submitted.append(a), submit(fn, *a))[1])
+    long = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for i in range(2):
+        engine.add_request(f"base{i}", PROMPTS[i], long)
+    engine.step()
+    gate.blocked.add(os.path.abspath(oracle.paths[METHODS[0]]))
+    for method in METHODS:
+        engine.add_request(method, PROMPTS[3], GREEDY, oracle.paths[method])
+    assert gate.started.wait(10)  # the first read began on arrival, no slot of max_num_seqs free
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["base0", "base1"]
+    assert len(submitted) == MAX_PREFETCH < len(METHODS)
+    gate.release.set()
+    final = run(engine)
+    assert gate.loader_reads() == [os.path.abspath(oracle.paths[m]) for m in METHODS]
+    check(oracle, [final[m] for m in METHODS], [PROMPTS[3]] * len(METHODS), METHODS)
+    assert final["base0"].outputs[0].token_ids == oracle.reference(None, PROMPTS[0], 12)
