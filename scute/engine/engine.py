@@ -25,6 +25,7 @@ from scute.engine.output_processor import OutputProcessor
 from scute.engine.parallel_sampling import ParentRequest
 from scute.engine.request import AdapterRequest, Request
 from scute.engine.scheduler import Scheduler, SchedulerOutput
+from scute.engine.utils import is_token_ids, per_prompt, tokenize
 from scute.model.loader import load_model
 from scute.outputs import RequestOutput
 from scute.sampling_params import SamplingParams
@@ -64,7 +65,7 @@ class Engine:
         before = torch.cuda.memory_reserved(self.runner.device)
         self.runner.capture_graphs()
         used = torch.cuda.memory_reserved(self.runner.device) - before
-        graphs = self.runner.graphs
+        graphs = self.runner.graphs  # on stderr, as a server's start-up log
         print(f"scute: captured {graphs.num_captured} decode CUDA graphs (batch sizes {graphs.sizes[0]}-"
               f"{graphs.sizes[-1]}) in {graphs.capture_seconds:.1f} s, {used / 2**30:.2f} GiB; enforce_eager=True "
               "runs without them", file=sys.stderr)
@@ -108,7 +109,7 @@ class Engine:
         sp = sampling_params if sampling_params is not None else SamplingParams()
         text, error, adapter_obj, adapter_name = (prompt if isinstance(prompt, str) else None), None, None, None
         try:
-            token_ids = self._tokenize(prompt)
+            token_ids = tokenize(self.tokenizer, self.vocab_size, prompt)
             adapter_obj, adapter_name = self._resolve_adapter(adapter)
         except (AdapterError, OSError, ValueError, TypeError) as e:
             token_ids, error = ([] if isinstance(prompt, str) else list(prompt)), f"{type(e).__name__}: {e}"
@@ -128,19 +129,6 @@ class Engine:
             self._reported.append(req)
         else:
             self.scheduler.add_request(req)
-
-    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer: pass tokenizer= to Engine, or token ids")
-            ids = list(self.tokenizer(prompt)["input_ids"])
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("empty prompt")
-        if bad := [t for t in ids if not 0 <= t < self.vocab_size]:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        return ids
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
         """Stop requests (all n samples of each); each is reported once more by the next `step()` with
@@ -285,9 +273,9 @@ class Engine:
         """Complete every prompt (strings or token-id lists); `adapters` has one entry per prompt (None,
         a PEFT folder, a name given to `load_adapter`, or an `AdapterRequest`), any mix of methods. Returns
         the outputs in prompt order; a failed request has finish_reason "error" and `error` set."""
-        prompts = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
-        params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params", SamplingParams)
-        specs = _per_prompt(adapters, len(prompts), "adapters", (str, os.PathLike, AdapterRequest, Adapter))
+        prompts = [prompts] if isinstance(prompts, str) or is_token_ids(prompts) else list(prompts)
+        params = per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params", SamplingParams)
+        specs = per_prompt(adapters, len(prompts), "adapters", (str, os.PathLike, AdapterRequest, Adapter))
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         for rid, prompt, sp, spec in zip(ids, prompts, params, specs):
             self.add_request(rid, prompt, sp, spec)
@@ -304,23 +292,9 @@ class Engine:
         return [results[rid] for rid in ids]
 
 
-def _is_token_ids(x) -> bool:
-    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(t, int) for t in x)
-
-
-def _per_prompt(value, n: int, what: str, single) -> list:
-    if value is None or isinstance(value, single):
-        return [value] * n
-    values = list(value)
-    if len(values) != n:
-        raise ValueError(f"{what} has {len(values)} entries for {n} prompts: give one per prompt, or one for all")
-    return values
-
-
 def _spec_name(spec: AdapterSpec) -> str | None:
     if spec is None:
         return None
     if isinstance(spec, (AdapterRequest, Adapter)):
         return spec.name
     return os.fspath(spec)
-
