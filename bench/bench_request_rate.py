@@ -1,0 +1,225 @@
+"""The request-rate experiment: how many requests per second an engine sustains over N adapters of one method,
+served natively against the same adapters converted to LoRA (`scute convert`), in the same process.
+
+Requests arrive as a gamma process (vLLM's `bench serve` convention: shape = burstiness, mean 1 / rate; burstiness
+1 = Poisson), each picking one of N adapters (``uniform``, or ``zipf`` with exponent 1), ``--prompt`` random tokens,
+``--new-tokens`` generated (greedy, ``ignore_eos``), driven through `Engine.add_request` / `Engine.step` in real
+time. A rate is *sustained* when the p90 time per output token stays within ``--slo`` times the unloaded one (one
+request alone) and the queue does not grow (the last request starts within ``--max-queue-s`` of its arrival).
+For each (method, N, popularity, variant) the highest sustained rate is found by doubling from ``--start-rate``,
+then bisecting; every run's TTFT and TPOT percentiles are recorded. Before each (variant, N), one request per
+adapter the device slots hold warms them (a server's steady state), then one request alone gives the unloaded
+TPOT.
+
+Variants: ``native`` (the method's own adapters) and ``lora-rR`` for each ``--ranks`` R. A conversion's adapters
+are N LoRA checkpoints of the conversion's shape (rank R on the same modules; random tensors: what the engine
+serves costs the same); its error is the mean `rel_error` of ``--convert`` real conversions (truncated SVD of each
+layer's effective change) of the native adapters, written beside the rows. Where the N adapters do not fit the
+device at once (``--max-adapters``), they swap through the CPU tier (``max_cpu_adapters = N``) and the disk, as a
+user's would.
+
+Run on a GPU (Llama-3-8B shape, random bf16 weights):
+``PYTHONPATH=. python3 bench/bench_request_rate.py --methods ia3,vera --adapters 64,1024 --out rate.json``;
+``--layers`` fewer for a quick look; ``--tiny`` runs a 2-layer model on the CPU (the test does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_engine as B  # noqa: E402
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def pick(popularity: str, n: int, rng: random.Random, i: int = 0) -> int:
+    if popularity == "cycle":  # the warm-up: every adapter in turn
+        return i % n
+    if popularity == "uniform":
+        return rng.randrange(n)
+    weights = [1.0 / (i + 1) for i in range(n)]  # zipf, exponent 1
+    return rng.choices(range(n), weights)[0]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def run_load(engine, paths: list[str], rate: float, args, seed: int) -> dict:
+    """One run: ``--requests`` requests at `rate` per second; per-request TTFT, TPOT and queueing delay."""
+    from scute import SamplingParams
+
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    vocab = engine.vocab_size
+    sp = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    arrivals, t = [], 0.0
+    for _ in range(args.requests):
+        t += rng.gammavariate(args.burstiness, 1.0 / (rate * args.burstiness)) if rate != float("inf") else 0.0
+        arrivals.append(t)
+    specs = [paths[pick(args.popularity, len(paths), rng, i)] for i in range(len(arrivals))]
+    prompts = [torch.randint(0, vocab, (args.prompt,), generator=g).tolist() for _ in arrivals]
+    first, last, started, nxt = {}, {}, {}, 0
+    start = time.perf_counter()
+    while nxt < len(arrivals) or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while nxt < len(arrivals) and arrivals[nxt] <= now:
+            engine.add_request(f"r{seed}-{nxt}", prompts[nxt], sp, specs[nxt])
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(min(0.01, max(0.0, arrivals[nxt] - now)) if nxt < len(arrivals) else 0)
+            continue
+        for out in engine.step():
+            i = int(out.request_id.rsplit("-", 1)[1])
+            if out.error is not None:
+                raise RuntimeError(f"request {i} failed: {out.error}")
+            stamp = time.perf_counter() - start
+            if out.outputs[0].token_ids:
+                first.setdefault(i, stamp)
+                started.setdefault(i, stamp)
+            if out.finished:
+                last[i] = stamp
+    ttft = [first[i] - arrivals[i] for i in first]
+    tpot = [(last[i] - first[i]) / (args.new_tokens - 1) for i in last if args.new_tokens > 1]
+    queue = [started[i] - arrivals[i] for i in started]
+    duration = max(last.values()) if last else 0.0
+    return dict(rate=rate, requests=len(arrivals), duration_s=duration,
+                throughput_req_s=len(last) / duration if duration else None,
+                output_tok_s=len(last) * args.new_tokens / duration if duration else None,
+                ttft_p50=percentile(ttft, 50), ttft_p90=percentile(ttft, 90), ttft_p99=percentile(ttft, 99),
+                tpot_p50=percentile(tpot, 50), tpot_p90=percentile(tpot, 90), tpot_p99=percentile(tpot, 99),
+                max_queue_s=max(queue) if queue else None)
+
+
+def sustained(run: dict, unloaded_tpot: float, args) -> bool:
+    return run["tpot_p90"] <= args.slo * unloaded_tpot and run["max_queue_s"] <= args.max_queue_s
+
+
+def max_rate(engine, paths: list[str], args, unloaded_tpot: float) -> tuple[float, list[dict]]:
+    """The highest sustained rate: doubled from --start-rate while sustained, then --bisect bisections."""
+    runs, good, bad, rate = [], 0.0, None, args.start_rate
+    while bad is None and rate <= args.max_rate:
+        run = run_load(engine, paths, rate, args, seed=len(runs))
+        run["sustained"] = sustained(run, unloaded_tpot, args)
+        runs.append(run)
+        print(f"    rate {rate:8.2f}/s: tpot p90 {1e3 * run['tpot_p90']:.1f} ms, queue {run['max_queue_s']:.2f} s, "
+              f"{'ok' if run['sustained'] else 'over'}", flush=True)
+        good, bad, rate = (rate, None, 2 * rate) if run["sustained"] else (good, rate, rate)
+    for _ in range(args.bisect if bad is not None else 0):
+        rate = (good + bad) / 2 if good else bad / 2
+        run = run_load(engine, paths, rate, args, seed=len(runs))
+        run["sustained"] = sustained(run, unloaded_tpot, args)
+        runs.append(run)
+        good, bad = (rate, bad) if run["sustained"] else (good, rate)
+    return good, runs
+
+
+def lora_like(native: list[str], model, rank: int, root: str, convert: int) -> tuple[list[str], float | None]:
+    """N LoRA folders of the conversions' shape, and the mean error of `convert` real conversions."""
+    from safetensors.torch import load_file, save_file
+
+    from scute.adapters import load_adapter
+    from scute.compat.convert import convert_adapter, save_lora
+
+    errors, first = [], None
+    for i, path in enumerate(native[:max(convert, 1)]):
+        conv = convert_adapter(load_adapter(path, model), model, rank)
+        out = save_lora(conv, model, os.path.join(root, f"conv-r{rank}-{i}"))
+        errors.append(conv.rel_error)
+        first = first or out
+    tensors = load_file(os.path.join(first, "adapter_model.safetensors"))
+    paths = []
+    for i in range(len(native)):
+        folder = os.path.join(root, f"lora-r{rank}-{i}")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(first, "adapter_config.json")) as src, \
+                open(os.path.join(folder, "adapter_config.json"), "w") as dst:
+            dst.write(src.read())
+        g = torch.Generator().manual_seed(i)
+        save_file({k: (v.float() * (1 + 0.01 * torch.randn(v.shape, generator=g))).to(v.dtype).contiguous()
+                   for k, v in tensors.items()}, os.path.join(folder, "adapter_model.safetensors"))
+        paths.append(folder)
+    return paths, (statistics.mean(errors) if convert else None)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--methods", default="ia3,vera")
+    p.add_argument("--adapters", default="64,256,1024")
+    p.add_argument("--popularity", default="uniform", choices=["uniform", "zipf"])
+    p.add_argument("--ranks", default="16,64", help="ranks of the LoRA conversions")
+    p.add_argument("--convert", type=int, default=2, help="real conversions whose mean error is reported")
+    p.add_argument("--max-adapters", type=int, default=256, help="device slots (more adapters swap via the CPU)")
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument("--slo", type=float, default=2.0, help="p90 TPOT bound, times the unloaded TPOT")
+    p.add_argument("--max-queue-s", type=float, default=2.0)
+    p.add_argument("--start-rate", type=float, default=4.0)
+    p.add_argument("--max-rate", type=float, default=4096.0)
+    p.add_argument("--bisect", type=int, default=3)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU")
+    p.add_argument("--root", default="/tmp/scute-bench-rate")
+    p.add_argument("--out", default="request_rate.json")
+    args = p.parse_args(argv)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from scute import Engine
+
+    device = "cpu" if args.tiny else "cuda"
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    cfg = LlamaConfig(**(TINY if args.tiny else {**B.LLAMA3_8B, "num_hidden_layers": args.layers}))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(cfg, torch_dtype=dtype).eval()
+    counts = [int(n) for n in args.adapters.split(",")]
+    result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", layers=cfg.num_hidden_layers,
+                  prompt=args.prompt, new_tokens=args.new_tokens, popularity=args.popularity, slo=args.slo,
+                  max_adapters=args.max_adapters, command="PYTHONPATH=. python3 " + " ".join(sys.argv), rows=[])
+    variants = {}  # every adapter is written (and converted) before the engine takes the model over
+    for method in args.methods.split(","):
+        native = B.make_adapters(model, method, max(counts), os.path.join(args.root, method))
+        variants[(method, "native")] = (native, None)
+        for rank in (int(r) for r in args.ranks.split(",") if r):
+            variants[(method, f"lora-r{rank}")] = lora_like(native, model, rank, os.path.join(args.root, method),
+                                                            args.convert)
+    # One engine serves every variant in turn, as one server would: N adapters of a variant swap through its
+    # device slots and its CPU tier; the previous variant's adapters are evicted as they go cold.
+    engine = Engine(model, device=device, dtype=str(dtype).split(".")[1], max_num_seqs=256,
+                    max_adapters=min(max(counts), args.max_adapters), max_cpu_adapters=max(counts),
+                    max_adapter_rank=256, max_model_len=args.prompt + args.new_tokens + 16)
+    for (method, name), (paths, error) in variants.items():
+        for n in counts:
+            print(f"{method} {name} N={n}", flush=True)
+            warm = argparse.Namespace(**{**vars(args), "requests": min(n, args.max_adapters), "popularity": "cycle"})
+            run_load(engine, paths[:n], float("inf"), warm, seed=20_000)  # loads the adapters the slots hold
+            solo = run_load(engine, paths[:n], float("inf"), argparse.Namespace(**{**vars(args), "requests": 1}),
+                            seed=10_000)
+            rate, runs = max_rate(engine, paths[:n], args, solo["tpot_p50"])
+            result["rows"].append(dict(method=method, variant=name, adapters=n, conversion_error=error,
+                                       max_rate=rate, unloaded_tpot=solo["tpot_p50"], runs=runs))
+            print(f"  max sustained rate {rate:.2f}/s", flush=True)
+            with open(args.out, "w") as f:  # after every row: a run cut short keeps what it measured
+                json.dump(result, f, indent=1)
+    for row in result["rows"]:
+        print(f"{row['method']:<5} {row['variant']:<9} N={row['adapters']:<5} {row['max_rate']:8.2f} req/s "
+              f"(error {row['conversion_error'] if row['conversion_error'] is not None else '-'})")
+    return result
+
+
+if __name__ == "__main__":
+    main()

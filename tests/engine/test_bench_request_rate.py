@@ -1,0 +1,31 @@
+"""`bench/bench_request_rate.py` end to end on the CPU with a tiny model: native IA3 adapters and their rank-4 LoRA
+conversions through one engine, a rate search per row, the JSON the GPU run records."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
+
+
+def test_request_rate_bench_runs_and_records_rows(tmp_path):
+    sys.path.insert(0, BENCH)
+    try:
+        import bench_request_rate
+    finally:
+        sys.path.remove(BENCH)
+    out = tmp_path / "rate.json"
+    result = bench_request_rate.main([
+        "--tiny", "--methods", "ia3", "--adapters", "3", "--ranks", "4", "--convert", "1", "--requests", "6",
+        "--prompt", "8", "--new-tokens", "4", "--start-rate", "1000", "--max-rate", "1000", "--bisect", "1",
+        "--slo", "1000", "--max-queue-s", "1000", "--root", str(tmp_path / "adapters"), "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert [(r["variant"], r["adapters"]) for r in saved["rows"]] == [("native", 3), ("lora-r4", 3)]
+    for row in result["rows"]:
+        assert row["max_rate"] == 1000 and row["unloaded_tpot"] > 0  # a bound this loose is always met
+        run = row["runs"][0]
+        assert run["requests"] == 6 and run["ttft_p50"] <= run["ttft_p90"] <= run["ttft_p99"]
+    native, lora = saved["rows"]
+    assert native["conversion_error"] is None and 0 < lora["conversion_error"] < 1  # IA3 is not rank 4
