@@ -27,8 +27,9 @@ class ForwardContext:
         The adapter kernels then run only the passes those slots need (`SlotPool.step_kinds`); a CUDA graph
         captured with it may be replayed only for steps whose slots are among them.
     attn: the attention backend's metadata (block tables, slot mapping, ...), None outside the engine.
-    slot_rows: the reference op's rows per adapter slot (``scute.ops.reference.slot_rows``), computed by the
-        first `ScuteLinear` on the CPU path for each slots tensor and reused by every other layer.
+    slot_rows(num_tokens): the reference op's rows per adapter slot (``scute.ops.reference.slot_rows``) of the
+        token or sample slots, computed by the first `ScuteLinear` on the CPU path that needs them (one host
+        sync) and reused by every other layer.
     lora_meta: the adapter kernels' per-step token metadata (a `scute.ops.meta.MetaCache`: tokens sorted by
         adapter, tiles), built once per step by the first `ScuteLinear` that needs it (None until then), or
         ahead by the engine into preallocated buffers.
@@ -39,7 +40,16 @@ class ForwardContext:
     active_adapter_slots: frozenset[int] | None = None
     attn: Any = None
     lora_meta: Any = None
-    slot_rows: dict = field(default_factory=dict)  # id(slots tensor) -> the reference op's rows per slot
+    _rows: dict = field(default_factory=dict, repr=False)  # "token" / "sample" -> the reference op's rows
+
+    def slot_rows(self, num_tokens: int) -> dict[int, Tensor]:
+        """The rows of each adapter slot among the slots of a layer call over `num_tokens` rows."""
+        from scute.ops.reference import slot_rows
+
+        key = "token" if self.token_adapter_slots.shape[0] == num_tokens else "sample"
+        if key not in self._rows:
+            self._rows[key] = slot_rows(self.adapter_slots(num_tokens))
+        return self._rows[key]
 
     def adapter_slots(self, num_tokens: int) -> Tensor:
         """The slots of a layer call over `num_tokens` rows (all tokens, or only the sampled ones)."""

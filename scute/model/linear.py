@@ -22,7 +22,7 @@ from scute.ops import (
     triton_enabled,
 )
 from scute.ops.cpu import LowRankStack, scute_linear_cpu
-from scute.ops.reference import acc_dtype, slot_rows
+from scute.ops.reference import acc_dtype
 
 MAX_GROUP = 3  # projections per op call: the delta and epilogue kernels serve at most 3
 
@@ -86,9 +86,7 @@ class ScuteLinear(nn.Module):
             y = scute_linear_triton(flat, self.weight, self.bias, pool, lora_meta(ctx, token_slots, pool),
                                     ctx.active_adapter_slots)
         else:  # the grouping of tokens by slot is the same for every layer: computed once per forward
-            rows = ctx.slot_rows.get(id(token_slots))
-            if rows is None:
-                rows = ctx.slot_rows[id(token_slots)] = slot_rows(token_slots)
+            rows = ctx.slot_rows(flat.shape[0])
             dtype = acc_dtype(flat.dtype)
             if self.stack is None or self.stack.a.dtype != dtype or self.stack.a.device != flat.device:
                 self.stack = LowRankStack.build(self.slots, dtype, flat.device)
