@@ -124,7 +124,8 @@ def build_app(state: ServerState) -> FastAPI:
         if req.lora_name in (state.served_model_name, state.model_root):
             raise APIError(400, f"{req.lora_name!r} is the base model's name", "lora_name")
         try:
-            await state.engine.call(lambda: state.engine.engine.load_adapter(req.lora_name, path))
+            # read and converted on a worker thread: the engine keeps stepping (it reads `named` only by key)
+            await asyncio.to_thread(state.engine.engine.load_adapter, req.lora_name, path)
         except (OSError, ValueError, TypeError) as e:  # AdapterError is a ValueError
             state.metrics.adapter_loads.labels(state.metrics.model_name, "error").inc()
             raise APIError(400, f"adapter {req.lora_name!r} cannot be loaded: {e}", "lora_path") from None
