@@ -130,7 +130,9 @@ class DecodeGraphs:
             self.forward(size, active)  # eager: compiles the kernels, builds missing pools and per-size state
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: the adapter loader's thread may allocate and copy on its own stream meanwhile (the
+            # default, global, would make those calls fail while this thread captures)
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 logits = self.forward(size, active)
             out[size] = self.graphs[(step_key, size)] = (graph, logits)
         torch.cuda.synchronize(self.device)
