@@ -14,7 +14,8 @@ A layer call (``P`` projections of one input, see `scute.ops.triton_ops`) moves,
   read by the epilogue).
 
 The model is of a call that knows the step's slots (`scute_linears_triton`'s ``active_slots``): passes that no
-token of the step needs do not run.
+token of the step needs do not run. Which passes run, their launches and their split-K factor are the call's
+`Plan` (`scute.ops.plan`), the value the launcher itself runs, so the model cannot drift from it.
 
 Predicted time = bytes / bandwidth + launches × launch latency, with both constants *measured* on the machine
 (a device-to-device copy; a graph of empty kernels), never fitted to the results they predict.
@@ -25,12 +26,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
+from scute.ops.groups import _needs_expand, _storage_key, pool_facts
 from scute.ops.meta import max_tiles
-from scute.ops.pool import _exact_delta, _needs_expand, _storage_key, slot_groups
+from scute.ops.plan import SharedPlan, plan
 from scute.ops.slots import Slots
-from scute.ops.launch import choose_split_k, config
 
 VEC_BYTES = 4  # the pool keeps slot vectors in float32
+_DEVICE = torch.device("cpu")  # the plans' device: it sizes only the multi-token delta's persistent grid
 
 
 @dataclass
@@ -56,57 +60,54 @@ class CallBytes:
 
 
 def layer_call_bytes(slots: Sequence[Sequence[Slots | None]], in_features: int, out_features: Sequence[int],
-                     token_slots: Sequence[int], elem: int = 2, bias: bool = False) -> CallBytes:
+                     token_slots: Sequence[int], elem: int = 2, bias: bool = False, merged: bool = False) -> CallBytes:
     """Bytes of one call of `scute_linears_triton` (``slots[p][s]``; tokens' slots, −1 = base; `elem` bytes
-    per activation/weight element), counting what the kernels must read and write at the least."""
+    per activation/weight element; `merged`: merged weights given), counting what the kernels must read and
+    write at the least. Its passes and launches are the call's `Plan` (`scute.ops.plan`)."""
     n_tok, n_proj = len(token_slots), len(out_features)
-    cost = CallBytes(launches=n_proj)
+    facts = pool_facts(slots, out_features)
+    passes = plan(facts, n_tok, in_features, max_tiles(n_tok, len(slots[0])), _DEVICE, set(token_slots),
+                  merged)
+    cost = CallBytes(launches=passes.launches())
     cost.weights = sum(o * in_features * elem + (o * elem if bias else 0) for o in out_features)
     cost.activations = sum(n_tok * (in_features + o) * elem for o in out_features)
     active = sorted({s for s in token_slots if s >= 0})
     live = {s: [row[s] for row in slots] for s in active if any(row[s] is not None for row in slots)}
-    if any(sl is not None and (sl.t is not None or sl.t_blocks is not None) for col in live.values() for sl in col):
-        cost.launches += 1
+    if passes.input_transform is not None:
         cost.activations += n_tok * in_features * elem * (1 + n_proj)
     seen: set = set()
     for column in live.values():
         cost.adapters += _slot_bytes(column, seen, elem)
-    groups, shared = slot_groups(slots)
-    d_elem = 4 if any(_exact_delta(sl) for row in slots for sl in row) else elem  # the pool's delta dtype
-    width = _h_width({s: col for s, col in live.items() if groups[s] != shared})
-    if width:
-        split = choose_split_k(in_features, max_tiles(n_tok, len(slots[0])) * n_proj)
+    groups, shared = facts.groups, facts.shared_group
+    d_elem = 4 if facts.exact_delta else elem  # the pool's delta dtype
+    if passes.lowrank is not None:
+        width = _h_width({s: col for s, col in live.items() if groups[s] != shared})
         lowrank_tokens = sum(1 for s in token_slots if s in live and groups[s] != shared
                              and any(sl is not None and sl.A is not None for sl in live[s]))
-        cost.launches += 2 if n_tok == 1 else 3  # shrink, one-token delta, multi-token delta
-        h_passes = 2 * split  # each split's partial written, then read once (by the delta, or by the shrink's sum)
+        h_passes = 2 * passes.lowrank.split_k  # each split's partial written, then read once (by the delta, or
+        # by the shrink's sum)
         delta = 2 * sum(out_features) * d_elem  # the delta written, then read by the epilogue
         cost.activations += lowrank_tokens * (in_features * elem + h_passes * width * 4 + delta)
-    members = sum(1 for s in token_slots if s >= 0 and groups[s] == shared) if shared >= 0 else 0
-    if members:
-        cost += _shared_group_bytes([row[shared] for row in slots], in_features, out_features, members, n_tok, elem,
-                                    d_elem)
-    expand = {s for s, col in live.items() if any(_needs_expand(sl) for sl in col)}
-    if expand:
-        cost.launches += 1  # the epilogue
+    if passes.shared is not None:
+        members = sum(1 for s in token_slots if s >= 0 and groups[s] == shared)
+        cost.activations += _shared_group_bytes([row[shared] for row in slots], in_features, out_features, members,
+                                                n_tok, elem, d_elem, passes.shared)
+    if passes.epilogue is not None:
+        expand = {s for s, col in live.items() if any(_needs_expand(sl) for sl in col)}
         cost.activations += sum(1 for s in token_slots if s in expand) * sum(2 * o * elem for o in out_features)
     return cost
 
 
 def _shared_group_bytes(column: list[Slots | None], in_features: int, out_features: Sequence[int], members: int,
-                        n_tok: int, elem: int, d_elem: int) -> CallBytes:
-    """The shared group's passes (`scute.ops.shared_delta.lora_delta_shared_`): `column` its representative's slots,
-    `members` (≥ 1) its tokens in the step; its matrices are in the adapters' bytes."""
-    a_keys = {_storage_key(sl.A, "mat"): sl.A for sl in column if sl is not None and sl.A is not None}
-    rank = next(iter(a_keys.values())).shape[0]
+                        n_tok: int, elem: int, d_elem: int, passes: SharedPlan) -> int:
+    """Activation bytes of the shared group's passes (`scute.ops.shared_delta.lora_delta_shared_`): `column` its
+    representative's slots, `members` (≥ 1) its tokens in the step; its matrices are in the adapters' bytes."""
+    rank = next(sl.A.shape[0] for sl in column if sl is not None and sl.A is not None)
     outs = [o for sl, o in zip(column, out_features) if sl is not None and sl.A is not None]
-    h_all = len(a_keys) * n_tok * (in_features + rank) * elem  # A x for every token: x read, h written
-    # per member and projection: h and m (float32) read; from shared_fused_tokens + 1 tokens on by a scale pass,
-    # which writes m ⊙ h for the GEMM to read
-    fused = n_tok <= config().shared_fused_tokens
-    h_rows = members * len(outs) * rank * ((1 if fused else 3) * elem + VEC_BYTES)
-    return CallBytes(activations=h_all + h_rows + members * sum(outs) * 2 * d_elem,
-                     launches=len(a_keys) + (1 if fused else 2))
+    h_all = passes.products * n_tok * (in_features + rank) * elem  # A x for every token: x read, h written
+    # per member and projection: h and m (float32) read; with the scale pass, m ⊙ h written for the GEMM to read
+    h_rows = members * len(outs) * rank * ((3 if passes.scale else 1) * elem + VEC_BYTES)
+    return h_all + h_rows + members * sum(outs) * 2 * d_elem
 
 
 def _slot_bytes(column: list[Slots | None], seen: set, elem: int) -> int:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import Tensor
 
 from scute.ops.launch import cdiv, config, kernels, scute_op
@@ -27,11 +29,16 @@ def epilogue_(zs: list[Tensor], ds: list[Tensor], table: Tensor, token_slots: Te
     if num_tokens == 0:
         return
     outs = [z.shape[1] for z in zs] + [0] * (3 - len(zs))
-    progs = sum(cdiv(n, 2 * half_n * chunks_per_prog) for n in outs)
-    kernels().epilogue_kernel[(num_tokens, progs)](
+    kernels().epilogue_kernel[epilogue_grid(num_tokens, outs, half_n, chunks_per_prog)](
         *zs, *[zs[0]] * (3 - len(zs)), *ds, *[ds[0]] * (3 - len(ds)), table, token_slots, table.shape[1], *outs,
         *[z.stride(0) for z in zs], *[0] * (3 - len(zs)), chunks_per_prog, P=len(zs), HB=half_n,
         num_warps=config().epilogue_warps)
+
+
+def epilogue_grid(num_tokens: int, outs: Sequence[int], half_n: int, chunks_per_prog: int) -> tuple[int, int]:
+    """The epilogue's grid: a program per (token, `chunks_per_prog` chunks of 2·half_n columns of one
+    projection)."""
+    return num_tokens, sum(cdiv(n, 2 * half_n * chunks_per_prog) for n in outs)
 
 
 @epilogue_.register_fake

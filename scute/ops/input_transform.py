@@ -37,8 +37,7 @@ def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, sorted_idx: T
     out = x.new_empty((num_proj, *x.shape))
     if x.shape[0] == 0:
         return out
-    # block_b 1: the pool has no block-diagonal T (IA3's diagonal alone), and windows would be a grid of nothing
-    tiled = x.shape[0] >= config().pre_pass_tile_tokens and block_b > 1
+    tiled = windowed(x.shape[0], block_b)
     # The two launches write disjoint tokens of out: in a CUDA graph the windows run on a side stream beside the row
     # kernel. In line, where no slot has enough tokens (256 tokens of 64 OFT adapters), their launches alone took
     # 13 µs of a layer's critical path; beside it the layer still pays 13-22 µs for the forks and joins.
@@ -63,11 +62,8 @@ def input_rows(out: Tensor, x: Tensor, table: Tensor, token_slots: Tensor, num_t
     of `pre_pass_t_elems` elements of T, or from `pre_pass_tile_tokens` tokens on as much T in fewer, wider chunks."""
     c = config()
     num_tokens, in_features = x.shape
-    t_elems = c.pre_pass_t_elems if num_tokens < c.pre_pass_tile_tokens else c.pre_pass_prefill_t_elems
-    blocks_per_prog = max(1, t_elems // (block_b * block_b))
-    chunks = max(cdiv(in_features, c.pre_pass_copy), cdiv(in_features // min_block, blocks_per_prog))
-    iters = max(1, pre_pass_iters(num_tokens) * c.pre_pass_t_elems // t_elems)
-    kernels().input_transform_kernel[(num_tokens, cdiv(chunks, iters), out.shape[0])](
+    grid, blocks_per_prog, iters = rows_launch(num_tokens, in_features, out.shape[0], block_b, min_block)
+    kernels().input_transform_kernel[grid](
         x, out, table, token_slots, num_tokens_per_slot, num_tokens, in_features, table.shape[1], c.window_min_tokens,
         BC=c.pre_pass_copy, BB=block_b, NBP=blocks_per_prog, B_EXACT=min_block == block_b, ITERS=iters,
         SKIP_TILED=skip_windowed, num_warps=c.pre_pass_warps)
@@ -79,11 +75,34 @@ def input_windows(out: Tensor, x: Tensor, table: Tensor, sorted_idx: Tensor, sor
     tokens of block-diagonal slots with `window_min_tokens` or more, on tensor cores."""
     c = config()
     num_tokens, in_features = x.shape
-    grid = (cdiv(num_tokens, BLOCK_M), cdiv(in_features // min_block, c.tile_blocks), out.shape[0])
+    grid = windows_grid(num_tokens, in_features, out.shape[0], min_block)
     kernels().input_tiles_kernel[grid](
         x, out, table, sorted_idx, sorted_slots, num_tokens_per_slot, slot_start, num_tokens, in_features,
         table.shape[1], c.window_min_tokens, BM=BLOCK_M, BB=max(16, block_b), NBP=c.tile_blocks,
         B_EXACT=min_block == block_b and block_b >= 16, PREC=precision(x.dtype), num_warps=c.window_warps)
+
+
+def windowed(num_tokens: int, block_b: int) -> bool:
+    """Whether `input_transform` launches `input_windows` beside `input_rows`: from `pre_pass_tile_tokens` tokens
+    on, for a pool with a block-diagonal T (block_b 1, IA3's diagonal alone, would be windows of nothing)."""
+    return num_tokens >= config().pre_pass_tile_tokens and block_b > 1
+
+
+def rows_launch(num_tokens: int, in_features: int, num_proj: int, block_b: int,
+                min_block: int) -> tuple[tuple[int, int, int], int, int]:
+    """`input_rows`'s grid, blocks of T per chunk and chunks per program."""
+    c = config()
+    t_elems = c.pre_pass_t_elems if num_tokens < c.pre_pass_tile_tokens else c.pre_pass_prefill_t_elems
+    blocks_per_prog = max(1, t_elems // (block_b * block_b))
+    chunks = max(cdiv(in_features, c.pre_pass_copy), cdiv(in_features // min_block, blocks_per_prog))
+    iters = max(1, pre_pass_iters(num_tokens) * c.pre_pass_t_elems // t_elems)
+    return (num_tokens, cdiv(chunks, iters), num_proj), blocks_per_prog, iters
+
+
+def windows_grid(num_tokens: int, in_features: int, num_proj: int, min_block: int) -> tuple[int, int, int]:
+    """`input_windows`'s grid: a program per window of BLOCK_M sorted positions, `tile_blocks` blocks of T and
+    projection."""
+    return cdiv(num_tokens, BLOCK_M), cdiv(in_features // min_block, config().tile_blocks), num_proj
 
 
 def pre_pass_iters(num_tokens: int) -> int:

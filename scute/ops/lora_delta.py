@@ -3,6 +3,8 @@ of one-token tiles, scute::lora_delta_tiles_ for multi-token tiles; they write d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -33,12 +35,22 @@ def lora_delta_rows_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: T
     if num_tokens == 0:
         return
     outs = [d.shape[1] for d in ds] + [0] * (3 - len(ds))
-    progs = sum(cdiv(n, 2 * half_n * chunks_per_prog) for n in outs)
-    kernels().delta_rows_kernel[(tile_group.shape[0], progs)](
+    kernels().delta_rows_kernel[rows_grid(tile_group.shape[0], outs, half_n, chunks_per_prog)](
         *_delta_args(ds, outs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end),
         chunks_per_prog, B_TY=tl_dtype(mat_dtype), P=len(ds), SPLIT_K=h.shape[0], BM=BLOCK_M,
         BR=row_block_r(max_rank, half_n), BN=2 * half_n, ONCE_ABOVE=c.row_block_r, num_warps=c.expand_warps,
         num_stages=c.expand_stages)
+
+
+def rows_grid(num_tiles: int, outs: Sequence[int], half_n: int, chunks_per_prog: int) -> tuple[int, int]:
+    """`lora_delta_rows_`'s grid: a program per (tile, `chunks_per_prog` chunks of 2·half_n columns of one
+    projection)."""
+    return num_tiles, sum(cdiv(n, 2 * half_n * chunks_per_prog) for n in outs)
+
+
+def tiles_grid(device: torch.device) -> tuple[int]:
+    """`lora_delta_tiles_`'s grid: the persistent programs of `device`."""
+    return (persistent_programs(device),)
 
 
 @lora_delta_rows_.register_fake
@@ -63,8 +75,8 @@ def lora_delta_tiles_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: 
     if num_tokens < 2:
         return
     outs = [d.shape[1] for d in ds] + [0] * (3 - len(ds))
-    programs = persistent_programs(ds[0].device)
-    kernels().delta_tiles_kernel[(programs,)](
+    (programs,) = grid = tiles_grid(ds[0].device)
+    kernels().delta_tiles_kernel[grid](
         *_delta_args(ds, outs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end), multi_tiles,
         num_multi, c.tile_items_per_program * programs, B_TY=tl_dtype(mat_dtype), P=len(ds), BM=BLOCK_M,
         BR=block_r(max_rank), BN=2 * tile_half_n, PREC=precision(mat_dtype), num_warps=c.tile_warps,
@@ -75,8 +87,6 @@ def lora_delta_tiles_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: 
 def _(ds, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, multi_tiles, num_multi, max_rank,
       tile_half_n, mat_dtype):
     return None
-
-
 
 
 def _delta_args(ds, outs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end) -> tuple:

@@ -29,14 +29,12 @@ is unchanged (it holds every host-side value the launchers turn into a kernel co
 
 from __future__ import annotations
 
-import functools
-from collections import Counter
 from collections.abc import Collection, Sequence
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from scute.ops.groups import PoolFacts, StepKinds, _storage_key, pool_facts, shared_a_of, step_kinds
 from scute.ops.slots import Slots
 
 # Table fields (int64 each). Group fields (A, B, ranks, h offsets) are read at the group's representative slot,
@@ -48,20 +46,6 @@ NUM_FIELDS = 18
 HAS_O, HAS_O2, HAS_C, HAS_V, HAS_M, HAS_T, HAS_TB, HAS_LR = 1, 2, 4, 8, 16, 32, 64, 128
 _VECTORS = (("o", F_O, HAS_O), ("o2", F_O2, HAS_O2), ("c", F_C, HAS_C), ("v", F_V, HAS_V), ("m", F_M, HAS_M),
             ("t", F_T, HAS_T))
-
-
-class StepKinds(NamedTuple):
-    """The passes of one layer call (`SlotPool.step_kinds`)."""
-
-    input_transform: bool
-    shared: bool  # the shared group's products
-    lowrank: bool  # the table's shrink and deltas
-    expand: bool  # the epilogue
-
-
-def _storage_key(x: Tensor, kind: str) -> tuple:
-    return (kind, x.device, x.dtype, x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape),
-            tuple(x.stride()))
 
 
 class SlotPool:
@@ -78,7 +62,8 @@ class SlotPool:
     ``shared_outs`` (out_p, 0 where it does not), ``shared_m`` ([P, num_slots, r] float32: each member's m, ones if
     it has none). ``kind_masks`` (host `StepKinds` of ints): for each pass, the slots whose tokens need it, as bit
     masks (bit s: slot s); `step_kinds` turns the slots of a step into the passes the step runs, and
-    ``step_kinds(None)`` gives the passes the pool has at all.
+    ``step_kinds(None)`` gives the passes the pool has at all. ``facts``: the host values above that decide a
+    call's passes and launches, as one `PoolFacts` (`scute.ops.groups`, computed from the slots alone).
     """
 
     # The engine runs its steps under torch.inference_mode; the pool is created on a first forward but updated
@@ -98,6 +83,8 @@ class SlotPool:
         self.block_b, self.min_block, self.max_rank = 1, 1, 0
         self.kind_masks = StepKinds(0, 0, 0, 0)
         self._clear_shared()
+        self.facts = PoolFacts(self.out_features, tuple(range(num_slots)), -1, self.kind_masks, 0, 1, 1, False,
+                               self.shared_a_of, self.shared_outs)
 
     def _clear_shared(self) -> None:
         self.shared_group, self.shared_a_of, self.shared_outs = -1, (-1,) * self.num_proj, (0,) * self.num_proj
@@ -116,8 +103,7 @@ class SlotPool:
     def step_kinds(self, active: Collection[int] | None) -> StepKinds:
         """The passes a step runs when its tokens use only the slots in `active` (host-side; −1, the base
         model, may be among them), or None: any slot (what a CUDA graph replayed for other steps must assume)."""
-        mask = -1 if active is None else _slot_mask(active if isinstance(active, frozenset) else frozenset(active))
-        return StepKinds(*(mask & m != 0 for m in self.kind_masks))
+        return step_kinds(self.kind_masks, active)
 
     def delta_dtype(self, out_dtype: torch.dtype) -> torch.dtype:
         """The dtype the kernels keep each token's low-rank delta d = B (m ⊙ h) in, for outputs in `out_dtype`.
@@ -153,12 +139,12 @@ class SlotPool:
             raise ValueError(f"pool needs {self.num_proj} lists of {self.num_slots} slots")
         keep: dict[tuple, tuple[Tensor, Tensor]] = {}
         host = torch.zeros(self.num_proj, self.num_slots, NUM_FIELDS, dtype=torch.int64)
-        groups, shared = slot_groups(slots)
-        h_width, blocks = 0, []
+        facts = pool_facts(slots, self.out_features)
+        groups, shared, h_width = list(facts.groups), facts.shared_group, 0
         for p, row in enumerate(slots):
             for s, sl in enumerate(row):
                 if sl is not None:
-                    blocks += self._fill_slot(host[p, s], sl, keep)
+                    self._fill_slot(host[p, s], sl, keep)
         for g in sorted(set(groups) - {shared}):
             h_width = max(h_width, self._fill_group(host[:, g], [row[g] for row in slots], keep))
         # [P, num_slots]: each slot's group has a low-rank part (the shared group's is not in the table)
@@ -174,17 +160,9 @@ class SlotPool:
         self.group_key = None if groups == list(range(self.num_slots)) else tuple(groups)
         self.slot_group.copy_(torch.tensor(groups, dtype=torch.int32))
         self.h_width = max(h_width, 1)
-        self.exact_delta = any(_exact_delta(sl) for row in slots for sl in row)
-        self.block_b = 1 << (max(blocks, default=1) - 1).bit_length()
-        self.min_block = min(blocks, default=1)
-        self.max_rank = int(host[..., F_RANK].max())
-        transform = (host[..., F_FLAGS] & (HAS_T | HAS_TB)).any(0).tolist()
-        masks = [0] * len(StepKinds._fields)
-        for s, (t, lr) in enumerate(zip(transform, lowrank.any(0).tolist())):
-            expand = any(_needs_expand(row[s]) for row in slots)
-            kinds = (t, lr and groups[s] == shared, lr and groups[s] != shared, expand)
-            masks = [m | (bool(k) << s) for m, k in zip(masks, kinds)]
-        self.kind_masks = StepKinds(*masks)
+        self.facts = facts
+        self.exact_delta, self.block_b, self.min_block = facts.exact_delta, facts.block_b, facts.min_block
+        self.max_rank, self.kind_masks = facts.max_rank, facts.kind_masks
 
     def _fill_shared(self, slots: Sequence[Sequence[Slots | None]], members: list[int], group: int) -> None:
         """The shared group's buffers. They are kept, and refilled in place, while their shapes stay (a captured
@@ -197,8 +175,7 @@ class SlotPool:
                 a_src.setdefault(_storage_key(sl.A, "mat"), sl.A)
         a_keys = list(a_src)
         rank = next(iter(a_src.values())).shape[0]
-        self.shared_a_of = tuple(-1 if sl is None or sl.A is None else a_keys.index(_storage_key(sl.A, "mat"))
-                                 for sl in column)
+        self.shared_a_of = shared_a_of(column)
         self.shared_outs = tuple(0 if a < 0 else o for a, o in zip(self.shared_a_of, self.out_features))
         src = tuple(a_keys) + tuple(None if sl is None or sl.B is None else _storage_key(sl.B, "mat")
                                     for sl in column)
@@ -218,7 +195,7 @@ class SlotPool:
         self.shared_m = _refill(self.shared_m, m, self.device, torch.float32)
         self.shared_group = group
 
-    def _fill_slot(self, row: Tensor, sl: Slots, keep: dict) -> list[int]:
+    def _fill_slot(self, row: Tensor, sl: Slots, keep: dict) -> None:
         if sl.scale != 1.0:
             raise ValueError("the slot pool needs folded slots (scale 1): call Slots.folded() first")
         flags, row[F_ROT] = 0, sl.rot_group
@@ -231,7 +208,6 @@ class SlotPool:
             row[F_TB], row[F_TBN], row[F_TBB] = tb.data_ptr(), tb.shape[0], tb.shape[-1]
             flags |= HAS_TB
         row[F_FLAGS] = flags
-        return [] if sl.t_blocks is None else [sl.t_blocks.shape[-1]]
 
     def _fill_group(self, rows: Tensor, column: list[Slots | None], keep: dict) -> int:
         """Low-rank fields of one group (rows [P, NUM_FIELDS] at the representative); returns its h width."""
@@ -251,55 +227,8 @@ class SlotPool:
         return width
 
 
-def slot_groups(slots: Sequence[Sequence[Slots | None]]) -> tuple[list[int], int]:
-    """Each slot's group representative (the lowest slot with the same shared (A, B) in every projection of
-    ``slots[p][s]``), and the shared group's (the group of shared matrices with the most members, ties to the
-    lowest; −1 if there is none)."""
-    first: dict[tuple, int] = {}
-    groups = []
-    for s in range(len(slots[0])):
-        key = _share_key([row[s] for row in slots])
-        groups.append(s if key is None else first.setdefault(key, s))
-    sizes = Counter(groups)
-    return groups, max(first.values(), key=lambda g: (sizes[g], -g), default=-1)
-
-
-@functools.lru_cache(maxsize=8)
-def _slot_mask(active: frozenset[int]) -> int:
-    """The bit mask of a step's slots (bit s: slot s; the base model's −1 has none), computed once per step:
-    every layer call of the step passes the same set."""
-    return sum(1 << s for s in active if s >= 0)
-
-
 def _refill(old: Tensor | None, new: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
     """`new` in `old`'s memory when the shapes match (a captured graph keeps reading there), else a new copy."""
     if old is not None and old.shape == new.shape:
         return old.copy_(new)
     return new.to(device=device, dtype=dtype).contiguous()
-
-
-def _needs_expand(sl: Slots | None) -> bool:
-    return sl is not None and any(getattr(sl, n) is not None for n in ("o", "o2", "c", "A"))
-
-
-def _exact_delta(sl: Slots | None) -> bool:
-    """The slot adds a low-rank delta to a base output it also scales, rotates or shifts (see `delta_dtype`)."""
-    return sl is not None and sl.A is not None and any(getattr(sl, n) is not None for n in ("o", "o2", "c"))
-
-
-def _share_key(column: list[Slots | None]) -> tuple | None:
-    """A key equal for slots that may share a group (shared A and B in every projection they adapt), else None. A
-    slot with a block-diagonal T is its own group (the input transform's tiles apply one slot's T to a group)."""
-    if not any(sl is not None and sl.A is not None for sl in column):
-        return None
-    if any(sl is not None and sl.t_blocks is not None for sl in column):
-        return None
-    key = []
-    for sl in column:
-        if sl is None:
-            key.append(None)
-        elif sl.A is None or not {"A", "B"} <= sl.shared:
-            return None
-        else:
-            key.append((_storage_key(sl.A, "mat"), _storage_key(sl.B, "matB"), sl.rot_group))
-    return tuple(key)

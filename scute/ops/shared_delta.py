@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -34,19 +36,37 @@ def lora_delta_shared_(ds: list[Tensor], hv: Tensor, hs: Tensor, x: Tensor, a: T
     for i in range(a.shape[0]):
         torch.mm(x, a[i].t(), out=hv[i])
     rank_block = max(16, 1 << (rank - 1).bit_length())  # the scale pass's whole row; the GEMM's K step is capped
-    fused = num_tokens <= c.shared_fused_tokens
+    grid, block_m = expand_launch(num_tokens, outs)
+    fused = not scale_pass(num_tokens)
     a_of = [*a_of, *[-1] * (3 - num_proj)]
     if not fused:
-        kernels().shared_scale_kernel[(num_tokens, num_proj)](
+        kernels().shared_scale_kernel[scale_grid(num_tokens, num_proj)](
             hv, hs, m, sorted_idx, sorted_slots, num_tokens_per_slot, slot_start, group, num_tokens, m.shape[1], rank,
             *a_of, P=num_proj, BR=rank_block)
-    block_m = min(c.shared_max_block_m, max(16, 1 << (num_tokens - 1).bit_length()))
-    grid = (cdiv(num_tokens, block_m), sum(cdiv(o, c.shared_block_n) for o in outs))
     kernels().shared_expand_kernel[grid](
         *ds, *[ds[0]] * (3 - num_proj), hs, hv, m, *bs, *[bs[0]] * (3 - num_proj), sorted_idx, sorted_slots,
         num_tokens_per_slot, slot_start, group, num_tokens, m.shape[1], rank, *outs, *[0] * (3 - num_proj), *a_of,
-        P=num_proj, BM=block_m, BN=c.shared_block_n, BK=min(c.shared_max_block_k, rank_block), FUSED=fused,
+        P=num_proj, BM=block_m, BN=c.shared_block_n, BK=min(c.shared_max_block_k, rank_block),
+        FUSED=fused,
         PREC=precision(hs.dtype), num_warps=c.shared_warps, num_stages=c.shared_stages)
+
+
+def scale_grid(num_tokens: int, num_proj: int) -> tuple[int, int]:
+    """The scale pass's grid: a program per (token, projection)."""
+    return num_tokens, num_proj
+
+
+def expand_launch(num_tokens: int, outs: Sequence[int]) -> tuple[tuple[int, int], int]:
+    """The tile GEMM's grid over `num_tokens` tokens for projections of `outs` outputs (0: not adapted), and its
+    rows (tokens) per program."""
+    c = config()
+    block_m = min(c.shared_max_block_m, max(16, 1 << (num_tokens - 1).bit_length()))
+    return (cdiv(num_tokens, block_m), sum(cdiv(o, c.shared_block_n) for o in outs)), block_m
+
+
+def scale_pass(num_tokens: int) -> bool:
+    """Whether m ⊙ h is a pass of its own: above `shared_fused_tokens` tokens (below, the GEMM forms it)."""
+    return num_tokens > config().shared_fused_tokens
 
 
 @lora_delta_shared_.register_fake

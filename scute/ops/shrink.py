@@ -30,12 +30,17 @@ def shrink_(h: Tensor, x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group:
         return
     k_per_split = cdiv(cdiv(in_features, split_k), block_k) * block_k
     rt = rank_tiles(max_rank)
-    grid = (tile_group.shape[0], split_k * rt, num_proj)
+    grid = shrink_grid(tile_group.shape[0], split_k, max_rank, num_proj)
     kernels().shrink_kernel[grid](
         x, h, arrival_counters(x.device, grid[0] * rt * num_proj), table, sorted_idx, tile_group, tile_start,
         tile_end, num_tokens, in_features, table.shape[1], h_width, k_per_split, SPLIT_K=split_k, RT=rt, BM=BLOCK_M,
         BR=block_r(max_rank), BK=block_k, PREC=precision(x.dtype), ONCE_ABOVE=c.row_block_r,
         num_warps=c.shrink_warps, num_stages=c.shrink_stages)
+
+
+def shrink_grid(num_tiles: int, split_k: int, max_rank: int, num_proj: int) -> tuple[int, int, int]:
+    """The shrink's grid: a program per (tile, split of K and rank tile, projection)."""
+    return num_tiles, split_k * rank_tiles(max_rank), num_proj
 
 
 @shrink_.register_fake

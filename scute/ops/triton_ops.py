@@ -10,10 +10,11 @@ One call serves ``P`` projections sharing the input ``x`` (``P = 1`` for a `Scut
                                                     lines above run beside it, on side streams
     z_p ← o ⊙ z_p + o2 ⊙ rot_g(z_p) + c + v ⊙ d_p    in place, after GEMM p and the deltas    (`epilogue.py`)
 
-Each pass is a `ScuteOp` (a `torch.library` custom op with a fake, so `torch.compile` traces through; a plain call
-elsewhere) launching Triton kernels (`kernels/`) with the launch configuration of `launch.py`. Tokens whose slot
-is −1 are never read or written by the kernels after the GEMM: their rows are exactly ``F.linear(x, W, b)``.
-Every launch has a fixed grid (sized by the number of tokens and slots, not by the data) and no host sync, so
+The call computes its `Plan` (`plan.py`) once and reads every launch parameter from it. Each pass is a `ScuteOp`
+(a `torch.library` custom op with a fake, so `torch.compile` traces through; a plain call elsewhere) launching
+Triton kernels (`kernels/`) with the launch configuration of `launch.py`. Tokens whose slot is −1 are never read
+or written by the kernels after the GEMM: their rows are exactly ``F.linear(x, W, b)``. Every launch has a fixed
+grid (sized by the number of tokens and slots, not by the data) and no host sync, so
 the whole call can be captured in a CUDA graph.
 """
 
@@ -27,10 +28,10 @@ from torch import Tensor
 
 from scute.ops.epilogue import epilogue_
 from scute.ops.input_transform import input_transform
-from scute.ops.launch import (SideStreams, block_r, choose_chunks_per_prog, choose_split_k, config, on,
-                              rows_half_n, side_streams)
+from scute.ops.launch import SideStreams, choose_split_k, on, side_streams
 from scute.ops.lora_delta import lora_delta_rows_, lora_delta_tiles_
 from scute.ops.meta import LoraMeta, max_tiles
+from scute.ops.plan import LowrankPlan, Plan, plan
 from scute.ops.pool import SlotPool
 from scute.ops.shared_delta import lora_delta_shared_
 from scute.ops.shrink import shrink_
@@ -54,10 +55,10 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     transform then run as one.
     """
     x = x.contiguous()
-    kinds = pool.step_kinds(None if torch.compiler.is_compiling() else active_slots)
-    if not kinds.expand:
-        xs = _input_transform(x, pool, meta) if kinds.input_transform else None
-        return _base_gemms(x, xs, weights, biases, merged)
+    passes = call_plan(x, pool, meta, active_slots, merged is not None, half_n, block_k, tile_half_n)
+    if not passes.kinds.expand:
+        xs = _input_transform(x, pool, meta) if passes.input_transform is not None else None
+        return _base_gemms(x, xs, weights, biases, merged if passes.merged_gemm else None)
     # The low-rank deltas read only x: in a captured graph the shrink and the one-token delta run on a side stream
     # beside the base GEMMs (bandwidth-bound too, but they leave part of it, and SMs, unused), the multi-token delta
     # on a second one beside the one-token delta (they write disjoint rows; at decode it usually has nothing to do,
@@ -66,15 +67,24 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     # the join (the caching allocator's rule for cross-stream use). The shrink reads x, not x', so the side stream
     # forks before the input transform, which runs on this stream beside it. Eager steps and torch.compile run the
     # passes in line (`side_streams`).
-    side = side_streams(x.device) if kinds.lowrank or kinds.shared else None
+    deltas = passes.lowrank is not None or passes.shared is not None
+    side = side_streams(x.device) if deltas else None
     ds = [x.new_empty((x.shape[0], w.shape[0]), dtype=pool.delta_dtype(x.dtype)) for w in weights] \
-        if kinds.lowrank or kinds.shared else [x.new_empty((1, 1), dtype=torch.float32)]
-    if kinds.shared:
+        if deltas else [x.new_empty((1, 1), dtype=torch.float32)]
+    if passes.shared is not None:
         _shared_delta(ds, x, pool, meta, side)
-    if kinds.lowrank:
-        _lowrank_delta(ds, x, pool, meta, side, half_n, block_k, tile_half_n)
-    xs = _input_transform(x, pool, meta) if kinds.input_transform else None
-    return _gemms_then_epilogues(x, xs, ds, weights, biases, merged, pool, meta, side, kinds.shared)
+    if passes.lowrank is not None:
+        _lowrank_delta(ds, x, pool, meta, side, passes.lowrank)
+    xs = _input_transform(x, pool, meta) if passes.input_transform is not None else None
+    return _gemms_then_epilogues(x, xs, ds, weights, biases, merged, pool, meta, side, passes)
+
+
+def call_plan(x: Tensor, pool: SlotPool, meta: LoraMeta, active_slots: Collection[int] | None = None,
+              merged: bool = False, half_n: int | None = None, block_k: int | None = None,
+              tile_half_n: int | None = None) -> Plan:
+    """The `Plan` of `scute_linears_triton` with these arguments (`active_slots` ignored under torch.compile)."""
+    return plan(pool.facts, x.shape[0], x.shape[1], meta.tile_group.shape[0], x.device,
+                None if torch.compiler.is_compiling() else active_slots, merged, half_n, block_k, tile_half_n)
 
 
 def _shared_delta(ds: list[Tensor], x: Tensor, pool: SlotPool, meta: LoraMeta, side: SideStreams | None) -> None:
@@ -90,65 +100,58 @@ def _shared_delta(ds: list[Tensor], x: Tensor, pool: SlotPool, meta: LoraMeta, s
 
 
 def _lowrank_delta(ds: list[Tensor], x: Tensor, pool: SlotPool, meta: LoraMeta, side: SideStreams | None,
-                   half_n: int | None, block_k: int | None, tile_half_n: int | None) -> None:
+                   lp: LowrankPlan) -> None:
     """The shrink, then the one-token and multi-token deltas (beside each other) into ds."""
-    c, num_tiles = config(), meta.tile_group.shape[0]
-    block_k = block_k or c.block_k
-    split_k = choose_split_k(x.shape[1], num_tiles * pool.num_proj, block_k)
-    h = x.new_empty((split_k, x.shape[0], pool.h_width), dtype=torch.float32)
-    tile_half_n = max(16, (tile_half_n or c.tile_half_n) * 32 // max(block_r(pool.max_rank), 32))
-    rows_hn = rows_half_n(num_tiles, pool.out_features, pool.max_rank, half_n)
-    chunks = choose_chunks_per_prog(num_tiles, pool.out_features, rows_hn)
+    h = x.new_empty((lp.split_k, x.shape[0], pool.h_width), dtype=torch.float32)
     tiles = (meta.sorted_slots, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end)
     lowrank = side.lowrank if side is not None else None
-    beside = side.tiles if side is not None and x.shape[0] > 1 else None  # for one token the tiles op is empty
+    beside = side.tiles if side is not None and lp.multi else None  # for one token the tiles op is empty
     if lowrank is not None:
         lowrank.wait_stream(torch.cuda.current_stream(x.device))  # the fork: x is ready
     with on(lowrank):
         shrink_(h, x, pool.table, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end, pool.num_proj,
-                pool.max_rank, block_k)
+                pool.max_rank, lp.block_k)
     if beside is not None:
         beside.wait_stream(lowrank)
     with on(beside if beside is not None else lowrank):
-        lora_delta_tiles_(ds, h, pool.table, *tiles, meta.multi_tiles, meta.num_multi, pool.max_rank, tile_half_n,
+        lora_delta_tiles_(ds, h, pool.table, *tiles, meta.multi_tiles, meta.num_multi, pool.max_rank, lp.tile_half_n,
                           pool.dtype)
     with on(lowrank):
-        lora_delta_rows_(ds, h, pool.table, *tiles, rows_hn, chunks, pool.max_rank, pool.dtype)
+        lora_delta_rows_(ds, h, pool.table, *tiles, lp.half_n, lp.chunks, pool.max_rank, pool.dtype)
     if beside is not None:
         lowrank.wait_stream(beside)
 
 
 def _gemms_then_epilogues(x: Tensor, xs: Tensor | None, ds: list[Tensor], weights: Sequence[Tensor],
                           biases: Sequence[Tensor | None], merged, pool: SlotPool, meta: LoraMeta,
-                          side: SideStreams | None, shared: bool) -> list[Tensor]:
+                          side: SideStreams | None, passes: Plan) -> list[Tensor]:
     """The base GEMMs, each projection's epilogue after its GEMM and the deltas. One merged GEMM: one epilogue
     launch for every projection after it; else, in a graph, each epilogue beside the next projection's GEMM."""
-    half = config().epilogue_half_n
-    if side is not None and shared:
+    ep = passes.epilogue
+    if side is not None and passes.shared is not None:
         side.lowrank.wait_stream(side.shared)
-    if side is None or (merged is not None and xs is None):
-        zs = _base_gemms(x, xs, weights, biases, merged)
+    if side is None or passes.merged_gemm:
+        zs = _base_gemms(x, xs, weights, biases, merged if passes.merged_gemm else None)
         if side is not None:
             torch.cuda.current_stream(x.device).wait_stream(side.lowrank)
-        epilogue_(zs, ds, pool.table, meta.token_slots, half,
-                  choose_chunks_per_prog(x.shape[0], pool.out_features, half))
+        epilogue_(zs, ds, pool.table, meta.token_slots, ep.half_n, ep.chunks)
         return zs
     main, zs = torch.cuda.current_stream(x.device), []
     for p, (w, b) in enumerate(zip(weights, biases)):
         zs.append(F.linear(x if xs is None else xs[p], w, b))
         side.lowrank.wait_stream(main)
         with on(side.lowrank):
-            epilogue_([zs[p]], [ds[p]], pool.table[p:p + 1], meta.token_slots, half,
-                      choose_chunks_per_prog(x.shape[0], pool.out_features[p:p + 1], half))
+            epilogue_([zs[p]], [ds[p]], pool.table[p:p + 1], meta.token_slots, ep.half_n, ep.chunks_each[p])
     main.wait_stream(side.lowrank)
     return zs
 
 
 def _base_gemms(x: Tensor, xs: Tensor | None, weights: Sequence[Tensor], biases: Sequence[Tensor | None],
                 merged: tuple[Tensor, Tensor | None] | None) -> list[Tensor]:
-    """z_p = W_p x'_p + b_p: one GEMM over the merged weights when every projection reads x itself (the outputs
-    are then column slices of one [T, Σ out_p] tensor), else one per projection."""
-    if xs is None and merged is not None:
+    """z_p = W_p x'_p + b_p: one GEMM over the `merged` weights if given (the plan gives them only when every
+    projection reads x itself; the outputs are then column slices of one [T, Σ out_p] tensor), else one per
+    projection."""
+    if merged is not None:
         return merged_gemm(x, *merged, [w.shape[0] for w in weights])
     return [F.linear(x if xs is None else xs[p], w, b) for p, (w, b) in enumerate(zip(weights, biases))]
 

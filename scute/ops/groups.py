@@ -1,0 +1,138 @@
+"""What a pool's slots imply on the host, from the slots alone: their groups, the passes each slot's tokens need,
+and the sizes the passes are launched with (`PoolFacts`). `SlotPool.update` keeps them beside its device table;
+the byte model (`scute.ops.cost`) computes them for slots that were never packed into a pool."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Collection, Sequence
+from typing import NamedTuple
+
+from torch import Tensor
+
+from scute.ops.slots import Slots
+
+
+class StepKinds(NamedTuple):
+    """The passes of one layer call (`SlotPool.step_kinds`)."""
+
+    input_transform: bool
+    shared: bool  # the shared group's products
+    lowrank: bool  # the table's shrink and deltas
+    expand: bool  # the epilogue
+
+
+class PoolFacts(NamedTuple):
+    """A pool's host values that decide its calls' passes and launches (`scute.ops.plan`)."""
+
+    out_features: tuple[int, ...]
+    groups: tuple[int, ...]  # each slot's group representative
+    shared_group: int  # the shared group's representative, −1 if none
+    kind_masks: StepKinds  # for each pass, the slots whose tokens need it (bit s: slot s)
+    max_rank: int  # the largest rank in the table (the shared group's is not there)
+    block_b: int  # power-of-two cover of the largest OFT block (1: none)
+    min_block: int  # the smallest OFT block (1: none)
+    exact_delta: bool  # some slot keeps its delta in float32 (`SlotPool.delta_dtype`)
+    shared_a_of: tuple[int, ...]  # projection p's index among the shared group's distinct A's, −1: not adapted
+    shared_outs: tuple[int, ...]  # out_p where the shared group adapts p, else 0
+
+    @property
+    def shared_products(self) -> int:
+        """The shared group's distinct A's: one A x (cuBLAS) each."""
+        return max(self.shared_a_of, default=-1) + 1
+
+
+def pool_facts(slots: Sequence[Sequence[Slots | None]], out_features: Sequence[int]) -> PoolFacts:
+    """The `PoolFacts` of a pool of ``slots[p][s]`` (folded) with `out_features[p]` outputs."""
+    groups, shared = slot_groups(slots)
+    columns = [[row[s] for row in slots] for s in range(len(slots[0]))]
+    ranks = [sl.A.shape[0] for g in set(groups) - {shared} for sl in columns[g] if sl is not None and sl.A is not None]
+    blocks = [sl.t_blocks.shape[-1] for row in slots for sl in row if sl is not None and sl.t_blocks is not None]
+    masks = [0] * len(StepKinds._fields)
+    for s, column in enumerate(columns):
+        lowrank = any(sl is not None and sl.A is not None for sl in columns[groups[s]])
+        kinds = (any(sl is not None and (sl.t is not None or sl.t_blocks is not None) for sl in column),
+                 lowrank and groups[s] == shared, lowrank and groups[s] != shared,
+                 any(_needs_expand(sl) for sl in column))
+        masks = [m | (k << s) for m, k in zip(masks, kinds)]
+    a_of = shared_a_of(columns[shared]) if shared >= 0 else (-1,) * len(slots)
+    return PoolFacts(tuple(out_features), tuple(groups), shared, StepKinds(*masks), max(ranks, default=0),
+                     1 << (max(blocks, default=1) - 1).bit_length(), min(blocks, default=1),
+                     any(_exact_delta(sl) for row in slots for sl in row), a_of,
+                     tuple(0 if a < 0 else o for a, o in zip(a_of, out_features)))
+
+
+def shared_a_of(column: Sequence[Slots | None]) -> tuple[int, ...]:
+    """Each projection's index among the distinct A's (by storage, in order) of one slot's `column`, −1 where it
+    has none (VeRA's q, k and v share one)."""
+    keys: list[tuple] = []
+    out = []
+    for sl in column:
+        if sl is None or sl.A is None:
+            out.append(-1)
+            continue
+        key = _storage_key(sl.A, "mat")
+        if key not in keys:
+            keys.append(key)
+        out.append(keys.index(key))
+    return tuple(out)
+
+
+def step_kinds(masks: StepKinds, active: Collection[int] | None) -> StepKinds:
+    """The passes a step runs when its tokens use only the slots in `active` (host-side; −1, the base model, may
+    be among them), or None: any slot."""
+    mask = -1 if active is None else _slot_mask(active if isinstance(active, frozenset) else frozenset(active))
+    return StepKinds(*(mask & m != 0 for m in masks))
+
+
+@functools.lru_cache(maxsize=8)
+def _slot_mask(active: frozenset[int]) -> int:
+    """The bit mask of a step's slots (bit s: slot s; the base model's −1 has none), computed once per step:
+    every layer call of the step passes the same set."""
+    return sum(1 << s for s in active if s >= 0)
+
+
+def slot_groups(slots: Sequence[Sequence[Slots | None]]) -> tuple[list[int], int]:
+    """Each slot's group representative (the lowest slot with the same shared (A, B) in every projection of
+    ``slots[p][s]``), and the shared group's (the group of shared matrices with the most members, ties to the
+    lowest; −1 if there is none)."""
+    first: dict[tuple, int] = {}
+    groups = []
+    for s in range(len(slots[0])):
+        key = _share_key([row[s] for row in slots])
+        groups.append(s if key is None else first.setdefault(key, s))
+    sizes = Counter(groups)
+    return groups, max(first.values(), key=lambda g: (sizes[g], -g), default=-1)
+
+
+def _storage_key(x: Tensor, kind: str) -> tuple:
+    return (kind, x.device, x.dtype, x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape),
+            tuple(x.stride()))
+
+
+def _needs_expand(sl: Slots | None) -> bool:
+    return sl is not None and any(getattr(sl, n) is not None for n in ("o", "o2", "c", "A"))
+
+
+def _exact_delta(sl: Slots | None) -> bool:
+    """The slot adds a low-rank delta to a base output it also scales, rotates or shifts (see `delta_dtype`)."""
+    return sl is not None and sl.A is not None and any(getattr(sl, n) is not None for n in ("o", "o2", "c"))
+
+
+def _share_key(column: list[Slots | None]) -> tuple | None:
+    """A key equal for slots that may share a group (shared A and B in every projection they adapt), else None. A
+    slot with a block-diagonal T is its own group (the input transform's tiles apply one slot's T to a group)."""
+    if not any(sl is not None and sl.A is not None for sl in column):
+        return None
+    if any(sl is not None and sl.t_blocks is not None for sl in column):
+        return None
+    key = []
+    for sl in column:
+        if sl is None:
+            key.append(None)
+        elif sl.A is None or not {"A", "B"} <= sl.shared:
+            return None
+        else:
+            key.append((_storage_key(sl.A, "mat"), _storage_key(sl.B, "matB"), sl.rot_group))
+    return tuple(key)

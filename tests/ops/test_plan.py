@@ -1,0 +1,158 @@
+"""The pass plan (`scute.ops.plan`): the launches `scute_linears_triton` makes are the plan's, and the byte
+model (`scute.ops.cost`) counts the same ones.
+
+Every Triton kernel of `scute.ops.kernels` is replaced by a spy that records its name and grid, and cuBLAS's
+products of the call (the base GEMMs, the shared group's A x) are counted, for a grid of pools and token counts.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from tests.interpreter import DEVICE, run_in_fresh_process, skip_here, use_interpreter
+
+FRESH_PROCESS = use_interpreter()  # before triton is imported (tests/interpreter.py)
+pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+
+from scute.ops import SlotPool, build_lora_meta, scute_linears_triton, triton_ops  # noqa: E402
+from scute.ops import input_transform as input_transform_mod, launch, lora_delta  # noqa: E402
+from scute.ops.cost import layer_call_bytes  # noqa: E402
+from scute.ops.groups import pool_facts  # noqa: E402
+from scute.ops.plan import Launch  # noqa: E402
+from scute.ops.testing import random_slots, token_slots, vera_pair  # noqa: E402
+
+IN = 32
+KERNELS = ("input_transform_kernel", "input_tiles_kernel", "shrink_kernel", "delta_rows_kernel", "delta_tiles_kernel",
+           "shared_scale_kernel", "shared_expand_kernel", "epilogue_kernel")
+
+
+@pytest.fixture(autouse=True)
+def _in_interpreter_process(request):
+    skip_here(request, FRESH_PROCESS)
+
+
+def test_in_a_fresh_interpreter_process():
+    run_in_fresh_process(__file__, FRESH_PROCESS)
+
+
+def _pool_slots(kind: str, gen: torch.Generator) -> tuple[tuple[int, ...], list[list]]:
+    """``slots[p][s]`` of a pool of one of the test's kinds, with its projections' widths."""
+    kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
+    if kind == "lora":
+        return (48,), [[random_slots("lora", IN, 48, rank=r, **kw) for r in (4, 16, 8)] + [None]]
+    outs = (48,) if kind == "mixed" else (48, 16, 16)
+    pair = vera_pair(8, IN, 48, **kw)
+    rows = []
+    for o in outs:  # every method; the VeRA pair (the shared group) shared across the projections too
+        rows.append([random_slots("lora", IN, o, rank=16, bias=True, **kw), random_slots("dora", IN, o, rank=5, **kw),
+                     random_slots("ia3", IN, o, **kw), random_slots("vera", IN, o, vera_pair=pair, **kw),
+                     random_slots("vera", IN, o, vera_pair=pair, **kw), random_slots("oft", IN, o, block=8, **kw),
+                     random_slots("road", IN, o, group=8, **kw), None])
+    if kind == "qkv":
+        rows[1][0] = None  # slot 0 does not adapt k
+    return outs, rows
+
+
+def _spy(monkeypatch) -> tuple[list[Launch], list[str]]:
+    """Records every Triton launch (kernel, grid) and every cuBLAS product of the call."""
+    kernels, launched, products = launch.kernels(), [], []
+    for name in KERNELS:
+        class Spy:
+            def __getitem__(self, grid, _name=name, _kernel=getattr(kernels, name)):
+                launched.append(Launch(_name, tuple(grid)))
+                return _kernel[grid]
+        monkeypatch.setattr(kernels, name, Spy())
+    linear, mm = F.linear, torch.mm
+    monkeypatch.setattr(F, "linear", lambda *a, **kw: products.append("linear") or linear(*a, **kw))
+    monkeypatch.setattr(torch, "mm", lambda *a, **kw: products.append("mm") or mm(*a, **kw))
+    return launched, products
+
+
+def _check_call(monkeypatch, kind: str, num_tokens: int, merged: bool = False, all_slots: bool = False,
+                tokens: list[int] | None = None) -> None:
+    """One call's launches against its plan, and the plan's count against the byte model's (`tokens`: the
+    tokens' slots, else drawn uniformly)."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    outs, slots = _pool_slots(kind, gen)
+    pool = SlotPool(IN, outs, len(slots[0]), DEVICE, torch.float32)
+    pool.update(slots)
+    assert pool.facts == pool_facts(slots, outs)
+    ts = (token_slots("uniform", num_tokens, len(slots[0]), generator=gen) if tokens is None
+          else torch.tensor(tokens)).to(DEVICE)
+    tokens = ts.tolist()
+    x = torch.randn(num_tokens, IN, generator=gen).to(DEVICE)
+    ws = [torch.randn(o, IN, generator=gen).to(DEVICE) for o in outs]
+    bs = [None] * len(outs)
+    meta = build_lora_meta(ts, pool.slot_group)
+    active = None if all_slots else set(tokens)
+    passes = triton_ops.call_plan(x, pool, meta, active, merged)
+    launched, products = _spy(monkeypatch)
+    scute_linears_triton(x, ws, bs, pool, meta, active_slots=active,
+                         merged=(torch.cat(ws), None) if merged else None)
+    monkeypatch.undo()
+    assert launched == list(passes.kernel_launches())
+    assert len(launched) + len(products) == passes.launches()
+    assert products.count("linear") == passes.gemms
+    if not all_slots:
+        assert layer_call_bytes(slots, IN, outs, tokens, 4, merged=merged).launches == passes.launches()
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 33, 130])
+@pytest.mark.parametrize("kind", ["lora", "mixed", "qkv"])
+def test_launches_are_the_plans(kind, num_tokens, monkeypatch):
+    """Each Triton launch (kernel and grid, in order), each cuBLAS product: the plan's, and as many as the byte
+    model counts (at 130 tokens the OFT slots' windows launch too; at 1 token the multi-token delta does not)."""
+    _check_call(monkeypatch, kind, num_tokens)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 33])
+@pytest.mark.parametrize("kind", ["lora", "qkv"])
+def test_merged_and_any_slot(kind, num_tokens, monkeypatch):
+    """Merged weights: one GEMM without an input transform (LoRA), one per projection with one (the mix's OFT);
+    and a call that knows no slots (None: any slot) runs every pass of its pool."""
+    _check_call(monkeypatch, kind, num_tokens, merged=True)
+    _check_call(monkeypatch, kind, num_tokens, all_slots=True)
+
+
+def test_base_tokens_alone(monkeypatch):
+    """A step of base tokens only: the GEMMs, no Triton launch; the byte model counts the GEMMs alone."""
+    gen = torch.Generator().manual_seed(0)
+    outs, slots = _pool_slots("mixed", gen)
+    pool = SlotPool(IN, outs, len(slots[0]), DEVICE, torch.float32)
+    pool.update(slots)
+    meta = build_lora_meta(torch.full((5,), -1, device=DEVICE), pool.slot_group)
+    passes = triton_ops.call_plan(torch.zeros(5, IN, device=DEVICE), pool, meta, {-1})
+    assert passes.kernel_launches() == () and passes.launches() == 1
+    assert layer_call_bytes(slots, IN, outs, [-1] * 5, 4).launches == 1
+
+
+@pytest.mark.parametrize("stray", ["windows", "multi_token_delta"])
+def test_a_launcher_off_its_plan_fails_the_check(stray, monkeypatch):
+    """The check above can fail: a launcher deciding for itself (here: never the windows, or a multi-token delta
+    even for one token) no longer makes the plan's launches."""
+    if stray == "windows":
+        monkeypatch.setattr(input_transform_mod, "windowed", lambda num_tokens, block_b: False)
+        case = ("mixed", 130)
+    else:
+        grid = lora_delta.tiles_grid
+        monkeypatch.setattr(lora_delta.lora_delta_tiles_, "fn", _multi_even_for_one(grid))
+        case = ("lora", 1, [1])
+    with pytest.raises(AssertionError):
+        _check_call(monkeypatch, *case[:2], tokens=case[2] if len(case) > 2 else None)
+
+
+def _multi_even_for_one(grid):
+    """A `lora_delta_tiles_` that launches (an empty walk) for one token too."""
+    def fn(ds, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, multi_tiles, num_multi,
+           max_rank, tile_half_n, mat_dtype):
+        launch.kernels().delta_tiles_kernel[grid(ds[0].device)]  # recorded by the spy, not run
+    return fn
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))
