@@ -16,7 +16,8 @@ are N LoRA checkpoints of the conversion's shape (rank R on the same modules; ra
 serves costs the same); its error is the mean `rel_error` of ``--convert`` real conversions (truncated SVD of each
 layer's effective change) of the native adapters, written beside the rows. Where the N adapters do not fit the
 device at once (``--max-adapters``), they swap through the CPU tier (``max_cpu_adapters = N``) and the disk, as a
-user's would.
+user's would. Disk: a LoRA of rank R on all seven projections of the 8B shape is R x 5.2 MB in bf16, so 1024
+conversions at rank 64 need 340 GB; use ``--layers`` fewer (the rates scale alike) or fewer adapters there.
 
 Run on a GPU (Llama-3-8B shape, random bf16 weights):
 ``PYTHONPATH=. python3 bench/bench_request_rate.py --methods ia3,vera --adapters 64,1024 --out rate.json``;
@@ -126,7 +127,8 @@ def max_rate(engine, paths: list[str], args, unloaded_tpot: float) -> tuple[floa
     return good, runs
 
 
-def lora_like(native: list[str], model, rank: int, root: str, convert: int) -> tuple[list[str], float | None]:
+def lora_like(native: list[str], model, rank: int, root: str, convert: int, dtype: torch.dtype,
+              ) -> tuple[list[str], float | None]:
     """N LoRA folders of the conversions' shape, and the mean error of `convert` real conversions."""
     from safetensors.torch import load_file, save_file
 
@@ -136,7 +138,7 @@ def lora_like(native: list[str], model, rank: int, root: str, convert: int) -> t
     errors, first = [], None
     for i, path in enumerate(native[:max(convert, 1)]):
         conv = convert_adapter(load_adapter(path, model), model, rank)
-        out = save_lora(conv, model, os.path.join(root, f"conv-r{rank}-{i}"))
+        out = save_lora(conv, model, os.path.join(root, f"conv-r{rank}-{i}"), dtype=dtype)
         errors.append(conv.rel_error)
         first = first or out
     tensors = load_file(os.path.join(first, "adapter_model.safetensors"))
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
         variants[(method, "native")] = (native, None)
         for rank in (int(r) for r in args.ranks.split(",") if r):
             variants[(method, f"lora-r{rank}")] = lora_like(native, model, rank, os.path.join(args.root, method),
-                                                            args.convert)
+                                                            args.convert, dtype)
     # One engine serves every variant in turn, as one server would: N adapters of a variant swap through its
     # device slots and its CPU tier; the previous variant's adapters are evicted as they go cold.
     engine = Engine(model, device=device, dtype=str(dtype).split(".")[1], max_num_seqs=256,
