@@ -9,6 +9,8 @@
 * The mixed-batch oracle (`peft_alone`, `mixed_forward`, `assert_rows_match`): PEFT ignores `adapter_names` for
   IA3, VeRA, OFT and others, so each row's reference is PEFT with that adapter alone.
 * The engine's oracle (`Oracle`): transformers + PEFT greedy `generate` per adapter, and its requests.
+* A stand-in for the GPU runner (`StandInRunner`), for the CPU tests of the overlap of decode steps.
+* Adapters that cannot be served (`bad_adapters`), for the tests of failures that stay with their requests.
 """
 
 from __future__ import annotations
@@ -400,3 +402,75 @@ def mixed_requests():
             prompts_.append(prompt)
             adapters.append(names[(i + j) % len(names)])
     return prompts_, adapters
+
+
+# ---------------------------------------------------------------------------------------------- a stand-in runner
+STAND_IN_VOCAB = 128
+
+
+def stand_in_model(token: int, position: int) -> int:
+    """The stand-in runner's "model": the next token as a fixed function of the input token and its position."""
+    return (token * 31 + position * 7 + 3) % STAND_IN_VOCAB
+
+
+class _Done:
+    def synchronize(self) -> None:
+        pass
+
+
+class StandInRunner:
+    """`ModelRunner`'s two entry points over `next_token` (the stand-in model; subclasses change it). `launch`
+    plays a decode step on the GPU: it returns an `InFlight` whose tokens the engine reads one call later, and an
+    input token the host does not have yet comes from the step in flight, as on the device. `overlap=False`:
+    `launch` declines, as for eager steps, and every step runs to its end."""
+
+    def __init__(self, overlap: bool = True) -> None:
+        self.overlap, self.graphs, self.launched = overlap, None, 0
+
+    def next_token(self, req, position: int, token: int) -> int:
+        return stand_in_model(token, position)
+
+    def execute(self, sched, sampling):
+        from scute.engine.sampler import SamplerOutput
+
+        tokens = [self.next_token(r, r.num_tokens - 1, r.all_token_ids[r.num_tokens - 1]) for r in sampling]
+        return SamplerOutput(torch.tensor(tokens, dtype=torch.int64), None, None, None) if sampling else None
+
+    def launch(self, sched, sampling, flight):
+        from scute.engine.model_runner import InFlight
+        from scute.engine.sampler import SamplerOutput
+
+        if not self.overlap or any(n != 1 for _, n in sched.scheduled) or len(sampling) != len(sched.scheduled):
+            return None
+        tokens = []
+        for req in sampling:
+            pos = req.num_computed_tokens
+            token = req.all_token_ids[pos] if pos < len(req.all_token_ids) else \
+                int(flight.result.token_ids[flight.rows[req]])  # in flight: taken "on the device"
+            tokens.append(self.next_token(req, pos, token))
+        self.launched += 1
+        result = SamplerOutput(torch.tensor(tokens, dtype=torch.int64), None, None, None)
+        return InFlight(sampling, result, result.token_ids.clone(), _Done(), {r: i for i, r in enumerate(sampling)})
+
+
+# ---------------------------------------------------------------------------------------------- bad adapters
+def bad_adapters(oracle: Oracle, root) -> dict[str, str]:
+    """Folders that cannot be served, each for its own reason: missing, a truncated weights file, made for another
+    model, an unknown method, a rank above 8 (the engines of these tests use max_adapter_rank=8)."""
+    import shutil
+
+    corrupt = str(root / "corrupt")
+    shutil.copytree(oracle.paths["lora"], corrupt)
+    weights = os.path.join(corrupt, "adapter_model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    other = str(root / "other-model")
+    make_adapter(other, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), hidden=32)
+    unknown = str(root / "unknown-method")
+    shutil.copytree(oracle.paths["ia3"], unknown)
+    edit_adapter_config(unknown, peft_type="NO_SUCH_METHOD")
+    big = str(root / "big-rank")
+    make_adapter(big, LoraConfig(r=16, target_modules=["q_proj"]))
+    return {"missing": str(root / "does-not-exist"), "corrupt": corrupt, "other model": other,
+            "unknown method": unknown, "rank": big}
+

@@ -9,19 +9,17 @@ arrival order (a bounded number at once), and evicted adapters come back with th
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 
 import pytest
 import torch
-from peft import LoraConfig
 
 from scute import AdapterRequest, SamplingParams
 from scute.adapters import conversion
 from scute.engine import adapter_manager
 from scute.engine.adapter_manager import MAX_PREFETCH
 from scute.engine.request import RequestStatus
-from tests.helpers import GREEDY, METHODS, PROMPTS, Oracle, check, edit_adapter_config, make_adapter, mixed_requests
+from tests.helpers import GREEDY, METHODS, PROMPTS, Oracle, bad_adapters, check, mixed_requests
 
 LOADER = "scute-adapter-loader"
 
@@ -108,24 +106,11 @@ def test_steps_run_while_an_adapter_loads(oracle, gate):
     check(oracle, [final[rid] for rid in ids], prompts, adapters)
 
 
-def bad_adapters(oracle: Oracle, root) -> dict[str, str]:
-    corrupt = str(root / "corrupt")
-    shutil.copytree(oracle.paths["lora"], corrupt)
-    weights = os.path.join(corrupt, "adapter_model.safetensors")
-    with open(weights, "r+b") as f:
-        f.truncate(os.path.getsize(weights) // 2)
-    other = str(root / "other-model")
-    make_adapter(other, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), hidden=32)
-    unknown = str(root / "unknown-method")
-    shutil.copytree(oracle.paths["ia3"], unknown)
-    edit_adapter_config(unknown, peft_type="NO_SUCH_METHOD")
-    return {"corrupt": corrupt, "other model": other, "unknown method": unknown}
-
 
 def test_a_failed_load_fails_only_its_requests(oracle, tmp_path, gate):
     """Each request of an adapter whose load fails on the loader ends with finish_reason "error" and the message
     the synchronous load raises; the other requests complete."""
-    bad = bad_adapters(oracle, tmp_path)
+    bad = {k: v for k, v in bad_adapters(oracle, tmp_path).items() if k in ("corrupt", "other model", "unknown method")}
     engine = oracle.engine()
     expected = {}
     for name, path in bad.items():

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
-from peft import LoraConfig
 
 from scute import Engine, SamplingParams
-from tests.helpers import GREEDY, PROMPTS, Oracle, check, make_adapter, tiny_model
+from tests.helpers import GREEDY, PROMPTS, Oracle, bad_adapters, check, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -17,21 +13,8 @@ def oracle(tmp_path_factory):
     return Oracle(tmp_path_factory.mktemp("adapters"))
 
 
-def bad_adapters(oracle: Oracle, root) -> dict[str, str]:
-    corrupt = str(root / "corrupt")
-    shutil.copytree(oracle.paths["lora"], corrupt)
-    weights = os.path.join(corrupt, "adapter_model.safetensors")
-    with open(weights, "r+b") as f:
-        f.truncate(os.path.getsize(weights) // 2)
-    other = str(root / "other-model")
-    make_adapter(other, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), hidden=32)
-    big = str(root / "big-rank")
-    make_adapter(big, LoraConfig(r=16, target_modules=["q_proj"]))
-    return {"missing": str(root / "does-not-exist"), "corrupt": corrupt, "other model": other, "rank": big}
-
-
 def test_bad_requests_fail_alone(oracle, tmp_path):
-    bad = bad_adapters(oracle, tmp_path)
+    bad = {k: v for k, v in bad_adapters(oracle, tmp_path).items() if k in ("missing", "corrupt", "other model", "rank")}
     engine = oracle.engine(max_model_len=40, max_adapter_rank=8)
     good_prompts = PROMPTS[:3]
     good_adapters = [None, "lora", "oft"]

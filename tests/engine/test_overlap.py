@@ -11,47 +11,10 @@ landed: the one in flight, which no output showed yet, is dropped.
 
 from __future__ import annotations
 
-import torch
-
 from scute import Engine, SamplingParams
-from scute.engine.model_runner import InFlight
-from scute.engine.sampler import SamplerOutput
-from tests.helpers import random_prompts, tiny_model
+from tests.helpers import StandInRunner, random_prompts, stand_in_model, tiny_model
 
-VOCAB = 128
-
-
-def model(token: int, position: int) -> int:
-    return (token * 31 + position * 7 + 3) % VOCAB
-
-
-class Done:
-    def synchronize(self) -> None:
-        pass
-
-
-class StandInRunner:
-    """`ModelRunner`'s two entry points over `model`. `overlap=False`: `launch` declines, as for eager steps."""
-
-    def __init__(self, overlap: bool) -> None:
-        self.overlap, self.graphs, self.launched = overlap, None, 0
-
-    def execute(self, sched, sampling):
-        tokens = [model(r.all_token_ids[r.num_tokens - 1], r.num_tokens - 1) for r in sampling]
-        return SamplerOutput(torch.tensor(tokens, dtype=torch.int64), None, None, None) if sampling else None
-
-    def launch(self, sched, sampling, flight):
-        if not self.overlap or any(n != 1 for _, n in sched.scheduled) or len(sampling) != len(sched.scheduled):
-            return None
-        tokens = []
-        for req in sampling:
-            pos = req.num_computed_tokens
-            token = req.all_token_ids[pos] if pos < len(req.all_token_ids) else \
-                int(flight.result.token_ids[flight.rows[req]])  # in flight: taken "on the device"
-            tokens.append(model(token, pos))
-        self.launched += 1
-        result = SamplerOutput(torch.tensor(tokens, dtype=torch.int64), None, None, None)
-        return InFlight(sampling, result, result.token_ids.clone(), Done(), {r: i for i, r in enumerate(sampling)})
+model = stand_in_model
 
 
 def _run(overlap: bool, min_length: int = 4, **options):

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from scute import Engine, SamplingParams
-from scute.engine.model_runner import InFlight
 from scute.engine.request import Request
-from scute.engine.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
-from tests.helpers import random_prompts, tiny_model
+from scute.engine.sampler import Penalties, Sampler, SamplingBatch
+from tests.helpers import StandInRunner, random_prompts, tiny_model
 
 VOCAB = 64
 
@@ -186,58 +185,41 @@ def test_engine_greedy_with_penalties_matches_full_recompute(options):
 
 
 # ---------------------------------------------------------------------------------------------- the overlap
-def stand_in_model(token: int, position: int) -> int:
-    return (token * 31 + position * 7 + 3) % VOCAB
-
-
 def penalized_model(history: list[int], position: int) -> int:
     """A penalized request's next token depends on its whole history, read from the host as the sampler does."""
     return (sum(history[: position + 1]) * 13 + position) % VOCAB
 
 
-class Done:
-    def synchronize(self) -> None:
-        pass
-
-
-class StandInRunner:
-    """`ModelRunner`'s two entry points, every decode step launched (graph-like) and its tokens read a call later.
-    A penalized request's token comes from the host's copy of its tokens, like `Penalties.of`."""
+class CountingRunner(StandInRunner):
+    """Every decode step launched (graph-like), its tokens read a call later; a penalized request's token comes
+    from the host's copy of its tokens, like `Penalties.of`. Counts what the overlap rule must guarantee."""
 
     def __init__(self) -> None:
-        self.graphs, self.overlapped, self.after_landing, self.stale, self.eager_decodes = None, 0, 0, 0, 0
+        super().__init__()
+        self.overlapped, self.after_landing, self.stale, self.eager_decodes = 0, 0, 0, 0
 
-    def _token(self, req, pos: int, token: int) -> int:
+    def next_token(self, req, position: int, token: int) -> int:
         if req.sampling_params.has_penalties:
             self.stale += req.num_pending > 0  # the host would lack its newest token
-            return penalized_model(req.all_token_ids, pos)
-        return stand_in_model(token, pos)
+            return penalized_model(req.all_token_ids, position)
+        return super().next_token(req, position, token)
 
     def execute(self, sched, sampling):
         self.eager_decodes += all(n == 1 for _, n in sched.scheduled) and len(sampling) == len(sched.scheduled)
-        tokens = [self._token(r, r.num_tokens - 1, r.all_token_ids[r.num_tokens - 1]) for r in sampling]
-        return SamplerOutput(torch.tensor(tokens, dtype=torch.int64), None, None, None) if sampling else None
+        return super().execute(sched, sampling)
 
     def launch(self, sched, sampling, flight):
-        if any(n != 1 for _, n in sched.scheduled) or len(sampling) != len(sched.scheduled):
-            return None
-        tokens = []
-        for req in sampling:
-            pos = req.num_computed_tokens
-            token = req.all_token_ids[pos] if pos < len(req.all_token_ids) else \
-                int(flight.result.token_ids[flight.rows[req]])  # in flight: taken "on the device"
-            tokens.append(self._token(req, pos, token))
-        if flight is not None:
+        launched = super().launch(sched, sampling, flight)
+        if launched is not None and flight is not None:
             self.overlapped += 1
-        elif any(r.sampling_params.has_penalties for r in sampling):
+        elif launched is not None and any(r.sampling_params.has_penalties for r in sampling):
             self.after_landing += 1
-        result = SamplerOutput(torch.tensor(tokens, dtype=torch.int64), None, None, None)
-        return InFlight(sampling, result, result.token_ids.clone(), Done(), {r: i for i, r in enumerate(sampling)})
+        return launched
 
 
 def _overlap_run(overlap: bool):
     engine = Engine(tiny_model(), device="cpu", dtype="float32", max_model_len=64)
-    runner = engine.runner = StandInRunner()
+    runner = engine.runner = CountingRunner()
     if not overlap:
         runner.launch = lambda *args: None  # every step run to its end
     prompts = random_prompts([3, 9, 17, 5], seed=3, vocab=VOCAB)

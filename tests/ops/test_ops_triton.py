@@ -507,17 +507,22 @@ def test_scute_linear_module(monkeypatch):
     assert len(called) == 1
 
 
+def _mixed_layer(seed: int, num_tokens: int):
+    """One projection with the mixed slots in a pool, uniform token slots, x and the step's metadata."""
+    gen, w, b = _case(torch.float32, seed=seed)
+    slots = mixed_slots(torch.float32, gen)
+    pool = SlotPool(IN, (OUT,), len(slots), DEVICE, torch.float32)
+    pool.update([slots])
+    ts = token_slots("uniform", num_tokens, len(slots), generator=gen).to(DEVICE)
+    x = torch.randn(num_tokens, IN, generator=gen).to(DEVICE)
+    return w, b, slots, pool, ts, x, build_lora_meta(ts, pool.slot_group)
+
+
 @pytest.mark.parametrize("known_slots", [False, True])
 def test_custom_ops_trace_under_torch_compile(known_slots):
     """The op traces whole (fullgraph); under compile `active_slots` is ignored: here a set of the base model
     alone, which, honoured, would leave every adapter row at the base output."""
-    gen, w, b = _case(torch.float32, seed=8)
-    slots = mixed_slots(torch.float32, gen)
-    pool = SlotPool(IN, (OUT,), len(slots), DEVICE, torch.float32)
-    pool.update([slots])
-    ts = token_slots("uniform", 7, len(slots), generator=gen).to(DEVICE)
-    x = torch.randn(7, IN, generator=gen).to(DEVICE)
-    meta = build_lora_meta(ts, pool.slot_group)
+    w, b, slots, pool, ts, x, meta = _mixed_layer(seed=8, num_tokens=7)
     active = frozenset({-1}) if known_slots else None
 
     def layer(x):
@@ -534,13 +539,7 @@ def test_passes_are_custom_ops_under_compile_and_plain_calls_in_eager(monkeypatc
     the dispatcher (its wrapping cost more host time than the launch inside it)."""
     from scute.ops import triton_ops as T
 
-    gen, w, b = _case(torch.float32, seed=9)
-    slots = mixed_slots(torch.float32, gen)
-    pool = SlotPool(IN, (OUT,), len(slots), DEVICE, torch.float32)
-    pool.update([slots])
-    ts = token_slots("uniform", 5, len(slots), generator=gen).to(DEVICE)
-    x = torch.randn(5, IN, generator=gen).to(DEVICE)
-    meta = build_lora_meta(ts, pool.slot_group)
+    w, b, slots, pool, ts, x, meta = _mixed_layer(seed=9, num_tokens=5)
 
     def layer(x):
         return scute_linears_triton(x, [w], [b], pool, meta)[0] * 1.0
