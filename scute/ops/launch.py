@@ -76,8 +76,8 @@ def config() -> LaunchConfig:
 class ScuteOp:
     """One pass: a `torch.library` custom op (with its fake) that `torch.compile` traces, called as the plain
     function it wraps everywhere else. The dispatcher's wrapping of a Python custom op (schema checks, in-place
-    bookkeeping) costs an eager call 30-170 µs of host time, more than the Triton launch inside it
-    (`bench/profile_step.py`); a CUDA graph records the same launches either way."""
+    bookkeeping) costs an eager call 27 µs of host time around an empty body, more than many of the Triton
+    launches inside (`bench/host_costs.py`); a CUDA graph records the same launches either way."""
 
     def __init__(self, name: str, mutates_args: tuple[str, ...], fn) -> None:
         self.fn, self.op = fn, torch.library.custom_op(name, fn, mutates_args=mutates_args)
@@ -201,8 +201,8 @@ _SIDE: dict[torch.device, SideStreams] = {}
 
 def side_streams(device: torch.device) -> SideStreams | None:
     """The device's side streams while a CUDA graph is being captured; None otherwise (under torch.compile, off
-    the GPU, and in eager steps: there each fork and join costs the host ~10-20 µs, which a step launched from
-    Python pays on its critical path; a graph pays it once, at capture)."""
+    the GPU, and in eager steps: there each fork and join costs the host 6-17 µs (`bench/host_costs.py`), which
+    a step launched from Python pays on its critical path; a graph pays it once, at capture)."""
     if device.type != "cuda" or torch.compiler.is_compiling() or not torch.cuda.is_current_stream_capturing():
         return None
     if device not in _SIDE:
