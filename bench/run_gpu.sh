@@ -8,6 +8,7 @@
 #   baselines bench/bench_engine.py --cases lora --batches 64 --peft --static: transformers + PEFT and static cache
 #   rate     bench/bench_request_rate.py over IA3 and VeRA, N = 64 and 256 on 8 layers, native vs rank 16/64 LoRA
 #            (rate.json; the disk holds 256 conversions of 8 layers, not 1024 of 32)
+#   decode   bench/profile_decode.py: GPU time per kernel and idle gaps of graph-replayed decode steps (decode.json)
 #   profile  bench/profile_ops.py: per-kernel times of one layer call (torch profiler)
 #   bench    bench/bench_ops.py: the layer table of docs/performance.md (bench_ops.json, bench.log)
 #   sweep    bench/bench_ops.py --sweep: times the SWEEP launch configurations on a few rows, then the table with
@@ -35,6 +36,8 @@ for step in $steps; do
                tail -8 "$OUT/baselines.log" ;;
     rate) timeout 560 python3 bench/bench_request_rate.py --methods ia3,vera --adapters 64,256 --layers 8 \
             --out "$OUT/rate.json" > "$OUT/rate.log" 2>&1; tail -12 "$OUT/rate.log" ;;
+    decode) timeout 300 python3 bench/profile_decode.py --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1
+            grep -v "^{" "$OUT/decode.log" | tail -110 ;;
     profile) timeout 200 python3 bench/profile_ops.py > "$OUT/profile.log" 2>&1; grep -v "^expand\|^shrink\|^input" "$OUT/profile.log" | tail -40 ;;
     bench) timeout 400 python3 bench/bench_ops.py --out "$OUT/bench_ops.json" > "$OUT/bench.log" 2>&1; tail -25 "$OUT/bench.log" ;;
     sweep) timeout 500 python3 bench/bench_ops.py --sweep --out "$OUT/bench_ops.json" > "$OUT/bench.log" 2>&1

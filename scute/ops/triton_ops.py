@@ -64,19 +64,24 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     # on a second one beside the one-token delta (they write disjoint rows; at decode it usually has nothing to do,
     # and its short launch is then off the chain), and each projection's epilogue waits for them and its GEMM.
     # Their buffers and the outputs are allocated here, on this stream, and used on the side streams only before
-    # the join (the caching allocator's rule for cross-stream use). The shrink reads x, not x', so the side stream
-    # forks before the input transform, which runs on this stream beside it. Eager steps and torch.compile run the
+    # the join (the caching allocator's rule for cross-stream use): every scratch buffer stays referenced until
+    # the epilogues have joined, else the allocator hands its memory to the next allocation on this stream (the
+    # GEMM's output) while a side stream still writes it. The shrink reads x, not x', so the side stream forks
+    # before the input transform, which runs on this stream beside it. Eager steps and torch.compile run the
     # passes in line (`side_streams`).
     deltas = passes.lowrank is not None or passes.shared is not None
     side = side_streams(x.device) if deltas else None
     ds = [x.new_empty((x.shape[0], w.shape[0]), dtype=pool.delta_dtype(x.dtype)) for w in weights] \
         if deltas else [x.new_empty((1, 1), dtype=torch.float32)]
+    scratch = []
     if passes.shared is not None:
-        _shared_delta(ds, x, pool, meta, side)
+        scratch += _shared_delta(ds, x, pool, meta, side)
     if passes.lowrank is not None:
-        _lowrank_delta(ds, x, pool, meta, side, passes.lowrank)
+        scratch += _lowrank_delta(ds, x, pool, meta, side, passes.lowrank)
     xs = _input_transform(x, pool, meta) if passes.input_transform is not None else None
-    return _gemms_then_epilogues(x, xs, ds, weights, biases, merged, pool, meta, side, passes)
+    zs = _gemms_then_epilogues(x, xs, ds, weights, biases, merged, pool, meta, side, passes)
+    del scratch  # joined: the side streams are done with it
+    return zs
 
 
 def call_plan(x: Tensor, pool: SlotPool, meta: LoraMeta, active_slots: Collection[int] | None = None,
@@ -87,8 +92,9 @@ def call_plan(x: Tensor, pool: SlotPool, meta: LoraMeta, active_slots: Collectio
                 None if torch.compiler.is_compiling() else active_slots, merged, half_n, block_k, tile_half_n)
 
 
-def _shared_delta(ds: list[Tensor], x: Tensor, pool: SlotPool, meta: LoraMeta, side: SideStreams | None) -> None:
-    """The shared group's rows of ds, on a side stream of their own."""
+def _shared_delta(ds: list[Tensor], x: Tensor, pool: SlotPool, meta: LoraMeta,
+                  side: SideStreams | None) -> list[Tensor]:
+    """The shared group's rows of ds, on a side stream of their own; returns its scratch buffers."""
     hv = x.new_empty((pool.shared_a.shape[0], x.shape[0], pool.shared_a.shape[1]))
     hs = x.new_empty((pool.num_proj, x.shape[0], pool.shared_a.shape[1]), dtype=pool.dtype)
     if side is not None:
@@ -97,11 +103,13 @@ def _shared_delta(ds: list[Tensor], x: Tensor, pool: SlotPool, meta: LoraMeta, s
         lora_delta_shared_(ds, hv, hs, x, pool.shared_a, pool.shared_b, pool.shared_m, meta.sorted_idx,
                            meta.sorted_slots, meta.num_tokens_per_slot, meta.slot_start, pool.shared_group,
                            list(pool.shared_a_of), list(pool.shared_outs))
+    return [hv, hs]
 
 
 def _lowrank_delta(ds: list[Tensor], x: Tensor, pool: SlotPool, meta: LoraMeta, side: SideStreams | None,
-                   lp: LowrankPlan) -> None:
-    """The shrink, then the one-token and multi-token deltas (beside each other) into ds."""
+                   lp: LowrankPlan) -> list[Tensor]:
+    """The shrink, then the one-token and multi-token deltas (beside each other) into ds; returns the shrink's
+    partials."""
     h = x.new_empty((lp.split_k, x.shape[0], pool.h_width), dtype=torch.float32)
     tiles = (meta.sorted_slots, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end)
     lowrank = side.lowrank if side is not None else None
@@ -120,6 +128,7 @@ def _lowrank_delta(ds: list[Tensor], x: Tensor, pool: SlotPool, meta: LoraMeta, 
         lora_delta_rows_(ds, h, pool.table, *tiles, lp.half_n, lp.chunks, pool.max_rank, pool.dtype)
     if beside is not None:
         lowrank.wait_stream(beside)
+    return [h]
 
 
 def _gemms_then_epilogues(x: Tensor, xs: Tensor | None, ds: list[Tensor], weights: Sequence[Tensor],
