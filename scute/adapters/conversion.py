@@ -26,6 +26,7 @@ from scute.adapters.checkpoint import (
     LAYER_PREFIX,
     AdapterCheckpoint,
     AdapterError,
+    first_nonfinite,
     is_targeted,
     read_checkpoint,
 )
@@ -38,9 +39,10 @@ from scute.ops.slots import Slots
 class LayerCheckpoint:
     """What a converter sees of one adapted layer: its tensors, the adapter's config and the base layer.
 
-    Converters run on the CPU, in `dtype` — float32, or float64 for a float64 model — which is the dtype
-    `tensor()` returns. `weight` is the base W0 [out, in], copied to the CPU in `dtype` on first use only (most
-    methods never read it), and `bias` the bias the method expects (a bias trained with ``bias="all"`` replaces
+    Converters run on `device` — the CPU, or the device that holds the base model for a method registered with
+    ``on_device=True`` — in `dtype` — float32, or float64 for a float64 model — which is the dtype `tensor()`
+    returns. `weight` is the base W0 [out, in] on `device` in `dtype`, made on first use only (most methods never
+    read it), and `bias` the bias the method expects (a bias trained with ``bias="all"`` replaces
     the base one). Write the method's math with this bias; the loader corrects for the base bias the server keeps.
     """
 
@@ -56,6 +58,7 @@ class LayerCheckpoint:
     used: set[str] = field(default_factory=set)
     dense: bool = False  # the user allows an exact dense per-adapter ΔW where no low-rank form exists
     options: Mapping[str, object] = field(default_factory=dict)  # the method's own load options, as given
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where the converter computes
 
     @property
     def in_features(self) -> int:
@@ -71,7 +74,7 @@ class LayerCheckpoint:
 
     @cached_property
     def weight(self) -> Tensor:
-        return self.base.weight.detach().to(device="cpu", dtype=self.dtype)
+        return self.base.weight.detach().to(device=self.device, dtype=self.dtype)
 
     def error(self, problem: str) -> AdapterError:
         return self.checkpoint.error(problem, self.name)
@@ -107,7 +110,8 @@ _INTERNED: dict[tuple, Tensor] = {}
 
 def intern_shared(x: Tensor) -> Tensor:
     """Return one tensor per distinct content, so that adapters sharing a matrix share its storage."""
-    x = x.contiguous()
+    if not x.is_contiguous() or x.untyped_storage().nbytes() != x.numel() * x.element_size():
+        x = x.clone(memory_format=torch.contiguous_format)  # its own storage, not a view of the file read
     key = (x.dtype, tuple(x.shape), hashlib.sha256(x.cpu().view(torch.uint8).numpy().tobytes()).hexdigest())
     return _INTERNED.setdefault(key, x)
 
@@ -131,12 +135,15 @@ def convert_checkpoint(
     ckpt: AdapterCheckpoint, modules: Mapping[str, nn.Module], dense: bool = False, **options: object
 ) -> dict[str, Slots]:
     """Convert a checkpoint into unfolded `Slots` per module name, validating it against the base `modules`
-    (name -> a linear layer with `weight` [out, in] and `bias`). `dense`, `options`: see `load_adapter`."""
+    (name -> a linear layer with `weight` [out, in] and `bias`). A method registered with ``on_device=True``
+    converts where the base weights are (its slots are then there: W0 is never copied off its device), the
+    others on the CPU. `dense`, `options`: see `load_adapter`."""
     method = checkpoint_method(ckpt, options)
-    groups, globals_ = _group_keys(ckpt, method, modules)
-    for key, x in ckpt.tensors.items():
-        if x.is_floating_point() and not torch.isfinite(x).all():
-            raise ckpt.error(f"tensor {key!r} has NaN or Inf values")
+    device = weights_device(modules) if method.on_device else torch.device("cpu")
+    tensors_here = ckpt.tensors_on(device)  # model-level tensors stay on the CPU (shared matrices are made there)
+    groups, globals_ = _group_keys(ckpt, method, modules, tensors_here)
+    if (bad := first_nonfinite(tensors_here)) is not None:
+        raise ckpt.error(f"tensor {bad!r} has NaN or Inf values")
     expected = {n for n in modules if is_targeted(ckpt.config, n)}
     if missing := sorted(expected - set(groups), key=list(modules).index):
         if not method.tensorless_targets:
@@ -149,13 +156,13 @@ def convert_checkpoint(
     for name in sorted(groups, key=list(modules).index):  # model order: the first problem reported is the first
         tensors, base = groups[name], modules[name]
         dtype = acc_dtype(base.weight.dtype)
-        b0 = None if base.bias is None else base.bias.detach().to(device="cpu", dtype=dtype)
+        b0 = None if base.bias is None else base.bias.detach().to(device=device, dtype=dtype)
         trained_bias = tensors.pop("base_layer.bias", tensors.pop("bias", None))
         bias = b0 if trained_bias is None else trained_bias.to(dtype)
         if bias is not None and tuple(bias.shape) != (shapes[name][0],):
             raise ckpt.error(f"trained bias has shape {tuple(bias.shape)}, layer needs ({shapes[name][0]},)", name)
         layer = LayerCheckpoint(name, ckpt.config, base, bias, tensors, ckpt, globals_, shapes, shared, dense=dense,
-                                options=options)
+                                options=options, device=device)
         if tensors or (method.tensorless_targets and name in expected):  # method tensors, or derived from globals
             try:
                 slots = method.convert(layer)
@@ -191,8 +198,15 @@ def _names_pattern(names: tuple[str, ...]) -> str:
     return "|".join(re.escape(n).replace(r"\*", r"[^.]+") for n in names) or "(?!)"
 
 
-def _group_keys(ckpt: AdapterCheckpoint, method: Method, modules: Mapping[str, nn.Module]):
-    """Split checkpoint keys into per-module tensors (suffix -> tensor) and global tensors (name -> tensor)."""
+def weights_device(modules: Mapping[str, nn.Module]) -> torch.device:
+    """The device of the base model's linear weights (the CPU for a model without any)."""
+    return next((m.weight.device for m in modules.values()), torch.device("cpu"))
+
+
+def _group_keys(ckpt: AdapterCheckpoint, method: Method, modules: Mapping[str, nn.Module],
+                tensors: Mapping[str, Tensor]):
+    """Split checkpoint keys into per-module tensors (suffix -> tensor, from `tensors`: the checkpoint's on the
+    conversion device) and global tensors (name -> tensor, on the CPU)."""
     # module.suffix with the shortest module, i.e. the longest suffix ("base_layer.bias" before "bias")
     layer_key = re.compile(rf"(.+?)\.({_names_pattern(method.keys + ('base_layer.bias', 'bias'))})")
     global_key = re.compile(_names_pattern(method.global_keys))
@@ -222,7 +236,7 @@ def _group_keys(ckpt: AdapterCheckpoint, method: Method, modules: Mapping[str, n
                 f"tensor {key!r} is for module {module}, which the base model has no linear layer named: "
                 "was this adapter trained for another model?"
             )
-        groups.setdefault(module, {})[suffix] = x
+        groups.setdefault(module, {})[suffix] = tensors[key]
     return groups, globals_
 
 
@@ -247,9 +261,11 @@ def load_adapter(
     per-adapter ΔW (in·out elements per layer: see `scute explain`); without it they are refused, saying why.
     `options`: the method's own load options (Poly's ``task_id``: one adapter per task); a name the method does
     not take raises, listing those it does. An option given selects one adapter of the checkpoint: it is named
-    and identified apart (``poly@task1``).
+    and identified apart (``poly@task1``). Methods that can convert where the base weights are do
+    (`convert_checkpoint`); for weights on a GPU the file is read into pinned memory, then copied there at once.
     """
-    ckpt = read_checkpoint(path, allow_pickle=allow_pickle)
+    modules = linear_modules(model)
+    ckpt = read_checkpoint(path, allow_pickle=allow_pickle, pin_memory=weights_device(modules).type == "cuda")
     if ckpt.config.get("fan_in_fan_out") or any(_is_conv1d(m) and is_targeted(ckpt.config, n)
                                                 for n, m in model.named_modules()):
         raise ckpt.error(
@@ -257,7 +273,7 @@ def load_adapter(
             "Scute serves adapters of nn.Linear layers only"
         )
     method = checkpoint_method(ckpt, options)
-    layers = convert_checkpoint(ckpt, linear_modules(model), dense=dense, **options)
+    layers = convert_checkpoint(ckpt, modules, dense=dense, **options)
     folded = {n: s.folded() for n, s in layers.items()}
     default, identity = os.path.basename(os.path.normpath(os.fspath(path))), ckpt.identity
     for key, value in options.items():  # a variant of the checkpoint: its own device slot and KV prefixes

@@ -66,6 +66,7 @@ class Method:
     tensorless_targets: bool = False  # a targeted layer may have no tensor (all derived from the global ones)
     shapes: ShapeRule | None = None
     options: Mapping[str, LoadOption] = field(default_factory=dict)
+    on_device: bool = False  # the converter computes on the device its tensors and W0 are on (not only the CPU)
 
 
 _METHODS: dict[str, Method] = {}
@@ -86,19 +87,22 @@ NOT_SERVED = {
 def register_method(
     peft_type: str, *, keys: tuple[str, ...], global_keys: tuple[str, ...] = (), served: bool = True,
     tensorless_targets: bool = False, shapes: ShapeRule | None = None, options: Mapping[str, LoadOption] = {},
+    on_device: bool = False,
 ) -> Callable[[Converter], Converter]:
     """Register `convert` as the converter of PEFT checkpoints whose `peft_type` is `peft_type`; ``served=False``
     for a method whose converter always refuses (with the reason): it is then not listed as supported.
     ``tensorless_targets``: the converter is also called for targeted layers the file has no tensor for (a
     method that can derive a layer from its global tensors: UniLoRA saved without its indices). `shapes`: the
     layer shape its saved tensors determine (see `ShapeRule`); `options`: its load options by name, which the
-    converter reads from ``layer.options``."""
+    converter reads from ``layer.options``. ``on_device``: the converter makes every tensor it creates on
+    ``layer.device`` (where its tensors and ``layer.weight`` are), so it may run on the base model's device;
+    otherwise it runs on the CPU."""
 
     def wrap(convert: Converter) -> Converter:
         if peft_type in _METHODS:
             raise ValueError(f"a converter for peft_type {peft_type!r} is already registered")
         _METHODS[peft_type] = Method(peft_type, convert, tuple(keys), tuple(global_keys), served, tensorless_targets,
-                                     shapes, dict(options))
+                                     shapes, dict(options), on_device)
         return convert
 
     return wrap

@@ -38,14 +38,14 @@ class Staged:
             tensors = [x for s in self.adapter.layers.values() for x in s.tensors().values()]
             stream = torch.cuda.current_stream(tensors[0].device if tensors else None)
             stream.wait_event(self.event)
-            for x in tensors:
+            for x in {x.untyped_storage().data_ptr(): x for x in tensors}.values():  # once per buffer
                 x.record_stream(stream)
         return self.adapter
 
 
 class AdapterLoader:
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, dtype: torch.dtype | None = None) -> None:
+        self.device, self.dtype = device, dtype  # dtype: the device slots' matrices (vectors stay float32)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._cond = threading.Condition()
@@ -65,14 +65,36 @@ class AdapterLoader:
         self._jobs.put((future, fn, args))
         return future
 
+    def to_device(self, adapter: Adapter, memo: SharedMemo) -> Adapter:
+        """`adapter` as the device slots hold it: on the device, matrices in the serving dtype, vectors in float32,
+        copied as one buffer (`Adapter.to`; `memo` as there). On the CPU the tensors themselves."""
+        if self.device.type != "cuda":
+            return adapter.to(device=self.device, memo=memo)
+        return adapter.to(self.dtype, self.device, memo, vector_dtype=torch.float32)
+
+    def host_and_device(self, adapter: Adapter, memo: SharedMemo) -> tuple[Adapter, Adapter | None]:
+        """A converted adapter as the CPU tier keeps it, and its device copy if the conversion made one. One
+        converted on the GPU (where W0 is) is cast there to the serving dtype, and the CPU tier gets a pinned copy
+        of that (one transfer back, landed on return); one converted on the CPU is kept as it is (None: `move`
+        copies it)."""
+        if not any(x.is_cuda for s in adapter.layers.values() for x in s.tensors().values()):
+            return adapter, None
+        on_device = self.to_device(adapter, memo)
+        host = on_device.to(device="cpu", memo=memo, pin_memory=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return host, on_device
+
     def move(self, adapter: Adapter, memo: SharedMemo) -> Staged:
         """`adapter` copied to the device (a job's last part, on the loader thread); `memo` as for `Adapter.to`."""
-        moved = adapter.to(device=self.device, memo=memo)
+        return self.stage(self.to_device(adapter, memo))
+
+    def stage(self, moved: Adapter) -> Staged:
+        """An adapter on the device, once the work queued for it on this thread's stream is done."""
         if self.device.type != "cuda":
             return Staged(moved, None)
         event = torch.cuda.Event()
         event.record()  # on the loader's side stream, the current one of this thread
-        event.synchronize()
+        event.synchronize()  # also lands the host copies queued before it (the CPU tier's, `AdapterManager`)
         return Staged(moved, event)
 
     @property

@@ -1,21 +1,21 @@
 """`AdapterManager`: loaded adapters in CPU memory, the `max_adapters` device slots they are served from, and
 the loads that fill both off the step loop.
 
-Two tiers. CPU: adapters named with `load_named` (kept until `unload`) and adapters loaded by path (an LRU cache
-of `max_cpu_adapters`, keyed by the folder and its files' size and mtime, so an edited folder is read again).
-Device: slot i of every `ScuteLinear` holds one adapter, keyed by its *content identity*; a slot in use by a
-running request is pinned, an unused one keeps its adapter (a later request for it costs nothing) until the
-least recently used is evicted for a new one.
+Two tiers. CPU: adapters named with `load_named` (kept until `unload`) and adapters loaded by path (an LRU of
+`max_cpu_adapters`, keyed by the folder and its files' size and mtime, so an edited folder is read again). Device:
+slot i of every `ScuteLinear` holds one adapter, keyed by its *content identity*; a slot in use by a running
+request is pinned, an unused one keeps its adapter until the least recently used is evicted for a new one.
 
 Loads. A request's adapter is *ready* when it sits in a device slot or a device copy of it is *staged*. The rest
-runs on the loader thread (`AdapterLoader`): a folder not in the CPU cache is read, validated and converted
-there (meanwhile the request holds a `PendingAdapter`), and every adapter is copied to the device there. The
-scheduler asks for a request's load when the request arrives (`prefetch`) and when it finds it not ready
-(`ready`: the request waits, others pass it); loads start in the arrival order of the earliest request waiting
-for each, at most `MAX_PREFETCH` in progress or staged at once. `acquire` only gives a ready adapter a slot; the
-engine puts it there between steps (`place`) and takes the loader's results (`poll`): a failed load finishes the
-requests waiting for it, alone, with the message the synchronous load raises. Only `load_named` (and
-`get_by_path`) read on the caller's thread, and raise to it.
+runs on the loader thread (`AdapterLoader`): a folder not in the CPU cache is read, validated and converted there
+(the request meanwhile holds a `PendingAdapter`) — on a GPU the methods that can convert on it where W0 is, the
+CPU tier then keeping a pinned copy — and every adapter reaches the device there, matrices in the serving dtype.
+The scheduler asks for a load on arrival (`prefetch`) and when it finds a request not ready (`ready`: it waits,
+others pass it); loads start in the arrival order of the earliest request waiting for each, at most
+`MAX_PREFETCH` in progress or staged at once. `acquire` only gives a ready adapter a slot; the engine fills it
+between steps (`place`) and takes the loader's results (`poll`): a failed load finishes the requests waiting for
+it, alone, with the message the synchronous load raises. Only `load_named` (and `get_by_path`) read on the
+caller's thread, and raise to it.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ class AdapterManager:
         self._refs: dict[str, int] = {}  # identity -> running requests using it
         self._unused: OrderedDict[str, None] = OrderedDict()  # placed, unused identities, LRU first
         self._moved: SharedMemo = {}  # shared matrices on the device, one copy for every adapter (loader thread)
-        self.loader = AdapterLoader(device)
+        self.dtype = next((m.weight.dtype for m in linears.values()), torch.float32)  # the device slots' matrices
+        self.loader = AdapterLoader(device, self.dtype)
         self._loads: dict[tuple, _Load] = {}  # ("path", folder, signature) or ("move", identity) -> its load
         self._queue: list[tuple[int, int, tuple]] = []  # heap of (arrival of a waiting request, seq, load key)
         self._seq = itertools.count()
@@ -86,19 +87,23 @@ class AdapterManager:
 
     # ------------------------------------------------------------------ CPU tier
     def load(self, path: str | os.PathLike, name: str | None = None, **options: object) -> Adapter:
-        """Read, validate and convert a PEFT folder (raises AdapterError / OSError); `options` as for
-        `scute.adapters.load_adapter` (``dense``, the method's own)."""
+        """Read, validate and convert a PEFT folder (raises AdapterError / OSError) for the CPU tier; `options` as
+        for `scute.adapters.load_adapter` (``dense``, the method's own)."""
+        return self._load(path, name, **options)[0]
+
+    def _load(self, path: str | os.PathLike, name: str | None = None, **options) -> tuple[Adapter, Adapter | None]:
+        """(the CPU tier's adapter, its device copy or None): `AdapterLoader.host_and_device`."""
         path = os.fspath(path)
-        adapter = load_adapter(path, self.model, name, **options)  # on the CPU (W0 copied if a method needs it)
+        adapter = load_adapter(path, self.model, name, **options)  # converted where W0 is (methods that can)
         rank = max((s.rank for s in adapter.layers.values()), default=0)
         if rank > self.max_adapter_rank:
             raise AdapterError(f"adapter {path} ({adapter.peft_type}) has rank {rank}, above max_adapter_rank="
                                f"{self.max_adapter_rank}: raise max_adapter_rank")
-        return adapter
+        return self.loader.host_and_device(adapter, self._moved)
 
     def load_named(self, name: str, path: str | os.PathLike, **options: object) -> Adapter:
-        self.named[name] = self.load(path, name, **options)
-        return self.named[name]
+        self.named[name] = adapter = self.load(path, name, **options)
+        return adapter
 
     def unload(self, name: str) -> None:
         self.named.pop(name)
@@ -185,8 +190,8 @@ class AdapterManager:
 
     def _job(self, source: str | Adapter) -> tuple[Adapter, Staged]:
         """One load, on the loader thread: a folder read and converted (or an adapter on the CPU), moved."""
-        adapter = source if isinstance(source, Adapter) else self.load(source)
-        return adapter, self.loader.move(adapter, self._moved)
+        adapter, on_device = (source, None) if isinstance(source, Adapter) else self._load(source)
+        return adapter, self.loader.move(adapter, self._moved) if on_device is None else self.loader.stage(on_device)
 
     def poll(self, finish: Callable[[Request], None]) -> list[Request]:
         """Take the loader's finished loads (the engine, between steps): a folder's adapter joins the CPU cache

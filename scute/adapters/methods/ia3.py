@@ -21,7 +21,7 @@ def is_feedforward(config, name: str) -> bool:
     return any(name.endswith(key) for key in spec)
 
 
-@register_method("IA3", keys=("ia3_l",))
+@register_method("IA3", keys=("ia3_l",), on_device=True)
 def convert_ia3(layer: LayerCheckpoint) -> Slots:
     i, o = layer.in_features, layer.out_features
     if is_feedforward(layer.config, layer.name):

@@ -33,7 +33,7 @@ def lora_shape(s: SavedShapes) -> tuple[int, int] | None:
     return s.tensors["lora_B.weight"][0], s.tensors["lora_A.weight"][1]
 
 
-@register_method("LORA", keys=KEYS, shapes=lora_shape)
+@register_method("LORA", keys=KEYS, shapes=lora_shape, on_device=True)
 def convert_lora(layer: LayerCheckpoint) -> Slots:
     r, s = lora_scale(layer)
     A, B = lora_factors(layer, r)  # variants sharing peft_type LORA: see lora_variants.py

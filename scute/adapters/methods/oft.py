@@ -21,7 +21,7 @@ from scute.ops.slots import Slots
 
 def skew(vec: Tensor, b: int) -> Tensor:
     """[n, b(b−1)/2] upper triangles (row-major) -> [n, b, b] skew-symmetric matrices."""
-    rows, cols = torch.triu_indices(b, b, 1)
+    rows, cols = torch.triu_indices(b, b, 1, device=vec.device)
     S = vec.new_zeros(vec.shape[0], b, b)
     S[:, rows, cols] = vec
     return S - S.transpose(-2, -1)
@@ -29,7 +29,7 @@ def skew(vec: Tensor, b: int) -> Tensor:
 
 def coft_project(Q: Tensor, eps: float) -> Tensor:
     """COFT: blocks with ‖Q‖_F above eps/√n are scaled onto that radius (PEFT rounds the radius to float32)."""
-    radius = eps / torch.sqrt(torch.tensor(Q.shape[0]))
+    radius = eps / torch.sqrt(torch.tensor(Q.shape[0], device=Q.device))
     norm = torch.linalg.norm(Q, dim=(1, 2), keepdim=True)
     return torch.where(norm <= radius, Q, radius * (Q / norm))
 
@@ -52,7 +52,7 @@ def cayley(Q: Tensor, neumann_terms: int | None) -> Tensor:
     return R
 
 
-@register_method("OFT", keys=("oft_R.weight",))
+@register_method("OFT", keys=("oft_R.weight",), on_device=True)
 def convert_oft(layer: LayerCheckpoint) -> Slots:
     cfg = layer.config
     if "oft_block_size" not in cfg:

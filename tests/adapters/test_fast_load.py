@@ -1,0 +1,81 @@
+"""The fast load path on the CPU: the safetensors reader (views of one buffer, identity, bad ranges), the packed
+move (`Adapter.to`: one buffer, aligned, same values; a packed adapter moves whole) and DoRA's weight norm taken a
+block of rows at a time on the served W0, still PEFT's."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from peft import LoraConfig
+from safetensors.torch import load_file, save_file
+
+from scute.adapters import AdapterError, load_adapter, read_checkpoint
+from scute.adapters import checkpoint as ckpt_module
+from scute.adapters.adapter import ALIGN, pack
+from scute.adapters.methods import dora
+from tests.helpers import assert_matches_peft, make_adapter, tiny_model
+
+WEIGHTS = "adapter_model.safetensors"
+
+
+@pytest.fixture()
+def lora_dir(tmp_path):
+    make_adapter(str(tmp_path), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    return tmp_path
+
+
+def test_reader_matches_safetensors_and_views_one_buffer(lora_dir, monkeypatch):
+    want = load_file(os.path.join(lora_dir, WEIGHTS))
+    monkeypatch.setattr(ckpt_module, "CHUNK", 4096)  # many chunks: the parallel read and the hash tree
+    ckpt = read_checkpoint(lora_dir)
+    assert ckpt.tensors.keys() == want.keys()
+    for key, x in want.items():
+        got = ckpt.tensors[key]
+        assert got.dtype == x.dtype and torch.equal(got, x), key
+        assert got.untyped_storage().data_ptr() == ckpt.buffer.untyped_storage().data_ptr()
+    assert read_checkpoint(lora_dir).identity == ckpt.identity
+    save_file({k: v + (k.endswith("q_proj.lora_B.weight") and k.startswith("base_model.model.model.layers.0."))
+               for k, v in want.items()}, os.path.join(lora_dir, WEIGHTS))
+    assert read_checkpoint(lora_dir).identity != ckpt.identity
+
+
+def test_reader_refuses_a_range_past_the_file(lora_dir):
+    path = os.path.join(lora_dir, WEIGHTS)
+    data = open(path, "rb").read()
+    n = int.from_bytes(data[:8], "little")
+    header = data[8:8 + n].replace(b'"data_offsets":[0,', b'"data_offsets":[1,', 1)
+    open(path, "wb").write(data[:8] + header + data[8 + n:])
+    with pytest.raises(AdapterError, match="corrupt or truncated"):
+        read_checkpoint(lora_dir)
+
+
+def test_pack_is_one_aligned_buffer_with_the_same_values():
+    xs = [torch.randn(3, 5), torch.randn(7), torch.randn(2, 2, 2)]
+    moved = pack(xs, [torch.float64, torch.float32, torch.float16], torch.device("cpu"))
+    assert len({m.untyped_storage().data_ptr() for m in moved}) == 1
+    base = moved[0].untyped_storage().data_ptr()
+    assert all((m.data_ptr() - base) % ALIGN == 0 for m in moved)  # and the allocator aligns the base
+    assert [m.dtype for m in moved] == [torch.float64, torch.float32, torch.float16]
+    assert all(torch.equal(m, x.to(m.dtype)) for m, x in zip(moved, xs))
+    assert pack(xs, [None] * 3, torch.device("cpu")) == xs  # already there: the tensors themselves
+    again = pack(moved, [None] * 3, torch.device("meta"))  # a packed buffer moves whole, views at the same places
+    assert [m.storage_offset() for m in again] == [m.storage_offset() for m in moved]
+    assert len({m.untyped_storage().data_ptr() for m in pack(moved, [None] * 3, torch.device("meta"))}) == 1
+
+
+def test_adapter_to_keeps_matrices_and_vectors_apart(lora_dir):
+    adapter = load_adapter(lora_dir, tiny_model())
+    moved = adapter.to(torch.float16, vector_dtype=torch.float32)
+    for name, slots in moved.layers.items():
+        for key, x in slots.tensors().items():
+            assert x.dtype == (torch.float32 if x.dim() == 1 else torch.float16), (name, key)
+            assert torch.equal(x, adapter.layers[name].tensors()[key].to(x.dtype))
+
+
+def test_dora_norm_in_row_blocks_matches_peft(tmp_path, monkeypatch):
+    """DoRA's norm over blocks of 8 rows of the served W0 (many blocks per layer): PEFT's outputs, in float64."""
+    monkeypatch.setattr(dora, "CPU_CHUNK", 8 * 64)
+    config = LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "v_proj", "down_proj"])
+    assert_matches_peft(tmp_path, config)
