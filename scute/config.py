@@ -56,11 +56,15 @@ class EngineConfig:
     # Attention backend: "auto" (Triton on CUDA, flash-attn when installed and block_size % 256 == 0,
     # PyTorch SDPA on CPU), or "torch" / "triton" / "flash" to force one.
     attention_backend: str = "auto"
+    # Ranks the base model is sharded over (vLLM's tensor parallelism): one process per rank, rank 0 the
+    # caller's; the model must be given as a path. Must divide the attention heads, KV heads and intermediate size.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 8192 if self.torch_device().type == "cuda" else 2048
-        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_adapters", "max_adapter_rank")
+        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_adapters", "max_adapter_rank",
+                    "tensor_parallel_size")
         for name in positive:
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")

@@ -31,7 +31,8 @@ from scute.engine.request import AdapterRequest
 
 # LLM(...) parameters honoured besides its **kwargs (vLLM's EngineArgs, see `scute.compat.vllm_args`).
 _LLM_HANDLED = ("model", "tokenizer", "dtype", "seed", "gpu_memory_utilization", "enforce_eager",
-                "kv_cache_memory_bytes", "runner", "convert", "tokenizer_mode", "chat_template")
+                "kv_cache_memory_bytes", "runner", "convert", "tokenizer_mode", "chat_template",
+                "tensor_parallel_size")
 SUPPORTED_LLM_OPTIONS = tuple(dict.fromkeys((*_LLM_HANDLED, *ENGINE_OPTIONS, *ACCEPTED)))
 
 

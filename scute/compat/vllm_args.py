@@ -26,6 +26,7 @@ ENGINE_OPTIONS = {
     "max_num_batched_tokens": "max_num_batched_tokens", "block_size": "block_size",
     "enable_prefix_caching": "enable_prefix_caching", "max_loras": "max_adapters",
     "max_lora_rank": "max_adapter_rank", "max_cpu_loras": "max_cpu_adapters",
+    "tensor_parallel_size": "tensor_parallel_size",
 }
 # Fields honoured without an engine option -> the values accepted (None: any). `model` and `tokenizer` pick
 # the files; `enable_lora` gates LoRA requests; Scute chunks every long prefill and keeps no statistics log.

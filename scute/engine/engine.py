@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 import time
 from collections.abc import Sequence
 
-import torch
 from tqdm.auto import tqdm
 
 from scute.adapters import Adapter, AdapterError
 from scute.config import EngineConfig
 from scute.engine.adapter_manager import AdapterManager
 from scute.engine.block_manager import BlockManager
+from scute.engine.distributed import tensor_parallel
 from scute.engine.kv_plan import plan_kv_cache
 from scute.engine.model_runner import InFlight, ModelRunner
 from scute.engine.output_processor import OutputProcessor
@@ -36,39 +35,38 @@ AdapterSpec = None | str | os.PathLike | AdapterRequest | Adapter
 class Engine:
     """Serve a base model with many adapters. `model`: a Hugging Face folder, a ``.gguf`` file, or a built
     transformers model (taken over: its linear layers become `ScuteLinear`); `tokenizer` overrides the one
-    found beside the weights; `options`: `EngineConfig` fields (an unknown one raises TypeError)."""
+    found beside the weights; `options`: `EngineConfig` fields (an unknown one raises TypeError). With
+    ``tensor_parallel_size`` N > 1 this process is rank 0 of N (`scute.engine.distributed`); `close` ends them."""
 
     def __init__(self, model, tokenizer=None, **options) -> None:
         self.config = EngineConfig.from_kwargs(options)
-        loaded = load_model(model, tokenizer, self.config)
-        self.model, self.tokenizer = loaded.model, loaded.tokenizer
-        self.vocab_size = self.model.get_input_embeddings().num_embeddings
-        self.adapters = AdapterManager(self.model, loaded.linears, self.config.max_adapters,
-                                       self.config.max_adapter_rank, self.config.max_cpu_adapters, loaded.device)
-        num_blocks, self.max_model_len = plan_kv_cache(loaded, self.config)
-        self.runner = ModelRunner(loaded, self.config, num_blocks, self.max_model_len)
+        with tensor_parallel(model, self.config) as self.tp:  # closes the workers if the rest raises
+            loaded = load_model(model, tokenizer, self.config)
+            self.model, self.tokenizer = loaded.model, loaded.tokenizer
+            self.vocab_size = self.model.get_input_embeddings().num_embeddings
+            self.adapters = (AdapterManager if self.tp is None else self.tp.adapter_manager)(
+                loaded.adapter_base, loaded.linears, self.config.max_adapters, self.config.max_adapter_rank,
+                self.config.max_cpu_adapters, loaded.device)
+            num_blocks, self.max_model_len = plan_kv_cache(loaded, self.config)
+            self.runner = ModelRunner(loaded, self.config, num_blocks, self.max_model_len, self.tp and self.tp.send)
+            if self.runner.graphs is not None:
+                self.runner.capture_graphs()
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager, self.adapters)
         self.requests: dict[str, Request] = {}
         self._reported: list[Request] = []  # finished outside a step (errors, aborts): reported by the next step
         self._in_flight: InFlight | None = None  # a decode step launched, its tokens not read yet
         self._forking: list[ParentRequest] = []  # requests with n > 1 whose other samples wait for the prompt
-        self._arrivals = itertools.count()
-        self._ids = itertools.count()
+        self._arrivals, self._ids = itertools.count(), itertools.count()
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "batched_tokens": 0, "preemptions": 0}
         self.output_processor = OutputProcessor(self.tokenizer, loaded.eos_token_ids, self.max_model_len, self.stats)
-        if self.runner.graphs is not None:
-            self._capture_graphs()
 
-    def _capture_graphs(self) -> None:
-        torch.cuda.empty_cache()  # capturing empties the allocator's cache: count only what the graphs keep
-        before = torch.cuda.memory_reserved(self.runner.device)
-        self.runner.capture_graphs()
-        used = torch.cuda.memory_reserved(self.runner.device) - before
-        graphs = self.runner.graphs  # on stderr, as a server's start-up log
-        print(f"scute: captured {graphs.num_captured} decode CUDA graphs (batch sizes {graphs.sizes[0]}-"
-              f"{graphs.sizes[-1]}) in {graphs.capture_seconds:.1f} s, {used / 2**30:.2f} GiB; enforce_eager=True "
-              "runs without them", file=sys.stderr)
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (also done when the engine is collected, and at exit); idempotent."""
+        if getattr(self, "tp", None) is not None:
+            self.tp.close()
+
+    __del__ = close
 
     # ------------------------------------------------------------------ adapters
     def load_adapter(self, name: str, path: str | os.PathLike, **options) -> Adapter:
@@ -171,7 +169,7 @@ class Engine:
         self.adapters.place()  # the adapters given slots go there now, between steps
         self.stats["preemptions"] += len(sched.preempted)
         sampling = [req for req, n in sched.scheduled if req.num_computed_tokens + n == req.num_tokens]
-        land_first = any(r.num_pending and r.sampling_params.has_penalties for r in sampling)
+        land_first = self.tp is not None or any(r.num_pending and r.sampling_params.has_penalties for r in sampling)
         flight = self.runner.launch(sched, sampling, self._in_flight) if sched.scheduled and not land_first else None
         landed = self._land()
         if flight is None:  # requests the landing stopped leave the step, which has every token on the host now

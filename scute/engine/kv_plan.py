@@ -4,7 +4,8 @@ CPU: `kv_cache_memory_bytes` (default 1 GiB). GPU: the same option if given, els
 ``gpu_memory_utilization × total`` minus what other processes hold minus the peak of a profiling forward of
 `max_num_batched_tokens` tokens (weights + activations; requests of at most PROFILE_SEQ_LEN tokens) minus what
 the adapters' kernels allocate on top of it (the profiling forward runs before any adapter is loaded). Never more blocks than `max_num_seqs` requests of
-`max_model_len` tokens can use.
+`max_model_len` tokens can use. A tensor-parallel rank holds its share of the KV heads (`LoadedModel.num_kv_heads`),
+so a block costs it that share of the bytes; the ranks agree on the fewest blocks any of them can hold.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+import torch.distributed as dist
 
 from scute.config import EngineConfig
 from scute.model.context import ForwardContext, forward_context
@@ -40,6 +42,10 @@ def plan_kv_cache(loaded: LoadedModel, config: EngineConfig) -> tuple[int, int]:
     else:
         budget = CPU_DEFAULT_BYTES
     num_blocks = min(budget // block_bytes, config.max_num_seqs * -(-target_len // bs))
+    if config.tensor_parallel_size > 1:  # rank 0's block ids index every rank's cache: the fewest any rank holds
+        fewest = torch.tensor([num_blocks], device=loaded.device)
+        dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
+        num_blocks = int(fewest.item())
     if num_blocks < 1:
         raise ValueError(f"the KV budget ({budget} bytes) holds no block of {block_bytes} bytes: "
                          "raise kv_cache_memory_bytes or gpu_memory_utilization, or lower block_size")

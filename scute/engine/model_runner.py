@@ -10,6 +10,8 @@ CUDA graphs (`scute.engine.cuda_graph`); prefill and mixed steps run eagerly.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -20,8 +22,8 @@ from scute.model.context import ForwardContext, forward_context
 from scute.engine.cuda_graph import AdapterLayout, DecodeGraphs
 from scute.engine.request import Request
 from scute.engine.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
-from scute.engine.prompt_logprobs import PromptRows
 from scute.engine.scheduler import SchedulerOutput
+from scute.engine.step_inputs import DecodeStep, StepInputs, decode_step, device_inputs, eager_inputs
 from scute.engine.utils import host_to_device
 from scute.model.attention import AttentionMetadata, flash_attn_available
 from scute.model.loader import LoadedModel
@@ -45,7 +47,9 @@ class InFlight:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int,
+                 broadcast: Callable[[StepInputs | DecodeStep], None] | None = None) -> None:
+        """`broadcast`: tensor parallelism, rank 0: sends each step's inputs to the workers before it runs."""
         self.model, self.device, self.dtype = loaded.model, loaded.device, loaded.dtype
         self.block_size = config.block_size
         self.backend = self._pick_backend(config)
@@ -59,7 +63,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
         # Fixed-address inputs; each step fills a prefix of each. The per-token int64 ones are the rows of one
         # tensor, and the per-sequence int32 ones of another, so that a decode step writes all of them with three
-        # copies from pinned host mirrors (`_prepare_decode`).
+        # copies from pinned host mirrors (`_write_decode_inputs`).
         self._tokens, self._seqs = self._zeros((4, max_tokens), torch.int64), self._zeros((2, max_seqs + 1), torch.int32)
         self.buffers = {
             "input_ids": self._tokens[0], "positions": self._tokens[1], "slot_mapping": self._tokens[2],
@@ -86,6 +90,7 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self._graph_forward, max_seqs, self.device) if use_graphs else None
         self._host_token_bufs = [torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)] \
             if use_graphs else []
+        self.broadcast = broadcast
 
     def _zeros(self, shape, dtype: torch.dtype) -> Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.device)
@@ -108,11 +113,12 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, sampling: list[Request]) -> SamplerOutput | None:
         """Run one step eagerly, to its end; returns the sampler's output for the requests in `sampling` (in that
         order). Decode steps that replay a graph go through `launch` instead."""
-        ids, positions, ctx, logits_indices, prompt_rows = self.prepare(sched, sampling)
-        with forward_context(ctx):
-            out = self.model(input_ids=ids[None], position_ids=positions[None], logits_to_keep=logits_indices,
-                             use_cache=False)
-        logits = out.logits[0]
+        inputs, prompt_rows = eager_inputs(sched, self.block_size)
+        if self.broadcast is not None:
+            self.broadcast(inputs)
+        if prompt_rows is not None:
+            prompt_rows.to_device(self.device, len(inputs.logits_indices))
+        logits = self.forward(inputs)
         if prompt_rows is not None:  # only in steps computing prompt tokens of a request with prompt_logprobs
             logits = prompt_rows.collect(logits)
         if not sampling:
@@ -151,42 +157,48 @@ class ModelRunner:
         return self.graphs.bucket(len(sampling)) if self.layout().complete else None
 
     def capture_graphs(self, progress: bool = True) -> None:
-        """Capture the base model's decode graphs for every size (start-up)."""
+        """Capture the base model's decode graphs for every size (start-up), and log what they took."""
+        torch.cuda.empty_cache()  # capturing empties the allocator's cache: count only what the graphs keep
+        before = torch.cuda.memory_reserved(self.device)
         self._pad_inputs(max(self.graphs.sizes))
         self.graphs.capture(self.layout(), 0, self.graphs.sizes, progress=progress)
+        used, graphs = torch.cuda.memory_reserved(self.device) - before, self.graphs  # on stderr: a start-up log
+        print(f"scute: captured {graphs.num_captured} decode CUDA graphs (batch sizes {graphs.sizes[0]}-"
+              f"{graphs.sizes[-1]}) on {self.device} in {graphs.capture_seconds:.1f} s, {used / 2**30:.2f} GiB; "
+              "enforce_eager=True runs without them", file=sys.stderr)
 
     def _replay(self, sched: SchedulerOutput, bucket: int, flight: InFlight | None = None) -> Tensor:
+        step = decode_step(sched, bucket, self.block_size, flight and flight.rows)
         layout = self.layout()
-        token_slots = self._prepare_decode(sched, bucket, flight)
-        key = layout.step_key(token_slots)
-        if not self.graphs.has(layout, key, bucket):
-            self._pad_inputs(bucket)  # the eager warm-up and the capture must store no KV of real requests
-            self.graphs.capture(layout, key, [bucket])
-            self._prepare_decode(sched, bucket, flight)
-        return self.graphs.replay(layout, key, bucket)
+        step.capture = not self.graphs.has(layout, layout.step_key(step.token_slots), bucket)
+        if self.broadcast is not None:
+            self.broadcast(step)
+        return self.replay(step, flight)
 
-    def _prepare_decode(self, sched: SchedulerOutput, bucket: int, flight: InFlight | None = None) -> list[int]:
-        """Write a decode step's inputs into the buffers, padded to `bucket` rows; returns the token slots. A
-        token the host does not have yet (sampled by `flight`) is copied on the device from `flight`'s output."""
-        bs = self.block_size
-        ids, positions, slot_mapping, token_slots, tables, gather = [], [], [], [], [], ([], [])
-        for row, (req, _) in enumerate(sched.scheduled):
-            pos, table = req.num_computed_tokens, req.block_table
-            if pos < len(req.all_token_ids):
-                ids.append(req.all_token_ids[pos])
-            else:
-                ids.append(0)
-                gather[0].append(row)
-                gather[1].append(flight.rows[req])
-            positions.append(pos)
-            slot_mapping.append(table[pos // bs] * bs + pos % bs)
-            token_slots.append(req.token_adapter_slots(pos, 1)[0])
-            tables.append(table)
-        self._write_decode_inputs(bucket, ids, positions, slot_mapping, token_slots, tables)
-        if gather[0]:
-            index = host_to_device(list(gather), torch.int64, self.device)
+    def replay(self, step: DecodeStep, flight: InFlight | None = None) -> Tensor:
+        """Run a decode step's graph over its inputs, capturing it first if `step.capture`; returns its logits
+        [bucket, vocab]. A tensor-parallel worker captures when rank 0 does (the collectives of the warm-up
+        match); one without the graph then (its layout changed when rank 0's did not) runs the step eagerly."""
+        layout = self.layout()
+        key = layout.step_key(step.token_slots)
+        if step.capture:
+            self._pad_inputs(step.bucket)  # the eager warm-up and the capture must store no KV of real requests
+            self.graphs.capture(layout, key, [step.bucket])
+        self._write_decode_inputs(step.bucket, step.input_ids, step.positions, step.slot_mapping, step.token_slots,
+                                  step.block_tables)
+        if step.gather[0]:
+            index = host_to_device(list(step.gather), torch.int64, self.device)
             self.buffers["input_ids"].index_copy_(0, index[0], flight.result.token_ids[index[1]])
-        return token_slots
+        if not self.graphs.has(layout, key, step.bucket):
+            return self._graph_forward(step.bucket, layout.active_slots(key))
+        return self.graphs.replay(layout, key, step.bucket)
+
+    def _prepare_decode(self, sched: SchedulerOutput, bucket: int) -> list[int]:
+        """Write a decode step's inputs into the buffers, padded to `bucket` rows; returns the token slots."""
+        step = decode_step(sched, bucket, self.block_size)
+        self._write_decode_inputs(bucket, step.input_ids, step.positions, step.slot_mapping, step.token_slots,
+                                  step.block_tables)
+        return step.token_slots
 
     def _pad_inputs(self, rows: int) -> None:
         """Inputs of `rows` padding rows (what the eager warm-up and a capture run over)."""
@@ -228,48 +240,21 @@ class ModelRunner:
                               logits_to_keep=0, use_cache=False).logits[0]
 
     def prepare(self, sched: SchedulerOutput, sampling: list[Request]):
-        bs, buf = self.block_size, self.buffers
-        input_ids, positions, slot_mapping, token_slots = [], [], [], []
-        query_start_loc, seq_lens, block_tables, logits_indices, sample_slots = [0], [], [], [], []
-        prompt_rows: PromptRows | None = None
-        for req, num_new in sched.scheduled:
-            start, table = req.num_computed_tokens, req.block_table
-            input_ids += req.all_token_ids[start:start + num_new]
-            positions += range(start, start + num_new)
-            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + num_new)]
-            token_slots += req.token_adapter_slots(start, num_new)
-            if req.needs_prompt_logprobs:  # the logits of its prompt positions too, in token order
-                prompt_rows = prompt_rows or PromptRows()
-                prompt_rows.add(req, start, num_new, query_start_loc[-1], logits_indices, sample_slots)
-            query_start_loc.append(query_start_loc[-1] + num_new)
-            seq_lens.append(start + num_new)
-            block_tables.append(table)
-            if start + num_new == req.num_tokens:
-                logits_indices.append(query_start_loc[-1] - 1)
-                sample_slots.append(req.token_adapter_slots(req.num_tokens - 1, 1)[0])
-        width = max(len(t) for t in block_tables)
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
-        meta = AttentionMetadata(
-            slot_mapping=host_to_device(slot_mapping, torch.int64, self.device, buf["slot_mapping"]),
-            query_start_loc=host_to_device(query_start_loc, torch.int32, self.device, buf["query_start_loc"]),
-            seq_lens=host_to_device(seq_lens, torch.int32, self.device, buf["seq_lens"]),
-            block_tables=host_to_device(padded, torch.int32, self.device, buf["block_tables"]),
-            max_query_len=max(n for _, n in sched.scheduled), max_seq_len=max(seq_lens),
-            query_start_loc_host=query_start_loc, seq_lens_host=seq_lens, kv_caches=self.kv_caches,
-            backend=self.backend,
-        )
-        ctx = ForwardContext(
-            token_adapter_slots=host_to_device(token_slots, torch.int64, self.device, buf["token_slots"]),
-            sample_adapter_slots=host_to_device(sample_slots, torch.int64, self.device, _fits(buf["sample_slots"], sample_slots)),
-            active_adapter_slots=frozenset(token_slots),
-            attn=meta,
-        )
-        ids = host_to_device(input_ids, torch.int64, self.device, buf["input_ids"])
-        pos = host_to_device(positions, torch.int64, self.device, buf["positions"])
-        logits_idx = host_to_device(logits_indices, torch.int64, self.device, _fits(buf["logits_indices"], logits_indices))
+        """`device_inputs` of the step, and its `PromptRows` (or None)."""
+        inputs, prompt_rows = eager_inputs(sched, self.block_size)
         if prompt_rows is not None:
-            prompt_rows.to_device(self.device, len(logits_indices))
-        return ids, pos, ctx, logits_idx, prompt_rows
+            prompt_rows.to_device(self.device, len(inputs.logits_indices))
+        return (*self.device_inputs(inputs), prompt_rows)
+
+    def device_inputs(self, inputs: StepInputs) -> tuple[Tensor, Tensor, ForwardContext, Tensor]:
+        return device_inputs(inputs, self.buffers, self.device, self.kv_caches, self.backend)
+
+    def forward(self, inputs: StepInputs) -> Tensor:
+        """One eager forward over a step's inputs; returns the logits of its kept rows [rows, vocab]."""
+        ids, positions, ctx, logits_indices = self.device_inputs(inputs)
+        with forward_context(ctx):
+            return self.model(input_ids=ids[None], position_ids=positions[None], logits_to_keep=logits_indices,
+                              use_cache=False).logits[0]
 
     def sampling_batch(self, sampling: list[Request]) -> SamplingBatch:
         temps, top_ks, top_ps, gens, rows, cols, num_logprobs = [], [], [], [], [], [], -1
@@ -288,9 +273,4 @@ class ModelRunner:
             if sp.logprobs is not None:
                 num_logprobs = max(num_logprobs, sp.logprobs)
         return SamplingBatch(temps, top_ks, top_ps, gens, (rows, cols), num_logprobs, Penalties.of(sampling))
-
-
-def _fits(buffer: Tensor, values: list) -> Tensor | None:
-    """`buffer` if it can hold `values` (a step's sampled rows always fit; prompt-logprob rows may not)."""
-    return buffer if len(values) <= buffer.shape[0] else None
 

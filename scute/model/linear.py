@@ -55,8 +55,13 @@ class ScuteLinear(nn.Module):
         self.group: LinearGroup | None = None
         self.stack: LowRankStack | None = None  # the CPU path's stacked low-rank parts, rebuilt after set_slot
         self.version = 0  # counts set_slot calls: whoever caches what the slots imply (CUDA graphs) compares it
+        self.shard = None  # tensor parallelism: this rank's `scute.model.tp.Shard` of the layer, set by the loader
 
     def set_slot(self, index: int, slots: Slots | None) -> None:
+        """Put an adapter's slots in slot `index` (None empties it); on a sharded layer, slots of the full layer,
+        of which this rank keeps its share."""
+        if slots is not None and self.shard is not None:
+            slots = self.shard.slots(slots)
         if slots is not None and (slots.in_features, slots.out_features) != (self.in_features, self.out_features):
             raise ValueError(
                 f"slots for a {slots.in_features}->{slots.out_features} layer do not fit "
@@ -72,7 +77,8 @@ class ScuteLinear(nn.Module):
             self.group.update_pool()
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.forward_alone(x)
+        y = self.forward_alone(x)
+        return y if self.shard is None else self.shard.reduce(y)
 
     def forward_alone(self, x: Tensor) -> Tensor:
         """This projection by itself, whatever its group."""

@@ -14,6 +14,7 @@ from scute.model.attention import ATTENTION_NAME, register_attention
 from scute.model.hf import swap_linears
 from scute.model.layers import fuse_layers
 from scute.model.linear import ScuteLinear
+from scute.model.tp import attach_shards, shard_model
 
 
 @dataclass
@@ -28,33 +29,44 @@ class LoadedModel:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    adapter_base: nn.Module  # what adapters are converted against: the model, or the full layers of a sharded one
 
 
-def load_model(model, tokenizer, config: EngineConfig) -> LoadedModel:
+def load_model(model, tokenizer, config: EngineConfig, rank: int = 0) -> LoadedModel:
     """`model`: a folder with a transformers checkpoint, a ``.gguf`` file, or a built `PreTrainedModel`
     (taken over: its linear layers are swapped in place). `tokenizer` overrides the one found beside the
-    weights; a built model without one can only take token-id prompts."""
+    weights; a built model without one can only take token-id prompts. With ``config.tensor_parallel_size``
+    N > 1: rank `rank`'s share of a model given as a path (`scute.model.tp`), its KV heads N times fewer."""
     register_attention()
-    device, dtype = config.torch_device(), config.torch_dtype()
+    device, dtype, world_size = config.torch_device(), config.torch_dtype(), config.tensor_parallel_size
     if isinstance(model, (str, os.PathLike)):
         model, found = _from_path(os.fspath(model), dtype)
         tokenizer = tokenizer if tokenizer is not None else found
     elif not isinstance(model, nn.Module):
         raise TypeError(f"model must be a folder, a .gguf file or a transformers model, got {type(model).__name__}")
+    elif world_size > 1:
+        raise ValueError(NEEDS_A_PATH)
     _check_supported(model)
     model.config._attn_implementation = ATTENTION_NAME  # set_attn_implementation() validates names per version
+    shards, adapter_base = shard_model(model, rank, world_size) if world_size > 1 else ({}, model)
     model.to(device=device, dtype=dtype) if dtype is not None else model.to(device=device)
     model.eval().requires_grad_(False)
     linears = swap_linears(model, config.max_adapters)
+    attach_shards(linears, shards)
     fuse_layers(model)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return LoadedModel(
         model=model, tokenizer=tokenizer, linears=linears, eos_token_ids=_eos_token_ids(model, tokenizer),
         max_position_embeddings=getattr(cfg, "max_position_embeddings", None) or 2048,
-        num_layers=cfg.num_hidden_layers, num_kv_heads=getattr(cfg, "num_key_value_heads", None)
-        or cfg.num_attention_heads, head_dim=head_dim, dtype=next(model.parameters()).dtype, device=device,
+        num_layers=cfg.num_hidden_layers, num_kv_heads=(getattr(cfg, "num_key_value_heads", None)
+                                                        or cfg.num_attention_heads) // world_size,
+        head_dim=head_dim, dtype=next(model.parameters()).dtype, device=device, adapter_base=adapter_base,
     )
+
+
+NEEDS_A_PATH = ("tensor_parallel_size > 1 needs the model as a path (a Hugging Face folder or a .gguf file), "
+                "not a built model: every rank's process loads it from there; save it with save_pretrained")
 
 
 def _from_path(path: str, dtype: torch.dtype | None):

@@ -15,7 +15,7 @@ import sys
 from scute.config import EngineConfig
 
 ALIASES = {"max_adapters": ["--max-loras"], "max_adapter_rank": ["--max-lora-rank"],
-           "max_cpu_adapters": ["--max-cpu-loras"]}
+           "max_cpu_adapters": ["--max-cpu-loras"], "tensor_parallel_size": ["-tp"]}
 
 
 def build_parser() -> argparse.ArgumentParser:

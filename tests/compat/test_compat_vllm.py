@@ -117,7 +117,7 @@ def test_n_and_prompt_logprobs_in_vllm_form(served, llm):
 
 def test_unsupported_options_raise_never_ignored(served, llm):
     folder = str(served / "model")
-    for kwargs in ({"tensor_parallel_size": 2}, {"quantization": "awq"}, {"trust_remote_code": True},
+    for kwargs in ({"pipeline_parallel_size": 2}, {"quantization": "awq"}, {"trust_remote_code": True},
                    {"runner": "pooling"}, {"speculative_config": {"method": "ngram"}}, {"no_such_option": 1}):
         with pytest.raises(shim.UnsupportedOptionError, match=next(iter(kwargs))):
             shim.LLM(folder, **kwargs)

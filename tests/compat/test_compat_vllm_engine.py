@@ -120,7 +120,7 @@ def test_n_streams_as_one_request(served):
 
 def test_engine_refusals_name_the_option(served):
     folder = str(served / "model")
-    for changes in ({"tensor_parallel_size": 2}, {"quantization": "awq"}, {"speculative_config": {"method": "ngram"}},
+    for changes in ({"pipeline_parallel_size": 2}, {"quantization": "awq"}, {"speculative_config": {"method": "ngram"}},
                     {"runner": "pooling"}, {"enable_chunked_prefill": False}, {"compilation_config": {"level": 3}}):
         with pytest.raises(shim.UnsupportedOptionError, match=next(iter(changes))):
             shim.EngineArgs(model=folder, **changes)
