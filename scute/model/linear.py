@@ -72,9 +72,9 @@ class ScuteLinear(nn.Module):
         self.version += 1
         self.stack = None
         if self.pool is not None:
-            self.pool.update([self.slots])
+            self.pool.update_slot([self.slots], index)
         if self.group is not None:
-            self.group.update_pool()
+            self.group.update_pool(index)
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.forward_alone(x)
@@ -168,10 +168,10 @@ class LinearGroup:
                                       active_slots=ctx.active_adapter_slots, merged=merged)
         return [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
 
-    def update_pool(self) -> None:
-        """Called by a member's `set_slot`: the pool follows every member's slots."""
+    def update_pool(self, index: int) -> None:
+        """Called by a member's `set_slot` of slot `index`: the pool follows every member's slots."""
         if self.pool is not None:
-            self.pool.update([m.slots for m in self.members])
+            self.pool.update_slot([m.slots for m in self.members], index)
 
 
 @torch.no_grad()

@@ -112,12 +112,12 @@ def _storage_key(x: Tensor, kind: str) -> tuple:
 
 
 def _needs_expand(sl: Slots | None) -> bool:
-    return sl is not None and any(getattr(sl, n) is not None for n in ("o", "o2", "c", "A"))
+    return sl is not None and (sl.o is not None or sl.o2 is not None or sl.c is not None or sl.A is not None)
 
 
 def _exact_delta(sl: Slots | None) -> bool:
     """The slot adds a low-rank delta to a base output it also scales, rotates or shifts (see `delta_dtype`)."""
-    return sl is not None and sl.A is not None and any(getattr(sl, n) is not None for n in ("o", "o2", "c"))
+    return sl is not None and sl.A is not None and (sl.o is not None or sl.o2 is not None or sl.c is not None)
 
 
 def _share_key(column: list[Slots | None]) -> tuple | None:

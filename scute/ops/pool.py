@@ -34,7 +34,7 @@ from collections.abc import Collection, Sequence
 import torch
 from torch import Tensor
 
-from scute.ops.groups import PoolFacts, StepKinds, _storage_key, pool_facts, shared_a_of, step_kinds
+from scute.ops.groups import PoolFacts, StepKinds, _share_key, _storage_key, pool_facts, shared_a_of, step_kinds
 from scute.ops.slots import Slots
 
 # Table fields (int64 each). Group fields (A, B, ranks, h offsets) are read at the group's representative slot,
@@ -77,6 +77,8 @@ class SlotPool:
         self.table = torch.zeros(self.num_proj, num_slots, NUM_FIELDS, dtype=torch.int64, device=self.device)
         self.slot_group = torch.arange(num_slots, dtype=torch.int32, device=self.device)
         self._cache: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self._slot_keys: list[set[tuple]] = [set() for _ in range(num_slots)]
+        self._widths = [0] * num_slots
         self.group_key: tuple[int, ...] | None = None
         self.h_width = 1
         self.exact_delta = False
@@ -115,11 +117,12 @@ class SlotPool:
         return torch.float32 if self.exact_delta else out_dtype
 
     # ------------------------------------------------------------------ device copies
-    def _dev(self, x: Tensor, kind: str, keep: dict) -> Tensor:
+    def _dev(self, x: Tensor, kind: str, keep: dict, mine: set) -> Tensor:
         """The pool's copy of `x` (kind 'vec': float32; 'mat': matrix dtype; 'matB': matrix dtype, rows padded with
-        zeros to a multiple of 8), made once per storage. The cache holds `x` itself, so the storage (and the key)
-        cannot be reused while cached."""
+        zeros to a multiple of 8), made once per storage; its key joins `mine` (the copies a slot uses). The cache
+        holds `x` itself, so the storage (and the key) cannot be reused while cached."""
         key = _storage_key(x, kind)
+        mine.add(key)
         hit = keep.get(key) or self._cache.get(key)  # keep first: a storage met twice in one update is copied once
         if hit is None:
             y = x.to(device=self.device, dtype=torch.float32 if kind == "vec" else self.dtype).contiguous()
@@ -140,13 +143,15 @@ class SlotPool:
         keep: dict[tuple, tuple[Tensor, Tensor]] = {}
         host = torch.zeros(self.num_proj, self.num_slots, NUM_FIELDS, dtype=torch.int64)
         facts = pool_facts(slots, self.out_features)
-        groups, shared, h_width = list(facts.groups), facts.shared_group, 0
+        groups, shared = list(facts.groups), facts.shared_group
+        self._slot_keys = [set() for _ in range(self.num_slots)]  # the keys of the copies each slot uses
+        self._widths = [0] * self.num_slots  # each group's rank rows of h, at its representative
         for p, row in enumerate(slots):
             for s, sl in enumerate(row):
                 if sl is not None:
-                    self._fill_slot(host[p, s], sl, keep)
+                    self._fill_slot(host[p, s], sl, keep, self._slot_keys[s])
         for g in sorted(set(groups) - {shared}):
-            h_width = max(h_width, self._fill_group(host[:, g], [row[g] for row in slots], keep))
+            self._widths[g] = self._fill_group(host[:, g], [row[g] for row in slots], keep, self._slot_keys[g])
         # [P, num_slots]: each slot's group has a low-rank part (the shared group's is not in the table)
         lowrank = torch.tensor([[row[g] is not None and row[g].A is not None for g in groups] for row in slots],
                                dtype=torch.bool).reshape(self.num_proj, self.num_slots)
@@ -157,9 +162,40 @@ class SlotPool:
             self._fill_shared(slots, [s for s, g in enumerate(groups) if g == shared], shared)
         self._cache = keep
         self.table.copy_(host)
-        self.group_key = None if groups == list(range(self.num_slots)) else tuple(groups)
         self.slot_group.copy_(torch.tensor(groups, dtype=torch.int32))
-        self.h_width = max(h_width, 1)
+        self._set_facts(facts)
+
+    @torch.inference_mode(False)
+    def update_slot(self, slots: Sequence[Sequence[Slots | None]], s: int) -> None:
+        """`update` after a change of slot `s` alone (``slots`` holds every slot, `s` already changed). When `s` is
+        its own group before and after (it shares no matrix with another slot: not VeRA's), only its rows are
+        rebuilt and copied, and only its old device copies dropped: placing an adapter then costs a pool host work
+        that does not grow with the adapters it holds (but for one pass over them for the `PoolFacts`). A change
+        of the grouping runs `update`."""
+        column = [row[s] for row in slots]
+        if self.facts.groups.count(s) != 1 or self.shared_group == s or _share_key(column) is not None:
+            return self.update(slots)
+        facts = pool_facts(slots, self.out_features)
+        keep: dict[tuple, tuple[Tensor, Tensor]] = {}
+        mine: set[tuple] = set()
+        host = torch.zeros(self.num_proj, NUM_FIELDS, dtype=torch.int64)
+        for p, sl in enumerate(column):
+            if sl is not None:
+                self._fill_slot(host[p], sl, keep, mine)
+        self._widths[s] = self._fill_group(host, column, keep, mine)
+        host[:, F_FLAGS] |= torch.where(torch.tensor([sl is not None and sl.A is not None for sl in column]), HAS_LR, 0)
+        others = set().union(*(k for i, k in enumerate(self._slot_keys) if i != s))
+        for key in self._slot_keys[s] - mine - others:  # the old adapter's copies, used by no other slot
+            self._cache.pop(key, None)
+        self._cache.update(keep)
+        self._slot_keys[s] = mine
+        self.table[:, s].copy_(host)
+        self._set_facts(facts)
+
+    def _set_facts(self, facts: PoolFacts) -> None:
+        groups = list(facts.groups)
+        self.group_key = None if groups == list(range(self.num_slots)) else tuple(groups)
+        self.h_width = max(max(self._widths), 1)
         self.facts = facts
         self.exact_delta, self.block_b, self.min_block = facts.exact_delta, facts.block_b, facts.min_block
         self.max_rank, self.kind_masks = facts.max_rank, facts.kind_masks
@@ -195,33 +231,33 @@ class SlotPool:
         self.shared_m = _refill(self.shared_m, m, self.device, torch.float32)
         self.shared_group = group
 
-    def _fill_slot(self, row: Tensor, sl: Slots, keep: dict) -> None:
+    def _fill_slot(self, row: Tensor, sl: Slots, keep: dict, mine: set) -> None:
         if sl.scale != 1.0:
             raise ValueError("the slot pool needs folded slots (scale 1): call Slots.folded() first")
         flags, row[F_ROT] = 0, sl.rot_group
         for name, field, bit in _VECTORS:
             x = getattr(sl, name)
             if x is not None:
-                row[field], flags = self._dev(x, "vec", keep).data_ptr(), flags | bit
+                row[field], flags = self._dev(x, "vec", keep, mine).data_ptr(), flags | bit
         if sl.t_blocks is not None:
-            tb = self._dev(sl.t_blocks, "mat", keep)
+            tb = self._dev(sl.t_blocks, "mat", keep, mine)
             row[F_TB], row[F_TBN], row[F_TBB] = tb.data_ptr(), tb.shape[0], tb.shape[-1]
             flags |= HAS_TB
         row[F_FLAGS] = flags
 
-    def _fill_group(self, rows: Tensor, column: list[Slots | None], keep: dict) -> int:
+    def _fill_group(self, rows: Tensor, column: list[Slots | None], keep: dict, mine: set) -> int:
         """Low-rank fields of one group (rows [P, NUM_FIELDS] at the representative); returns its h width."""
         width, seen = 0, {}
         for p, sl in enumerate(column):
             if sl is None or sl.A is None:
                 continue
             r, a_key = sl.A.shape[0], _storage_key(sl.A, "mat")
-            b = self._dev(sl.B, "matB", keep)
+            b = self._dev(sl.B, "matB", keep, mine)
             rows[p, F_B], rows[p, F_BLD], rows[p, F_RANK] = b.data_ptr(), b.shape[1], r
             if a_key in seen:  # the same A as an earlier projection (VeRA's shared A): multiply once
                 rows[p, F_BHOFF] = seen[a_key]
                 continue
-            rows[p, F_A], rows[p, F_ARANK] = self._dev(sl.A, "mat", keep).data_ptr(), r
+            rows[p, F_A], rows[p, F_ARANK] = self._dev(sl.A, "mat", keep, mine).data_ptr(), r
             rows[p, F_AHOFF] = rows[p, F_BHOFF] = seen[a_key] = width
             width += r
         return width

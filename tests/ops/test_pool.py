@@ -68,3 +68,54 @@ def test_step_kinds():
     before = pool.signature  # a diagonal T (IA3 feed-forward) adds the pre-pass alone: a graph must be captured anew
     pool.update([[lora(2), None, None, None, Slots(8, 6, o=torch.rand(6)), Slots(8, 6, t=torch.rand(8))]])
     assert tuple(pool.step_kinds(None)) == (True, False, True, True) and pool.signature != before
+
+
+def _decoded(pool: SlotPool) -> list:
+    """The table with every pointer replaced by the values it points to (pools built apart differ only there)."""
+    from scute.ops.pool import F_A, F_B, F_C, F_M, F_O, F_O2, F_T, F_TB, F_V
+
+    by_ptr = {y.data_ptr(): y for _, y in pool._cache.values()}
+    out = []
+    for p in range(pool.num_proj):
+        for s in range(pool.num_slots):
+            row = pool.table[p, s].tolist()
+            for f in (F_A, F_B, F_C, F_M, F_O, F_O2, F_T, F_TB, F_V):
+                row[f] = None if row[f] == 0 else by_ptr[row[f]].flatten().tolist()
+            out.append(row)
+    return out
+
+
+def test_update_slot_equals_a_rebuild():
+    """Placing adapters slot by slot (`update_slot`: only the slot's rows for a slot of its own, a rebuild when the
+    grouping changes) gives the table, facts and device copies a pool built from the same slots at once has; an
+    evicted adapter's copies are dropped."""
+    from scute.ops.testing import random_slots
+
+    g = torch.Generator().manual_seed(0)
+    pair = (torch.randn(4, 8, generator=g), torch.randn(6, 4, generator=g))
+
+    def vera() -> Slots:
+        return Slots(8, 6, A=pair[0], B=pair[1], m=torch.randn(4, generator=g), v=torch.randn(6, generator=g),
+                     shared=frozenset({"A", "B"}))
+
+    makers = [lambda: lora(2), lambda: lora(5), vera, lambda: Slots(8, 6, o=torch.rand(6, generator=g)),
+              lambda: random_slots("dora", 8, 6, rank=3, generator=g),
+              lambda: random_slots("oft", 8, 6, block=4, generator=g), lambda: None]
+    slots = [[None] * 5 for _ in range(2)]
+    pool = SlotPool(8, (6, 6), 5, "cpu", torch.float32)
+    pool.update(slots)
+    rebuilds, update = [], pool.update
+    pool.update = lambda slots: rebuilds.append(1) or update(slots)
+    order = torch.randint(0, len(makers), (40,), generator=g).tolist()
+    for step, (s, m) in enumerate(zip(torch.randint(0, 5, (40,), generator=g).tolist(), order)):
+        for p in range(2):
+            slots[p][s] = makers[m]() if (p + step) % 3 else None  # projections adapted or not
+        pool.update_slot(slots, s)
+        fresh = SlotPool(8, (6, 6), 5, "cpu", torch.float32)
+        fresh.update(slots)
+        where = f"step {step}: slot {s} <- {m}"
+        assert _decoded(pool) == _decoded(fresh), where
+        assert pool.signature == fresh.signature and pool.facts == fresh.facts, where
+        assert torch.equal(pool.slot_group, fresh.slot_group), where
+        assert len(pool._cache) == len(fresh._cache), where
+    assert 0 < len(rebuilds) < 20, "both paths ran: the slot's rows alone, and a rebuild for VeRA's group"
