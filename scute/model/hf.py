@@ -44,5 +44,12 @@ def place_adapter(linears: dict[str, ScuteLinear], index: int, adapter: Adapter 
     layers = {} if adapter is None else adapter.layers
     if missing := set(layers) - set(linears):
         raise ValueError(f"adapter {adapter.name!r} adapts {min(missing)}, which is not a ScuteLinear here")
+    names = {id(linear): name for name, linear in linears.items()}
+    groups = {}
     for name, linear in linears.items():
-        linear.set_slot(index, layers.get(name))
+        if linear.group is None or any(id(m) not in names for m in linear.group.members):
+            linear.set_slot(index, layers.get(name))
+        else:  # each group once, its pool updated once for all its members
+            groups[id(linear.group)] = linear.group
+    for group in groups.values():
+        group.set_slot(index, [layers.get(names[id(m)]) for m in group.members])

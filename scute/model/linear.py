@@ -59,7 +59,13 @@ class ScuteLinear(nn.Module):
 
     def set_slot(self, index: int, slots: Slots | None) -> None:
         """Put an adapter's slots in slot `index` (None empties it); on a sharded layer, slots of the full layer,
-        of which this rank keeps its share."""
+        of which this rank keeps its share. The pools that read this layer follow (its own, its group's)."""
+        self.assign(index, slots)
+        if self.group is not None:
+            self.group.update_pool(index)
+
+    def assign(self, index: int, slots: Slots | None) -> None:
+        """`set_slot` but for the group's pool, which `LinearGroup.set_slot` updates once for all members."""
         if slots is not None and self.shard is not None:
             slots = self.shard.slots(slots)
         if slots is not None and (slots.in_features, slots.out_features) != (self.in_features, self.out_features):
@@ -67,14 +73,12 @@ class ScuteLinear(nn.Module):
                 f"slots for a {slots.in_features}->{slots.out_features} layer do not fit "
                 f"{self.in_features}->{self.out_features}"
             )
+        self.num_filled += (slots is not None) - (self.slots[index] is not None)
         self.slots[index] = slots if slots is None or slots.scale == 1.0 else slots.folded()
-        self.num_filled = sum(s is not None for s in self.slots)
         self.version += 1
         self.stack = None
         if self.pool is not None:
             self.pool.update_slot([self.slots], index)
-        if self.group is not None:
-            self.group.update_pool(index)
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.forward_alone(x)
@@ -167,6 +171,12 @@ class LinearGroup:
                                       lora_meta(ctx, ctx.adapter_slots(flat.shape[0]), pool),
                                       active_slots=ctx.active_adapter_slots, merged=merged)
         return [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
+
+    def set_slot(self, index: int, member_slots: Sequence[Slots | None]) -> None:
+        """Slot `index` of every member at once (``member_slots[i]`` for member i), the group's pool updated once."""
+        for member, slots in zip(self.members, member_slots, strict=True):
+            member.assign(index, slots)
+        self.update_pool(index)
 
     def update_pool(self, index: int) -> None:
         """Called by a member's `set_slot` of slot `index`: the pool follows every member's slots."""

@@ -119,3 +119,26 @@ def test_update_slot_equals_a_rebuild():
         assert torch.equal(pool.slot_group, fresh.slot_group), where
         assert len(pool._cache) == len(fresh._cache), where
     assert 0 < len(rebuilds) < 20, "both paths ran: the slot's rows alone, and a rebuild for VeRA's group"
+
+
+def test_placing_an_adapter_updates_each_pool_once(monkeypatch):
+    """`place_adapter` sets a group's members together: the group's pool is updated once, not once per member."""
+    from types import SimpleNamespace
+
+    from scute.model.hf import place_adapter
+    from scute.model.linear import LinearGroup, ScuteLinear, pool_for
+
+    members = [ScuteLinear(torch.nn.Linear(8, 6), 3) for _ in range(3)]
+    group, alone = LinearGroup("qkv_proj", members), ScuteLinear(torch.nn.Linear(8, 6), 3)
+    x = torch.zeros(2, 8)
+    group.pool, alone.pool = pool_for(None, x, members), pool_for(None, x, [alone])
+    linears = {"q": members[0], "k": members[1], "v": members[2], "o": alone}
+    calls = []
+    update_slot = SlotPool.update_slot
+    monkeypatch.setattr(SlotPool, "update_slot", lambda self, *a: calls.append(self) or update_slot(self, *a))
+    place_adapter(linears, 1, SimpleNamespace(name="a", layers={"q": lora(2), "v": lora(3), "o": lora(2)}))
+    assert sorted(map(id, calls)) == sorted([id(group.pool), id(alone.pool)])
+    assert [m.slots[1] is not None for m in members] == [True, False, True] and members[1].num_filled == 0
+    fresh = SlotPool(8, (6, 6, 6), 3, "cpu", torch.float32)
+    fresh.update([m.slots for m in members])
+    assert _decoded(group.pool) == _decoded(fresh)
