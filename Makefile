@@ -45,6 +45,9 @@ $(VLLM_VENV)/.installed:
 ab: $(VENV)/.demo $(VLLM_VENV)/.installed
 	$(BIN)/python bench/ab_vllm.py --models tiny,smollm2 --vllm-python $(VLLM_VENV)/bin/python
 	$(BIN)/python bench/ab_vllm.py --models tiny,smollm2 --vllm-python $(VLLM_VENV)/bin/python --base-only
+	$(BIN)/python bench/ab/vllm_scripts.py --models tiny,smollm2 --vllm-python $(VLLM_VENV)/bin/python
+	$(BIN)/python bench/ab/vllm_scripts.py --models tiny,smollm2 --vllm-python $(VLLM_VENV)/bin/python \
+		--adapters lora-a --auto-dtype float32
 	PYTHONPATH=. VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/compat/test_compat_vllm.py -k "signatures or snapshot"
 

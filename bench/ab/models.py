@@ -23,6 +23,11 @@ TEXT = (
 )
 
 
+# A ChatML-like template for `LLM.chat` on the tiny model (bench/ab/scripts/lora_docs.py).
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
 def tiny_tokenizer(vocab_size: int = 1024):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -33,7 +38,9 @@ def tiny_tokenizer(vocab_size: int = 1024):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<unk>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([TEXT] * 50, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def build_tiny(folder: str, hidden: int = 512, layers: int = 4, seed: int = 0) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -127,8 +128,26 @@ def engine_options(values: dict[str, Any], where: str) -> dict[str, Any]:
     return options
 
 
+def auto_dtype(model) -> str:
+    """vLLM's ``dtype="auto"``: the checkpoint's own dtype, except that a float32 checkpoint (or one naming none)
+    runs in bfloat16, float16 on a GPU without bfloat16 (vLLM logs "Downcasting torch.float32 to
+    torch.bfloat16"). A GGUF file keeps Scute's "auto"."""
+    path = os.path.join(os.fspath(model), "config.json")
+    if not os.path.isfile(path):
+        return "auto"
+    with open(path) as f:
+        config = json.load(f)
+    if (config.get("dtype") or config.get("torch_dtype") or "float32") != "float32":
+        return "auto"
+    import torch
+
+    return "float16" if torch.cuda.is_available() and not torch.cuda.is_bf16_supported() else "bfloat16"
+
+
 def make_engine(model, tokenizer: str | None, options: dict[str, Any]) -> scute.Engine:
     """A `scute.Engine` for a local model folder or GGUF file (`tokenizer`: a folder overriding the model's)."""
+    if options.get("dtype", "auto") == "auto":
+        options = {**options, "dtype": auto_dtype(model)}
     tok = None
     if tokenizer is not None:
         from transformers import AutoTokenizer

@@ -255,9 +255,29 @@ def test_a_multilora_vllm_script_runs_unchanged(served, tmp_path):
     assert sorted(int(rid) for rid, _ in rows) == list(range(6)), proc.stdout
     got = {int(rid): [int(t) for t in ids.split(",") if t.strip()] for rid, ids in rows}
     prompts = ["the quick brown fox", "one two three", "lazy dog runs", "red green blue", "a cat sleeps", "two three one"]
-    engine = scute.Engine(str(served / "model"), max_adapter_rank=8)  # the script's dtype: "auto"
+    engine = scute.Engine(str(served / "model"), max_adapter_rank=8, dtype="bfloat16")  # "auto" on a float32 folder
     want = engine.generate(prompts, [scute.SamplingParams(temperature=0, max_tokens=n) for n in (128, 12, 128, 128, 128, 128)],
                            [None, None] + [str(served / "dora")] * 4, use_tqdm=False)
     sampled = 1  # sampled with a presence penalty: its tokens depend on the RNG's state, not compared
     assert 0 < len(got[sampled]) <= 12
     assert [got[i] for i in range(6) if i != sampled] == [w.outputs[0].token_ids for i, w in enumerate(want) if i != sampled]
+
+
+def test_dtype_auto_downcasts_a_float32_checkpoint_as_vllm(served, tmp_path):
+    """vLLM's dtype="auto" runs a float32 checkpoint in bfloat16 (on CPU and on bf16 GPUs); other dtypes stay."""
+    import json
+
+    import torch
+
+    from scute.compat.vllm_args import auto_dtype
+
+    folder = served / "model"
+    assert json.loads((folder / "config.json").read_text()).get("dtype", "float32") == "float32"
+    assert auto_dtype(folder) == ("bfloat16" if not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+                                  else "float16")
+    assert shim.LLM(model=str(folder), max_model_len=64).engine.config.torch_dtype() == torch.bfloat16
+    assert shim.LLM(model=str(folder), dtype="float32", max_model_len=64).engine.config.torch_dtype() == torch.float32
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "config.json").write_text(json.dumps({"dtype": "float16"}))
+    assert auto_dtype(half) == "auto" and auto_dtype(tmp_path / "model.gguf") == "auto"
