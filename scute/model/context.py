@@ -30,26 +30,39 @@ class ForwardContext:
     slot_rows(num_tokens): the reference op's rows per adapter slot (``scute.ops.reference.slot_rows``) of the
         token or sample slots, computed by the first `ScuteLinear` on the CPU path that needs them (one host
         sync) and reused by every other layer.
-    lora_meta: the adapter kernels' per-step token metadata (a `scute.ops.meta.MetaCache`: tokens sorted by
-        adapter, tiles), built once per step by the first `ScuteLinear` that needs it (None until then), or
-        ahead by the engine into preallocated buffers.
+    lora_meta(num_tokens, slot_group, group_key): the adapter kernels' token metadata (`scute.ops.meta.LoraMeta`:
+        tokens sorted by adapter group, tiles) of the token or sample slots for a pool's slot grouping, built on
+        the device by the first layer call that needs it and reused by every other layer.
     """
 
     token_adapter_slots: Tensor
     sample_adapter_slots: Tensor | None = None
     active_adapter_slots: frozenset[int] | None = None
     attn: Any = None
-    lora_meta: Any = None
     _rows: dict = field(default_factory=dict, repr=False)  # "token" / "sample" -> the reference op's rows
+    _metas: dict = field(default_factory=dict, repr=False)  # ("token" / "sample", group key) -> LoraMeta
 
     def slot_rows(self, num_tokens: int) -> dict[int, Tensor]:
         """The rows of each adapter slot among the slots of a layer call over `num_tokens` rows."""
         from scute.ops.reference import slot_rows
 
-        key = "token" if self.token_adapter_slots.shape[0] == num_tokens else "sample"
+        key = self._which(num_tokens)
         if key not in self._rows:
             self._rows[key] = slot_rows(self.adapter_slots(num_tokens))
         return self._rows[key]
+
+    def lora_meta(self, num_tokens: int, slot_group: Tensor, group_key: tuple | None):
+        """The `LoraMeta` of a layer call over `num_tokens` rows for a pool's grouping (`SlotPool.slot_group`,
+        `group_key`: pools of one grouping share it)."""
+        from scute.ops.meta import build_lora_meta
+
+        key = (self._which(num_tokens), group_key)
+        if key not in self._metas:
+            self._metas[key] = build_lora_meta(self.adapter_slots(num_tokens), slot_group)
+        return self._metas[key]
+
+    def _which(self, num_tokens: int) -> str:
+        return "token" if self.token_adapter_slots.shape[0] == num_tokens else "sample"
 
     def adapter_slots(self, num_tokens: int) -> Tensor:
         """The slots of a layer call over `num_tokens` rows (all tokens, or only the sampled ones)."""

@@ -14,7 +14,6 @@ from scute.ops.slots import Slots
 from scute.model.context import ForwardContext, get_forward_context
 from scute.ops import (
     LoraMeta,
-    MetaCache,
     SlotPool,
     merged_gemm,
     scute_linear_triton,
@@ -93,7 +92,7 @@ class ScuteLinear(nn.Module):
         token_slots = ctx.adapter_slots(flat.shape[0])
         if triton_enabled(flat):
             pool = self.pool = pool_for(self.pool, flat, [self])
-            y = scute_linear_triton(flat, self.weight, self.bias, pool, lora_meta(ctx, token_slots, pool),
+            y = scute_linear_triton(flat, self.weight, self.bias, pool, lora_meta(ctx, flat.shape[0], pool),
                                     ctx.active_adapter_slots)
         else:  # the grouping of tokens by slot is the same for every layer: computed once per forward
             rows = ctx.slot_rows(flat.shape[0])
@@ -168,7 +167,7 @@ class LinearGroup:
             ctx = get_forward_context()
             pool = self.pool = pool_for(self.pool, flat, self.members)
             ys = scute_linears_triton(flat, [m.weight for m in self.members], [m.bias for m in self.members], pool,
-                                      lora_meta(ctx, ctx.adapter_slots(flat.shape[0]), pool),
+                                      lora_meta(ctx, flat.shape[0], pool),
                                       active_slots=ctx.active_adapter_slots, merged=merged)
         return [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
 
@@ -221,8 +220,6 @@ def pool_for(pool: SlotPool | None, x: Tensor, linears: Sequence[ScuteLinear]) -
     return pool
 
 
-def lora_meta(ctx: ForwardContext, token_slots: Tensor, pool: SlotPool) -> LoraMeta:
+def lora_meta(ctx: ForwardContext, num_tokens: int, pool: SlotPool) -> LoraMeta:
     """The step's token metadata for `pool`'s slot grouping: built by the first layer, shared by the rest."""
-    if ctx.lora_meta is None:
-        ctx.lora_meta = MetaCache()
-    return ctx.lora_meta.get(token_slots, pool.slot_group, pool.group_key)
+    return ctx.lora_meta(num_tokens, pool.slot_group, pool.group_key)

@@ -97,23 +97,3 @@ def build_lora_meta(token_slots: Tensor, slot_group: Tensor, out: LoraMeta | Non
     for f in fields(LoraMeta):
         getattr(out, f.name).copy_(getattr(meta, f.name))
     return out
-
-
-class MetaCache:
-    """The `ForwardContext.lora_meta` of one step: one `LoraMeta` per (token-slot tensor, slot grouping), built
-    by the first layer that needs it and reused by every other layer of the step."""
-
-    def __init__(self) -> None:
-        self._metas: dict[tuple, tuple[Tensor, LoraMeta]] = {}
-
-    def get(self, token_slots: Tensor, slot_group: Tensor, group_key: tuple | None) -> LoraMeta:
-        key = (id(token_slots), group_key)
-        hit = self._metas.get(key)
-        if hit is None or hit[0] is not token_slots:
-            hit = (token_slots, build_lora_meta(token_slots, slot_group))
-            self._metas[key] = hit
-        return hit[1]
-
-    def put(self, token_slots: Tensor, meta: LoraMeta, group_key: tuple | None = None) -> None:
-        """Register a meta built ahead (e.g. into preallocated buffers by the engine)."""
-        self._metas[(id(token_slots), group_key)] = (token_slots, meta)
