@@ -46,6 +46,24 @@ class ServerState:
         raise APIError(404, f"The model `{model}` does not exist.", "model")
 
 
+class Authenticate:
+    """``Authorization: Bearer KEY`` required on /v1/* when the server has a key: a plain ASGI middleware (one built
+    on Starlette's BaseHTTPMiddleware hides a client's disconnect from the handlers, and a non-streamed request
+    whose client went away would then run to its end)."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        key = self.state.api_key
+        if scope["type"] == "http" and key is not None and scope["path"].startswith("/v1"):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            if given != f"Bearer {key}".encode():
+                response = JSONResponse(APIError(401, "missing or wrong API key").body(), status_code=401)
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Scute", docs_url=None, redoc_url=None)
     app.state.scute = state
@@ -75,12 +93,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def engine_dead(_, e: EngineDeadError):
         return JSONResponse(APIError(503, str(e)).body(), status_code=503)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if state.api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {state.api_key}":
-                return JSONResponse(APIError(401, "missing or wrong API key").body(), status_code=401)
-        return await call_next(request)
+    app.add_middleware(Authenticate, state=state)
 
     @app.get("/health")
     async def health():

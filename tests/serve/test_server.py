@@ -237,6 +237,39 @@ def metric(text: str, name: str) -> float:
     return float(re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))
 
 
+def test_a_client_that_gives_up_on_a_plain_request_aborts_it(server, monkeypatch):
+    """A non-streamed request whose client closes its connection while the request runs is aborted (not run to
+    its end): each engine step is slowed so that the request is surely running when the client leaves."""
+    import socket
+    from urllib.parse import urlparse
+
+    engine = server[1].engine.engine
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: time.sleep(0.05) or step())
+    aborted = 'scute:request_success_total{finished_reason="abort",model_name="tiny"}'
+    url = urlparse(server[0])
+    with http(server) as h:
+        before = metric_value(h.get("/metrics").text, aborted)
+        body = json.dumps(dict(model="tiny", prompt=PROMPT, max_tokens=50, temperature=0, ignore_eos=True)).encode()
+        client = socket.create_connection((url.hostname, url.port))
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+                       + body)
+        deadline = time.monotonic() + 20
+        while metric(h.get("/metrics").text, "scute:num_requests_running") == 0:
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.02)
+        client.close()  # the client gives up: 50 tokens at 50 ms a step would take 2.5 s more
+        deadline = time.monotonic() + 2
+        while True:
+            text = h.get("/metrics").text
+            if metric(text, "scute:num_requests_running") == 0:
+                break
+            assert time.monotonic() < deadline, f"still running 2 s after its client left:\n{text}"
+            time.sleep(0.05)
+        assert metric_value(text, aborted) == before + 1 and metric(text, "scute:kv_cache_usage_perc") == 0
+
+
 def test_clients_that_disconnect_leave_no_kv_blocks_held(server):
     aborted = 'scute:request_success_total{finished_reason="abort",model_name="tiny"}'
     with http(server) as h:
