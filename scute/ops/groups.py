@@ -43,23 +43,54 @@ class PoolFacts(NamedTuple):
         return max(self.shared_a_of, default=-1) + 1
 
 
-def pool_facts(slots: Sequence[Sequence[Slots | None]], out_features: Sequence[int]) -> PoolFacts:
-    """The `PoolFacts` of a pool of ``slots[p][s]`` (folded) with `out_features[p]` outputs."""
-    groups, shared = slot_groups(slots)
-    columns = [[row[s] for row in slots] for s in range(len(slots[0]))]
-    ranks = [sl.A.shape[0] for g in set(groups) - {shared} for sl in columns[g] if sl is not None and sl.A is not None]
-    blocks = [sl.t_blocks.shape[-1] for row in slots for sl in row if sl is not None and sl.t_blocks is not None]
-    masks = [0] * len(StepKinds._fields)
+class SlotFacts(NamedTuple):
+    """What one slot's column (its slots in every projection) contributes to its pool's `PoolFacts`."""
+
+    share_key: tuple | None  # `_share_key`: slots with equal keys form one group
+    transform: bool  # some projection has T
+    expand: bool  # some projection has an epilogue term
+    lowrank: bool  # some projection has A
+    ranks: tuple[int, ...]  # A's rank in each projection that has one
+    blocks: tuple[int, ...]  # the OFT block size in each projection that has one
+    exact_delta: bool
+
+
+def slot_facts(column: Sequence[Slots | None]) -> SlotFacts:
+    live = [sl for sl in column if sl is not None]
+    return SlotFacts(_share_key(list(column)), any(sl.t is not None or sl.t_blocks is not None for sl in live),
+                     any(_needs_expand(sl) for sl in live), any(sl.A is not None for sl in live),
+                     tuple(sl.A.shape[0] for sl in live if sl.A is not None),
+                     tuple(sl.t_blocks.shape[-1] for sl in live if sl.t_blocks is not None),
+                     any(_exact_delta(sl) for sl in live))
+
+
+def pool_facts(slots: Sequence[Sequence[Slots | None]], out_features: Sequence[int],
+               memo: list | None = None) -> PoolFacts:
+    """The `PoolFacts` of a pool of ``slots[p][s]`` (folded) with `out_features[p]` outputs. `memo` (a list the
+    caller keeps, one entry per slot) keeps each slot's `SlotFacts` with the column it came from: a column whose
+    slots are the same objects is not looked at again, so a pool whose one slot changed pays for that slot."""
+    num_slots = len(slots[0])
+    columns = [[row[s] for row in slots] for s in range(num_slots)]
+    facts = []
+    keep = memo is not None and len(memo) == num_slots
     for s, column in enumerate(columns):
-        lowrank = any(sl is not None and sl.A is not None for sl in columns[groups[s]])
-        kinds = (any(sl is not None and (sl.t is not None or sl.t_blocks is not None) for sl in column),
-                 lowrank and groups[s] == shared, lowrank and groups[s] != shared,
-                 any(_needs_expand(sl) for sl in column))
-        masks = [m | (k << s) for m, k in zip(masks, kinds)]
+        ids, hit = tuple(map(id, column)), memo[s] if keep else None
+        if hit is None or hit[0] != ids:  # the column holds other slots (the memo keeps the old ones alive)
+            hit = (ids, column, slot_facts(column))
+            if keep:
+                memo[s] = hit
+        facts.append(hit[2])
+    groups, shared = _groups([f.share_key for f in facts])
+    lowrank = [facts[g].lowrank for g in groups]
+    masks = StepKinds(*(sum(1 << s for s in range(num_slots) if bit(s)) for bit in (
+        lambda s: facts[s].transform, lambda s: lowrank[s] and groups[s] == shared,
+        lambda s: lowrank[s] and groups[s] != shared, lambda s: facts[s].expand)))
+    ranks = [r for g in set(groups) - {shared} for r in facts[g].ranks]
+    blocks = [b for f in facts for b in f.blocks]
     a_of = shared_a_of(columns[shared]) if shared >= 0 else (-1,) * len(slots)
-    return PoolFacts(tuple(out_features), tuple(groups), shared, StepKinds(*masks), max(ranks, default=0),
+    return PoolFacts(tuple(out_features), tuple(groups), shared, masks, max(ranks, default=0),
                      1 << (max(blocks, default=1) - 1).bit_length(), min(blocks, default=1),
-                     any(_exact_delta(sl) for row in slots for sl in row), a_of,
+                     any(f.exact_delta for f in facts), a_of,
                      tuple(0 if a < 0 else o for a, o in zip(a_of, out_features)))
 
 
@@ -97,11 +128,12 @@ def slot_groups(slots: Sequence[Sequence[Slots | None]]) -> tuple[list[int], int
     """Each slot's group representative (the lowest slot with the same shared (A, B) in every projection of
     ``slots[p][s]``), and the shared group's (the group of shared matrices with the most members, ties to the
     lowest; −1 if there is none)."""
+    return _groups([_share_key([row[s] for row in slots]) for s in range(len(slots[0]))])
+
+
+def _groups(keys: Sequence[tuple | None]) -> tuple[list[int], int]:
     first: dict[tuple, int] = {}
-    groups = []
-    for s in range(len(slots[0])):
-        key = _share_key([row[s] for row in slots])
-        groups.append(s if key is None else first.setdefault(key, s))
+    groups = [s if key is None else first.setdefault(key, s) for s, key in enumerate(keys)]
     sizes = Counter(groups)
     return groups, max(first.values(), key=lambda g: (sizes[g], -g), default=-1)
 

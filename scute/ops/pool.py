@@ -79,6 +79,7 @@ class SlotPool:
         self._cache: dict[tuple, tuple[Tensor, Tensor]] = {}
         self._slot_keys: list[set[tuple]] = [set() for _ in range(num_slots)]
         self._widths = [0] * num_slots
+        self._facts_memo: list = [None] * num_slots  # each slot's `SlotFacts` and the column it came from
         self.group_key: tuple[int, ...] | None = None
         self.h_width = 1
         self.exact_delta = False
@@ -142,7 +143,7 @@ class SlotPool:
             raise ValueError(f"pool needs {self.num_proj} lists of {self.num_slots} slots")
         keep: dict[tuple, tuple[Tensor, Tensor]] = {}
         host = torch.zeros(self.num_proj, self.num_slots, NUM_FIELDS, dtype=torch.int64)
-        facts = pool_facts(slots, self.out_features)
+        facts = pool_facts(slots, self.out_features, self._facts_memo)
         groups, shared = list(facts.groups), facts.shared_group
         self._slot_keys = [set() for _ in range(self.num_slots)]  # the keys of the copies each slot uses
         self._widths = [0] * self.num_slots  # each group's rank rows of h, at its representative
@@ -175,7 +176,7 @@ class SlotPool:
         column = [row[s] for row in slots]
         if self.facts.groups.count(s) != 1 or self.shared_group == s or _share_key(column) is not None:
             return self.update(slots)
-        facts = pool_facts(slots, self.out_features)
+        facts = pool_facts(slots, self.out_features, self._facts_memo)
         keep: dict[tuple, tuple[Tensor, Tensor]] = {}
         mine: set[tuple] = set()
         host = torch.zeros(self.num_proj, NUM_FIELDS, dtype=torch.int64)
