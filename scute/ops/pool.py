@@ -34,7 +34,7 @@ from collections.abc import Collection, Sequence
 import torch
 from torch import Tensor
 
-from scute.ops.groups import PoolFacts, StepKinds, _share_key, _storage_key, pool_facts, shared_a_of, step_kinds
+from scute.ops.groups import PoolFacts, StepKinds, _storage_key, pool_facts, shared_a_of, step_kinds
 from scute.ops.slots import Slots
 
 # Table fields (int64 each). Group fields (A, B, ranks, h offsets) are read at the group's representative slot,
@@ -168,23 +168,36 @@ class SlotPool:
 
     @torch.inference_mode(False)
     def update_slot(self, slots: Sequence[Sequence[Slots | None]], s: int) -> None:
-        """`update` after a change of slot `s` alone (``slots`` holds every slot, `s` already changed). When `s` is
-        its own group before and after (it shares no matrix with another slot: not VeRA's), only its rows are
-        rebuilt and copied, and only its old device copies dropped: placing an adapter then costs a pool host work
-        that does not grow with the adapters it holds (but for one pass over them for the `PoolFacts`). A change
-        of the grouping runs `update`."""
-        column = [row[s] for row in slots]
-        if self.facts.groups.count(s) != 1 or self.shared_group == s or _share_key(column) is not None:
-            return self.update(slots)
+        """`update` after a change of slot `s` alone (``slots`` holds every slot, `s` already changed). When no other
+        slot's group changes with it (`s` represents no other slot, before or after, and the shared group keeps its
+        representative), only slot `s`'s rows are rebuilt and copied — its own group's fields, or its row of the
+        shared group's m when it joins that group (another VeRA adapter of the same matrices) — and only its old
+        device copies dropped: placing an adapter then costs a pool host work that does not grow with the adapters
+        it holds (but for light passes over them). Any other change of the grouping runs `update`."""
         facts = pool_facts(slots, self.out_features, self._facts_memo)
+        old, new, shared = self.facts.groups, facts.groups, self.shared_group
+        others_old, others_new = old[:s] + old[s + 1:], new[:s] + new[s + 1:]
+        if facts.shared_group != shared or s == shared or others_old != others_new or s in others_old \
+                or s in others_new:
+            return self.update(slots)
+        column, group = [row[s] for row in slots], new[s]
         keep: dict[tuple, tuple[Tensor, Tensor]] = {}
         mine: set[tuple] = set()
         host = torch.zeros(self.num_proj, NUM_FIELDS, dtype=torch.int64)
         for p, sl in enumerate(column):
             if sl is not None:
                 self._fill_slot(host[p], sl, keep, mine)
-        self._widths[s] = self._fill_group(host, column, keep, mine)
-        host[:, F_FLAGS] |= torch.where(torch.tensor([sl is not None and sl.A is not None for sl in column]), HAS_LR, 0)
+        self._widths[s] = self._fill_group(host, column, keep, mine) if group == s else 0
+        lowrank = [row[group] is not None and row[group].A is not None for row in slots]
+        host[:, F_FLAGS] |= torch.where(torch.tensor(lowrank), HAS_LR, 0)
+        if shared >= 0:  # its row of the shared group's m: its own if it is a member, else ones
+            m = torch.ones(self.num_proj, self.shared_m.shape[-1])
+            for p, sl in enumerate(column):
+                if group == shared and sl is not None and sl.m is not None:
+                    m[p] = sl.m.float().cpu()
+            self.shared_m[:, s].copy_(m)
+        if old[s] != group:
+            self.slot_group[s:s + 1].copy_(torch.tensor([group], dtype=torch.int32))
         others = set().union(*(k for i, k in enumerate(self._slot_keys) if i != s))
         for key in self._slot_keys[s] - mine - others:  # the old adapter's copies, used by no other slot
             self._cache.pop(key, None)

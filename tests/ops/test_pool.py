@@ -106,11 +106,13 @@ def test_update_slot_equals_a_rebuild():
     pool.update(slots)
     rebuilds, update = [], pool.update
     pool.update = lambda slots: rebuilds.append(1) or update(slots)
-    order = torch.randint(0, len(makers), (40,), generator=g).tolist()
+    order, joined = torch.randint(0, len(makers), (40,), generator=g).tolist(), 0
     for step, (s, m) in enumerate(zip(torch.randint(0, 5, (40,), generator=g).tolist(), order)):
         for p in range(2):
             slots[p][s] = makers[m]() if (p + step) % 3 else None  # projections adapted or not
+        before = len(rebuilds)
         pool.update_slot(slots, s)
+        joined += m == 2 and len(rebuilds) == before and any(sl is not None for sl in (slots[0][s], slots[1][s]))
         fresh = SlotPool(8, (6, 6), 5, "cpu", torch.float32)
         fresh.update(slots)
         where = f"step {step}: slot {s} <- {m}"
@@ -118,7 +120,9 @@ def test_update_slot_equals_a_rebuild():
         assert pool.signature == fresh.signature and pool.facts == fresh.facts, where
         assert torch.equal(pool.slot_group, fresh.slot_group), where
         assert len(pool._cache) == len(fresh._cache), where
-    assert 0 < len(rebuilds) < 20, "both paths ran: the slot's rows alone, and a rebuild for VeRA's group"
+        assert torch.equal(pool.shared_m, fresh.shared_m) and torch.equal(pool.shared_a, fresh.shared_a), where
+    assert 0 < len(rebuilds) < 20 and joined, "the slot's rows alone ran (a VeRA slot joining the shared group too)"
+    assert len(rebuilds) >= 1, "and a rebuild, for a change of the grouping"
 
 
 def test_placing_an_adapter_updates_each_pool_once(monkeypatch):
