@@ -170,7 +170,7 @@ class Soak:
 
     # ------------------------------------------------------------------ disconnects
     async def disconnect(self, model: str, prompt: list[int]) -> None:
-        cfg, rng = self.cfg, self.rng
+        rng = self.rng
         body = dict(model=model, prompt=prompt, max_tokens=self.long_tokens(prompt), temperature=0, ignore_eos=True)
         if rng.random() < 0.8:  # mid-stream
             events = rng.randint(1, 3)
