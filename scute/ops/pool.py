@@ -29,6 +29,7 @@ is unchanged (it holds every host-side value the launchers turn into a kernel co
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Sequence
 
 import torch
@@ -78,6 +79,7 @@ class SlotPool:
         self.slot_group = torch.arange(num_slots, dtype=torch.int32, device=self.device)
         self._cache: dict[tuple, tuple[Tensor, Tensor]] = {}
         self._slot_keys: list[set[tuple]] = [set() for _ in range(num_slots)]
+        self._key_refs: Counter[tuple] = Counter()  # how many slots use each copy
         self._widths = [0] * num_slots
         self._facts_memo: list = [None] * num_slots  # each slot's `SlotFacts` and the column it came from
         self.group_key: tuple[int, ...] | None = None
@@ -162,6 +164,7 @@ class SlotPool:
         else:
             self._fill_shared(slots, [s for s, g in enumerate(groups) if g == shared], shared)
         self._cache = keep
+        self._key_refs = Counter(key for keys in self._slot_keys for key in keys)
         self.table.copy_(host)
         self.slot_group.copy_(torch.tensor(groups, dtype=torch.int32))
         self._set_facts(facts)
@@ -198,9 +201,12 @@ class SlotPool:
             self.shared_m[:, s].copy_(m)
         if old[s] != group:
             self.slot_group[s:s + 1].copy_(torch.tensor([group], dtype=torch.int32))
-        others = set().union(*(k for i, k in enumerate(self._slot_keys) if i != s))
-        for key in self._slot_keys[s] - mine - others:  # the old adapter's copies, used by no other slot
-            self._cache.pop(key, None)
+        self._key_refs.update(mine)
+        self._key_refs.subtract(self._slot_keys[s])
+        for key in self._slot_keys[s] - mine:
+            if self._key_refs[key] <= 0:  # the old adapter's copies, used by no other slot
+                del self._key_refs[key]
+                self._cache.pop(key, None)
         self._cache.update(keep)
         self._slot_keys[s] = mine
         self.table[:, s].copy_(host)
