@@ -28,6 +28,7 @@ from scute.compat.vllm_types import (CompletionOutput, Logprob, LoRARequest, Req
                                      SamplingParams, UnsupportedOptionError, adapter_request, check_defaults,
                                      in_vocabulary, prompt_list, to_vllm_output, unsupported)
 from scute.engine.request import AdapterRequest
+from scute.engine.utils import per_prompt
 
 # LLM(...) parameters honoured besides its **kwargs (vLLM's EngineArgs, see `scute.compat.vllm_args`).
 _LLM_HANDLED = ("model", "tokenizer", "dtype", "seed", "gpu_memory_utilization", "enforce_eager",
@@ -150,12 +151,13 @@ def _text_message(message: dict) -> dict:
 
 
 def _per_prompt(value, n: int, single: type, what: str) -> list:
-    if value is None or isinstance(value, single):
-        return [value] * n
-    values = list(value)
-    if len(values) != n:
-        raise ValueError(f"The lengths of prompts and {what} must be the same: {n} prompts, {len(values)} {what}")
-    return values
+    """`scute.engine.utils.per_prompt` with vLLM's message for a count that does not match."""
+    values = value if value is None or isinstance(value, single) else list(value)
+    try:
+        return per_prompt(values, n, what, single)
+    except ValueError:
+        raise ValueError(f"The lengths of prompts and {what} must be the same: {n} prompts, {len(values)} {what}") \
+            from None
 
 
 # ---------------------------------------------------------------------------------------------- unchanged scripts
