@@ -11,9 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from scute.ops.slots import Slots
-from scute.model.context import ForwardContext, get_forward_context
+from scute.model.context import get_forward_context
 from scute.ops import (
-    LoraMeta,
     SlotPool,
     merged_gemm,
     scute_linear_triton,
@@ -92,7 +91,8 @@ class ScuteLinear(nn.Module):
         token_slots = ctx.adapter_slots(flat.shape[0])
         if triton_enabled(flat):
             pool = self.pool = pool_for(self.pool, flat, [self])
-            y = scute_linear_triton(flat, self.weight, self.bias, pool, lora_meta(ctx, flat.shape[0], pool),
+            meta = ctx.lora_meta(flat.shape[0], pool.slot_group, pool.group_key)
+            y = scute_linear_triton(flat, self.weight, self.bias, pool, meta,
                                     ctx.active_adapter_slots)
         else:  # the grouping of tokens by slot is the same for every layer: computed once per forward
             rows = ctx.slot_rows(flat.shape[0])
@@ -167,7 +167,7 @@ class LinearGroup:
             ctx = get_forward_context()
             pool = self.pool = pool_for(self.pool, flat, self.members)
             ys = scute_linears_triton(flat, [m.weight for m in self.members], [m.bias for m in self.members], pool,
-                                      lora_meta(ctx, flat.shape[0], pool),
+                                      ctx.lora_meta(flat.shape[0], pool.slot_group, pool.group_key),
                                       active_slots=ctx.active_adapter_slots, merged=merged)
         return [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
 
@@ -218,8 +218,3 @@ def pool_for(pool: SlotPool | None, x: Tensor, linears: Sequence[ScuteLinear]) -
         pool = SlotPool(x.shape[-1], [m.out_features for m in linears], len(linears[0].slots), x.device, x.dtype)
         pool.update([m.slots for m in linears])
     return pool
-
-
-def lora_meta(ctx: ForwardContext, num_tokens: int, pool: SlotPool) -> LoraMeta:
-    """The step's token metadata for `pool`'s slot grouping: built by the first layer, shared by the rest."""
-    return ctx.lora_meta(num_tokens, pool.slot_group, pool.group_key)

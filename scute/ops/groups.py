@@ -124,14 +124,9 @@ def _slot_mask(active: frozenset[int]) -> int:
     return sum(1 << s for s in active if s >= 0)
 
 
-def slot_groups(slots: Sequence[Sequence[Slots | None]]) -> tuple[list[int], int]:
-    """Each slot's group representative (the lowest slot with the same shared (A, B) in every projection of
-    ``slots[p][s]``), and the shared group's (the group of shared matrices with the most members, ties to the
-    lowest; −1 if there is none)."""
-    return _groups([_share_key([row[s] for row in slots]) for s in range(len(slots[0]))])
-
-
 def _groups(keys: Sequence[tuple | None]) -> tuple[list[int], int]:
+    """Each slot's group representative from its `_share_key` (the lowest slot with the same key), and the shared
+    group's (the group of shared matrices with the most members, ties to the lowest; −1 if there is none)."""
     first: dict[tuple, int] = {}
     groups = [s if key is None else first.setdefault(key, s) for s, key in enumerate(keys)]
     sizes = Counter(groups)

@@ -149,16 +149,8 @@ class SlotPool:
         groups, shared = list(facts.groups), facts.shared_group
         self._slot_keys = [set() for _ in range(self.num_slots)]  # the keys of the copies each slot uses
         self._widths = [0] * self.num_slots  # each group's rank rows of h, at its representative
-        for p, row in enumerate(slots):
-            for s, sl in enumerate(row):
-                if sl is not None:
-                    self._fill_slot(host[p, s], sl, keep, self._slot_keys[s])
-        for g in sorted(set(groups) - {shared}):
-            self._widths[g] = self._fill_group(host[:, g], [row[g] for row in slots], keep, self._slot_keys[g])
-        # [P, num_slots]: each slot's group has a low-rank part (the shared group's is not in the table)
-        lowrank = torch.tensor([[row[g] is not None and row[g].A is not None for g in groups] for row in slots],
-                               dtype=torch.bool).reshape(self.num_proj, self.num_slots)
-        host[..., F_FLAGS] |= torch.where(lowrank, HAS_LR, 0)
+        for s in range(self.num_slots):
+            self._widths[s] = self._fill_column(host[:, s], slots, s, groups[s], shared, keep, self._slot_keys[s])
         if shared < 0:
             self._clear_shared()
         else:
@@ -187,12 +179,7 @@ class SlotPool:
         keep: dict[tuple, tuple[Tensor, Tensor]] = {}
         mine: set[tuple] = set()
         host = torch.zeros(self.num_proj, NUM_FIELDS, dtype=torch.int64)
-        for p, sl in enumerate(column):
-            if sl is not None:
-                self._fill_slot(host[p], sl, keep, mine)
-        self._widths[s] = self._fill_group(host, column, keep, mine) if group == s else 0
-        lowrank = [row[group] is not None and row[group].A is not None for row in slots]
-        host[:, F_FLAGS] |= torch.where(torch.tensor(lowrank), HAS_LR, 0)
+        self._widths[s] = self._fill_column(host, slots, s, group, shared, keep, mine)
         if shared >= 0:  # its row of the shared group's m: its own if it is a member, else ones
             m = torch.ones(self.num_proj, self.shared_m.shape[-1])
             for p, sl in enumerate(column):
@@ -250,6 +237,17 @@ class SlotPool:
                     m[p, s] = row[s].m.float().cpu()
         self.shared_m = _refill(self.shared_m, m, self.device, torch.float32)
         self.shared_group = group
+
+    def _fill_column(self, rows: Tensor, slots: Sequence[Sequence[Slots | None]], s: int, group: int, shared: int,
+                     keep: dict, mine: set) -> int:
+        """Slot s's rows [P, NUM_FIELDS]: its own fields; its group's low-rank fields if it represents a group
+        outside the shared one (returns the group's h width, else 0); HAS_LR where its group has a low-rank part."""
+        for p, row in enumerate(slots):
+            if row[s] is not None:
+                self._fill_slot(rows[p], row[s], keep, mine)
+            if row[group] is not None and row[group].A is not None:
+                rows[p, F_FLAGS] |= HAS_LR
+        return self._fill_group(rows, [row[s] for row in slots], keep, mine) if group == s != shared else 0
 
     def _fill_slot(self, row: Tensor, sl: Slots, keep: dict, mine: set) -> None:
         if sl.scale != 1.0:
