@@ -16,8 +16,10 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -35,6 +37,16 @@ FIVE_METHODS = {  # one config of each core method, for tests that mix them
     "vera": lambda: VeraConfig(r=8, target_modules=["q_proj", "v_proj", "up_proj"]),
     "oft": lambda: OFTConfig(r=0, oft_block_size=8, target_modules=ALL_LINEAR),
 }
+
+
+BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+def bench_module(name: str):
+    """The script bench/`name`.py as a module (bench/ joins sys.path: the scripts import their siblings by name)."""
+    if BENCH_DIR not in sys.path:
+        sys.path.insert(0, BENCH_DIR)
+    return importlib.import_module(name)
 
 
 def tiny_model(family: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0, hidden: int = 64):

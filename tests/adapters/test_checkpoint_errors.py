@@ -10,16 +10,11 @@ from peft import LoraConfig, OFTConfig, PeanutConfig
 from safetensors.torch import load_file, save_file
 
 from scute.adapters import AdapterError, load_adapter, read_checkpoint
+from scute.adapters.checkpoint import SAFETENSORS
 from tests.helpers import edit_adapter_config, make_adapter, tiny_model
 
 Q0 = "base_model.model.model.layers.0.self_attn.q_proj"
-WEIGHTS = "adapter_model.safetensors"
-
-
-@pytest.fixture()
-def lora_dir(tmp_path):
-    make_adapter(str(tmp_path), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    return tmp_path
+WEIGHTS = SAFETENSORS
 
 
 def edit_tensors(path, fn):

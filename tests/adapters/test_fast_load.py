@@ -12,18 +12,13 @@ from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
 from scute.adapters import AdapterError, load_adapter, read_checkpoint
+from scute.adapters.checkpoint import SAFETENSORS
 from scute.adapters import checkpoint as ckpt_module
 from scute.adapters.adapter import ALIGN, pack
 from scute.adapters.methods import dora
-from tests.helpers import assert_matches_peft, make_adapter, tiny_model
+from tests.helpers import assert_matches_peft, tiny_model
 
-WEIGHTS = "adapter_model.safetensors"
-
-
-@pytest.fixture()
-def lora_dir(tmp_path):
-    make_adapter(str(tmp_path), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    return tmp_path
+WEIGHTS = SAFETENSORS
 
 
 def test_reader_matches_safetensors_and_views_one_buffer(lora_dir, monkeypatch):

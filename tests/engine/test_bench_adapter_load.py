@@ -4,18 +4,12 @@ records."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
+from tests.helpers import bench_module
 
 
 def test_adapter_load_bench_runs_and_records_rows(tmp_path):
-    sys.path.insert(0, BENCH)
-    try:
-        import bench_adapter_load
-    finally:
-        sys.path.remove(BENCH)
+    bench_adapter_load = bench_module("bench_adapter_load")
     out = tmp_path / "load.json"
     result = bench_adapter_load.main(["--device", "cpu", "--tiny", "--repeats", "2", "--root", str(tmp_path / "a"),
                                       "--out", str(out)])

@@ -4,18 +4,12 @@ conversions through one engine, a rate search per row, the JSON the GPU run reco
 from __future__ import annotations
 
 import json
-import os
-import sys
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
+from tests.helpers import bench_module
 
 
 def test_request_rate_bench_runs_and_records_rows(tmp_path):
-    sys.path.insert(0, BENCH)
-    try:
-        import bench_request_rate
-    finally:
-        sys.path.remove(BENCH)
+    bench_request_rate = bench_module("bench_request_rate")
     out = tmp_path / "rate.json"
     result = bench_request_rate.main([
         "--tiny", "--methods", "ia3", "--adapters", "3", "--ranks", "4", "--convert", "1", "--requests", "6",

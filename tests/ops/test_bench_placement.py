@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-import bench_placement  # noqa: E402
+from tests.helpers import bench_module
+
+bench_placement = bench_module("bench_placement")
 
 
 @pytest.mark.parametrize("method", ["lora", "vera"])

@@ -5,15 +5,13 @@ ordered percentiles; a target that is not this machine is refused."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 
+from tests.helpers import bench_module
 from tests.serve.conftest import API_KEY
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-import bench_serving  # noqa: E402
+bench_serving = bench_module("bench_serving")
 
 STATS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 

@@ -6,16 +6,14 @@ with no request left in the engine."""
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 
 import pytest
 
 from scute import SamplingParams
+from tests.helpers import bench_module
 from tests.serve.conftest import API_KEY
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-import soak_serve  # noqa: E402
+soak_serve = bench_module("soak_serve")
 
 MODELS = ["tiny", "lora", "dora", "ia3", "vera", "oft"]
 
