@@ -84,6 +84,7 @@ class SoakReport:
     statuses: Counter = field(default_factory=Counter)
     duration_s: float = 0.0
     final_metrics: dict[str, float] = field(default_factory=dict)
+    server_rss_kb: dict[str, int] = field(default_factory=dict)  # with --server-pid: "start", "end"
 
     @property
     def ok(self) -> bool:
@@ -377,6 +378,14 @@ async def soak(cfg: SoakConfig, reference: ReferenceFn | None = None) -> SoakRep
     return report
 
 
+def resident_kb(pid: int | None) -> int | None:
+    """The resident memory of process `pid` in kB (Linux), None without one."""
+    if pid is None:
+        return None
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
 def main(argv: list[str] | None = None) -> SoakReport:
     p = argparse.ArgumentParser(description="Soak an OpenAI-compatible server on this machine.")
     d = SoakConfig()
@@ -395,6 +404,8 @@ def main(argv: list[str] | None = None) -> SoakReport:
                    "--allow-runtime-adapters directory (no churn without it)")
     p.add_argument("--runtime-like", default=None, help="a served model that answers as the runtime adapter")
     p.add_argument("--timeout", type=float, default=d.timeout, help="seconds for the whole soak")
+    p.add_argument("--server-pid", type=int, default=None, help="the server's process: its resident memory is "
+                   "recorded before and after the soak")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     args = p.parse_args(argv)
     models = [m for item in args.models for m in item.split(",") if m] if args.models else None
@@ -403,13 +414,16 @@ def main(argv: list[str] | None = None) -> SoakReport:
                      max_tokens=args.max_tokens, disconnect_frac=args.disconnect_frac, bad_frac=args.bad_frac,
                      churn_every=args.churn_every, runtime_path=args.runtime_path, runtime_like=args.runtime_like,
                      timeout=args.timeout)
+    start_rss = resident_kb(args.server_pid)
     try:
         report = asyncio.run(soak(cfg))
     except BenchError as e:
         raise SystemExit(f"soak_serve: {e}") from None
+    if args.server_pid is not None:
+        report.server_rss_kb = dict(start=start_rss, end=resident_kb(args.server_pid))
     print(f"soak: {report.counts['operations']} operations in {report.duration_s:.1f} s; "
           f"{dict(sorted(report.counts.items()))}; HTTP {dict(sorted(report.statuses.items()))}; "
-          f"final {report.final_metrics}")
+          f"final {report.final_metrics}" + (f"; server RSS kB {report.server_rss_kb}" if report.server_rss_kb else ""))
     for failure in report.failures:
         print(f"FAIL {failure}")
     print("OK" if report.ok else f"{len(report.failures)} failures")

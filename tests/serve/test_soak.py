@@ -57,3 +57,10 @@ def test_soak(server, reference, served):
 def test_soak_refuses_targets_that_are_not_this_machine():
     with pytest.raises(SystemExit, match="soak_serve: --base-url"):
         soak_serve.main(["--base-url", "http://192.168.1.1:8000", "--requests", "1"])
+
+
+def test_resident_memory_of_a_process():
+    import os
+
+    assert soak_serve.resident_kb(None) is None
+    assert soak_serve.resident_kb(os.getpid()) > 1000  # this interpreter holds more than a megabyte
