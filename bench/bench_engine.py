@@ -328,7 +328,7 @@ def main() -> None:
     del engine, model
     torch.cuda.empty_cache()
     for name, wanted, baseline in (
-            ("peft", args.peft, lambda: peft_baseline(baseline_cfg, paths["lora"], args.peft_batch, args.prompt,
+            ("peft_generate", args.peft, lambda: peft_baseline(baseline_cfg, paths["lora"], args.peft_batch, args.prompt,
                                                       args.peft_tokens)),
             ("static_compile", args.static, lambda: static_baseline(baseline_cfg, [1, 64], args.prompt, 32))):
         if wanted:
@@ -367,10 +367,11 @@ def print_table(result: dict) -> None:
     mix = {r["batch"]: r for r in result["rows"] if r["case"] == "mix" and r["graphs"]}
     for b in sorted(set(lora64) & set(mix)):
         print(f"mix / lora decode at {b}: {mix[b]['decode_ms'] / lora64[b]['decode_ms']:.3f}")
-    if "peft" in result and result["peft"]["batch"] in lora64:
-        b = result["peft"]["batch"]
+    peft = result.get("peft_generate")  # ("peft" is the library's version)
+    if peft is not None and peft["batch"] in lora64:
+        b = peft["batch"]
         print(f"Scute / PEFT decode tokens/s at {b} LoRAs: "
-              f"{b / (lora64[b]['decode_ms'] / 1e3) / result['peft']['decode_tok_s']:.0f}x")
+              f"{b / (lora64[b]['decode_ms'] / 1e3) / peft['decode_tok_s']:.0f}x")
 
 
 if __name__ == "__main__":

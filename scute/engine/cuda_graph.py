@@ -44,6 +44,14 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def bucket_of(sizes: Sequence[int], num_seqs: int) -> int | None:
+    """The smallest of the (sorted) capture `sizes` holding `num_seqs` rows (None: more than the largest)."""
+    for size in sizes:
+        if size >= num_seqs:
+            return size
+    return None
+
+
 class AdapterLayout:
     """What the graphs of the current adapter placement bake in: `key` (hashable; equal layouts replay the same
     graphs) and `slot_kinds[s]` (the passes slot s needs in some layer, a bit per `StepKinds` field)."""
@@ -89,13 +97,6 @@ class DecodeGraphs:
         self.layout_key: tuple | None = None
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.capture_seconds, self.num_captured, self.num_replays = 0.0, 0, 0
-
-    def bucket(self, num_seqs: int) -> int | None:
-        """The smallest capture size holding `num_seqs` rows (None: more than the largest)."""
-        for size in self.sizes:
-            if size >= num_seqs:
-                return size
-        return None
 
     def has(self, layout: AdapterLayout, step_key: int, bucket: int) -> bool:
         """Whether the graph of this layout, step key and bucket is captured."""

@@ -5,7 +5,10 @@ with their positions; the adapter slot of every token and the paged-attention me
 context. Logits are computed only at each sampling request's last token (``logits_to_keep``). Host-side inputs
 are built as Python lists, then copied once per tensor into buffers allocated at start-up (fixed addresses:
 what decode CUDA graphs need). On CUDA with the Triton attention, unless `enforce_eager`, decode steps replay
-CUDA graphs (`scute.engine.cuda_graph`); prefill and mixed steps run eagerly.
+CUDA graphs (`scute.engine.cuda_graph`); prefill and mixed steps run eagerly. There a decode step is the same
+either way: padded to a graph's batch size (the same GEMM shapes, grids and split-K choices, so the same
+rounding) and launched ahead of the previous step's tokens (the same batches: see `Engine._step`), so
+`enforce_eager` changes how its kernels are launched, never its tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from torch import Tensor
 
 from scute.config import EngineConfig
 from scute.model.context import ForwardContext, forward_context
-from scute.engine.cuda_graph import AdapterLayout, DecodeGraphs
+from scute.engine.cuda_graph import AdapterLayout, DecodeGraphs, bucket_of, capture_sizes
 from scute.engine.request import Request
 from scute.engine.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
 from scute.engine.scheduler import SchedulerOutput
@@ -86,10 +89,12 @@ class ModelRunner:
         self.num_slots = config.max_adapters
         self._layout: AdapterLayout | None = None
         self._layout_version = -1
-        use_graphs = not config.enforce_eager and self.device.type == "cuda" and self.backend == "triton"
+        padded = self.device.type == "cuda" and self.backend == "triton"
+        self.decode_sizes = capture_sizes(max_seqs) if padded else []  # decode steps run at these batch sizes
+        use_graphs = padded and not config.enforce_eager
         self.graphs = DecodeGraphs(self._graph_forward, max_seqs, self.device) if use_graphs else None
         self._host_token_bufs = [torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)] \
-            if use_graphs else []
+            if padded else []
         self.broadcast = broadcast
 
     def _zeros(self, shape, dtype: torch.dtype) -> Tensor:
@@ -112,7 +117,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, sampling: list[Request]) -> SamplerOutput | None:
         """Run one step eagerly, to its end; returns the sampler's output for the requests in `sampling` (in that
-        order). Decode steps that replay a graph go through `launch` instead."""
+        order). Decode steps on CUDA go through `launch` instead."""
         inputs, prompt_rows = eager_inputs(sched, self.block_size)
         if self.broadcast is not None:
             self.broadcast(inputs)
@@ -127,10 +132,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, sampling: list[Request], flight: InFlight | None) -> InFlight | None:
-        """Start a decode step on the GPU (its graph and the sampler) without waiting for it: the caller reads
-        its tokens later (`InFlight.wait`), after preparing other work. `flight`: the step launched before,
-        whose tokens are this step's inputs (taken on the device). None if this is not a graph decode step."""
-        bucket = self._graph_bucket(sched, sampling)
+        """Start a decode step on the GPU (its graph, or with `enforce_eager` the same forward launched from
+        Python, and the sampler) without waiting for it: the caller reads its tokens later (`InFlight.wait`),
+        after preparing other work. `flight`: the step launched before, whose tokens are this step's inputs
+        (taken on the device). None if this is not a decode step on CUDA (`execute` runs it)."""
+        bucket = self._decode_bucket(sched, sampling)
         if bucket is None:
             return None
         logits = self._replay(sched, bucket, flight)[: len(sampling)]
@@ -150,11 +156,11 @@ class ModelRunner:
             self._layout, self._layout_version = AdapterLayout(self.linears, self.num_slots), version
         return self._layout
 
-    def _graph_bucket(self, sched: SchedulerOutput, sampling: list[Request]) -> int | None:
-        """The graph size of a decode step (every request computes one token and samples), else None."""
-        if self.graphs is None or len(sampling) != len(sched.scheduled) or sched.num_batched_tokens != len(sampling):
+    def _decode_bucket(self, sched: SchedulerOutput, sampling: list[Request]) -> int | None:
+        """The padded size of a decode step (every request computes one token and samples), else None."""
+        if not self.decode_sizes or len(sampling) != len(sched.scheduled) or sched.num_batched_tokens != len(sampling):
             return None
-        return self.graphs.bucket(len(sampling)) if self.layout().complete else None
+        return bucket_of(self.decode_sizes, len(sampling)) if self.layout().complete else None
 
     def capture_graphs(self, progress: bool = True) -> None:
         """Capture the base model's decode graphs for every size (start-up), and log what they took."""
@@ -170,7 +176,8 @@ class ModelRunner:
     def _replay(self, sched: SchedulerOutput, bucket: int, flight: InFlight | None = None) -> Tensor:
         step = decode_step(sched, bucket, self.block_size, flight and flight.rows)
         layout = self.layout()
-        step.capture = not self.graphs.has(layout, layout.step_key(step.token_slots), bucket)
+        step.capture = self.graphs is not None and not self.graphs.has(layout, layout.step_key(step.token_slots),
+                                                                          bucket)
         if self.broadcast is not None:
             self.broadcast(step)
         return self.replay(step, flight)
@@ -189,7 +196,7 @@ class ModelRunner:
         if step.gather[0]:
             index = host_to_device(list(step.gather), torch.int64, self.device)
             self.buffers["input_ids"].index_copy_(0, index[0], flight.result.token_ids[index[1]])
-        if not self.graphs.has(layout, key, step.bucket):
+        if self.graphs is None or not self.graphs.has(layout, key, step.bucket):
             return self._graph_forward(step.bucket, layout.active_slots(key))
         return self.graphs.replay(layout, key, step.bucket)
 

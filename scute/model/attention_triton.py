@@ -3,8 +3,18 @@
 One attention kernel serves decode and chunked prefill alike: a program takes BLOCK_Q query tokens of one
 request times the GROUP query heads that share one KV head (GQA rows packed into the M dimension of the
 dot, so each K/V page is loaded once per group), and walks the request's pages from its block table with an
-online softmax. Accumulation is float32; float32 inputs use IEEE dots (no TF32), so fp32 results match the
-PyTorch reference to rounding.
+online softmax, BLOCK_N positions (several pages) per step. Accumulation is float32; float32 inputs use IEEE
+dots (no TF32), so fp32 results match the PyTorch reference to rounding.
+
+At decode (one query token per request) of a few requests (`split_max_seqs`: 16 with 8 KV heads) the KV
+positions are also split (flash-decoding): a request of n
+positions is cut into min(MAX_SPLITS, ceil(n / SPLIT_TOKENS)) ranges, each a program writing its unnormalized
+partial result and softmax statistics, and `_combine_kernel` merges them. Without it a decode step has only
+requests x KV heads programs (8 at one request), each walking its pages in series: 13 µs a layer on an H200 at
+one request of 160 positions. The grid has MAX_SPLITS programs per (request, KV head) whatever the lengths
+(programs past a request's splits return at once), so it is fixed for a CUDA graph, and a token's split depends
+only on its own length: its result is the same in any batch on the same side of `split_max_seqs`, eager or
+replayed.
 """
 
 from __future__ import annotations
@@ -17,6 +27,9 @@ import triton.language as tl
 from torch import Tensor
 
 LOG2E = 1.4426950408889634
+MAX_SPLITS = 16  # KV ranges of one decode token at most...
+SPLIT_TOKENS = 32  # ...each of at least this many positions
+BLOCK_N = 32  # KV positions per step of a program
 
 
 @triton.jit
@@ -53,11 +66,15 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, block_tables_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, scale_log2, num_q_blocks,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_ptr, qsl_ptr, seq_lens_ptr, block_tables_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, scale_log2, num_q_blocks, num_tokens,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SPLIT_TOKENS: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
+    """Program (request and block of its queries, KV head, split): softmax(q Kᵀ) V over its KV range. With
+    SPLIT, the range is one of the token's splits and the program stores acc (unnormalized), the running max and
+    the sum (part, stats) for `_combine_kernel`; else the normalized output."""
     seq = tl.program_id(0) // num_q_blocks
     qb = tl.program_id(0) % num_q_blocks
     kvh = tl.program_id(1)
@@ -67,12 +84,27 @@ def _paged_attention_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     first_pos = seq_len - q_len  # position of the request's first query token
+    kv_end = tl.minimum(seq_len, first_pos + (qb + 1) * BLOCK_Q)  # causal: no query here sees past this
+    kv_begin = 0
+    if WINDOW > 0:
+        kv_begin = tl.maximum(first_pos + qb * BLOCK_Q - WINDOW + 1, 0) // PAGE * PAGE
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     m = tl.arange(0, BLOCK_M)
     tok = qb * BLOCK_Q + m // GROUP_PAD
     g = m % GROUP_PAD
     row_ok = (tok < q_len) & (g < GROUP)
     head = kvh * GROUP + g
+    split = tl.program_id(2)
+    stat = split * num_tokens * GROUP * NUM_KV_HEADS + (q_start + tok) * (GROUP * NUM_KV_HEADS) + head
+    if SPLIT:
+        num_splits = tl.minimum(tl.cdiv(kv_end - kv_begin, SPLIT_TOKENS), MAX_SPLITS)
+        if split >= num_splits:  # past this token's splits: an empty split for the combine
+            tl.store(stats_ptr + 2 * stat, float("-inf"), mask=row_ok)
+            tl.store(stats_ptr + 2 * stat + 1, 0.0, mask=row_ok)
+            return
+        span = tl.cdiv(tl.cdiv(kv_end - kv_begin, num_splits), BLOCK_N) * BLOCK_N
+        kv_begin = kv_begin + split * span
+        kv_end = tl.minimum(kv_begin + span, kv_end)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
@@ -81,16 +113,13 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    kv_end = tl.minimum(seq_len, first_pos + (qb + 1) * BLOCK_Q)  # causal: no query here sees past this
-    kv_begin = 0
-    if WINDOW > 0:
-        kv_begin = tl.maximum(first_pos + qb * BLOCK_Q - WINDOW + 1, 0) // PAGE * PAGE
-    n = tl.arange(0, PAGE)
-    for start in range(kv_begin, kv_end, PAGE):
-        page = tl.load(block_tables_ptr + seq * stride_bt + start // PAGE).to(tl.int64)
+    n = tl.arange(0, BLOCK_N)
+    for start in range(kv_begin, kv_end, BLOCK_N):
         pos = start + n
-        offs = (page * PAGE + n)[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + d[None, :]
-        kv_mask = (pos < kv_end)[:, None] & d_ok[None, :]
+        pos_ok = pos < kv_end
+        page = tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
+        offs = (page * PAGE + pos % PAGE)[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + d[None, :]
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
         if IEEE:
@@ -98,7 +127,7 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * scale_log2
-        ok = pos[None, :] <= q_pos[:, None]
+        ok = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
         if WINDOW > 0:
             ok = ok & (pos[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(ok, s, float("-inf"))
@@ -112,30 +141,78 @@ def _paged_attention_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if SPLIT:  # (split, token, head) rows of part and stats
+        tl.store(part_ptr + stat[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(stats_ptr + 2 * stat, m_i, mask=row_ok)
+        tl.store(stats_ptr + 2 * stat + 1, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(part_ptr, stats_ptr, out_ptr, num_tokens, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """Program (token, head): out = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s over the splits (M = max m_s; a
+    split with no visible position has m = −inf, l = 0, and its acc is not read)."""
+    t, h = tl.program_id(0), tl.program_id(1)
+    stat = tl.arange(0, MAX_SPLITS) * num_tokens * NUM_HEADS + t * NUM_HEADS + h
+    m_s = tl.load(stats_ptr + 2 * stat)
+    l_s = tl.load(stats_ptr + 2 * stat + 1)
+    m_max = tl.max(m_s, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m_s - m_max)  # 0 for splits with nothing visible
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.load(part_ptr + stat[:, None] * BLOCK_D + d[None, :], mask=(l_s > 0.0)[:, None], other=0.0)
+    total = tl.sum(w * l_s, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta, scale: float, window: int | None) -> Tensor:
     """Semantics: `scute.model.attention.torch_paged_attention` (after the store). q [T, H, D] (unit last
-    stride); k_cache/v_cache [num_blocks, PAGE, Hkv, D]; returns out [T, H, D] in q.dtype."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    stride); k_cache/v_cache [num_blocks, PAGE, Hkv, D]; returns out [T, H, D] in q.dtype. A decode step (one
+    query token per request) of at most `split_max_seqs` requests splits each request's KV positions and merges
+    the splits (`_combine_kernel`)."""
+    num_tokens, num_heads, head_dim = q.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    rows = 16 if meta.max_query_len == 1 else 64  # dot M >= 16 on NVIDIA; decode needs few rows
+    decode = meta.max_query_len == 1
+    split = decode and meta.num_seqs <= split_max_seqs(num_kv_heads)
+    rows = 16 if decode else 64  # dot M >= 16 on NVIDIA; decode needs few rows
     block_q = max(1, rows // group_pad)
     num_q_blocks = math.ceil(meta.max_query_len / block_q)
+    block_d = max(16, triton.next_power_of_2(head_dim))
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    grid = (meta.num_seqs * num_q_blocks, num_kv_heads)
+    splits = MAX_SPLITS if split else 1
+    if split:  # partial results and (max, sum) per split, token and head
+        part = torch.empty((splits, num_tokens, num_heads, block_d), dtype=torch.float32, device=q.device)
+        stats = torch.empty((splits, num_tokens, num_heads, 2), dtype=torch.float32, device=q.device)
+    else:
+        part = stats = out
+    grid = (meta.num_seqs * num_q_blocks, num_kv_heads, splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        q, k_cache, v_cache, out, part, stats, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
-        scale * LOG2E, num_q_blocks,
+        scale * LOG2E, num_q_blocks, num_tokens,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=group_pad, BLOCK_Q=block_q,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE=page, WINDOW=window or 0,
-        IEEE=q.dtype == torch.float32,
+        BLOCK_D=block_d, PAGE=page, WINDOW=window or 0, IEEE=q.dtype == torch.float32,
+        BLOCK_N=max(BLOCK_N, triton.next_power_of_2(page)) if decode else triton.next_power_of_2(page),
+        SPLIT=split, SPLIT_TOKENS=SPLIT_TOKENS, MAX_SPLITS=MAX_SPLITS,
     )
+    if split:
+        _combine_kernel[(num_tokens, num_heads)](
+            part, stats, out, num_tokens, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            BLOCK_D=block_d, MAX_SPLITS=MAX_SPLITS)
     return out
+
+
+def split_max_seqs(num_kv_heads: int) -> int:
+    """The most requests a decode step splits the KV of: while requests x KV heads programs are at most 128 (about
+    one per SM of an H200; more, and the split's partial results cost more than they spread). A power of two,
+    so that a decode CUDA graph's padded batch (`capture_sizes`: 1, 2, 4, 8, then multiples of 16) is on the
+    same side of it as the batch it replays, and the two compute alike."""
+    return 1 << (max(1, 128 // num_kv_heads).bit_length() - 1)

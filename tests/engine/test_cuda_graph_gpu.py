@@ -19,8 +19,14 @@ def oracle(tmp_path_factory):
 
 
 def _run(oracle, prompts, adapters, params, **options):
+    """The engine and its greedy tokens. Every adapter is placed first (one short request each): a load on the
+    loader thread lands after a number of steps that depends on timing, which would change the batches, and a
+    token's rounding depends on its batch (GEMM shapes, split-K, the adapter tiles)."""
     engine = oracle.engine(device="cuda", **options)
     specs = [None if a is None else oracle.paths[a] for a in adapters]
+    names = sorted({a for a in adapters if a is not None})
+    engine.generate([prompts[0]] * len(names), SamplingParams(max_tokens=1), [oracle.paths[a] for a in names],
+                    use_tqdm=False)
     outputs = engine.generate(prompts, params, specs, use_tqdm=False)
     for out in outputs:
         assert out.error is None, out.error

@@ -52,6 +52,7 @@ CASES = {
     "decode": ([1, 1, 1], [5, 17, 40]),
     "prefill": ([7, 20], [7, 20]),
     "chunked + decode": ([5, 1, 16, 3], [21, 33, 16, 50]),
+    "long decode": ([1, 1, 1, 1], [300, 33, 1, 600]),  # decode splits: several, one, none to split, the cap
 }
 
 
@@ -100,6 +101,20 @@ def check_triton(device: str) -> None:
         out = mod.paged_attention(q, kc2, vc2, meta, 16 ** -0.5, window)
         where = f"{case}, window {window}"
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4, msg=lambda m, where=where: f"{where}: {m}")
+        if case == "long decode":  # a decode token's result does not depend on the rest of the batch
+            for i in range(meta.num_seqs):
+                alone = mod.paged_attention(q[i:i + 1], kc2, vc2, one_request(meta, i), 16 ** -0.5, window)
+                assert torch.equal(alone, out[i:i + 1]), f"{where}: request {i} alone differs"
+
+
+def one_request(meta: AttentionMetadata, i: int) -> AttentionMetadata:
+    """The decode metadata of request i alone (its one token at row 0)."""
+    dev = meta.seq_lens.device
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping[i:i + 1], query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev),
+        seq_lens=meta.seq_lens[i:i + 1], block_tables=meta.block_tables[i:i + 1], max_query_len=1,
+        max_seq_len=meta.seq_lens_host[i], query_start_loc_host=[0, 1], seq_lens_host=[meta.seq_lens_host[i]],
+        kv_caches=[])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU CI's check; with CUDA the compiled kernel is tested "
