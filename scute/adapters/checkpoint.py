@@ -62,6 +62,19 @@ class AdapterCheckpoint:
                 for k, x in self.tensors.items()}
 
 
+def files_signature(path: str | os.PathLike) -> tuple:
+    """(file, size, mtime) of each checkpoint file of a PEFT folder that exists: a cache key that changes
+    whenever one of them is written."""
+    sig = []
+    for file in (CONFIG, SAFETENSORS, PICKLE):
+        try:
+            st = os.stat(os.path.join(path, file))
+        except OSError:
+            continue
+        sig.append((file, st.st_size, st.st_mtime_ns))
+    return tuple(sig)
+
+
 def read_checkpoint(path: str | os.PathLike, allow_pickle: bool = False, pin_memory: bool = False,
                     ) -> AdapterCheckpoint:
     """Read a PEFT adapter folder. Pickled ``adapter_model.bin`` files are refused unless `allow_pickle`

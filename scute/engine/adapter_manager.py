@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from scute.adapters import Adapter, AdapterError, alora_start, load_adapter, read_checkpoint
+from scute.adapters.checkpoint import files_signature
 from scute.adapters.adapter import SharedMemo
 from scute.engine.adapter_loader import AdapterLoader, Staged
 from scute.engine.request import NEVER, Request, RequestStatus
@@ -64,9 +65,10 @@ class _Load:
 class AdapterManager:
     def __init__(
         self, model: nn.Module, linears: dict[str, ScuteLinear], max_adapters: int, max_adapter_rank: int,
-        max_cpu_adapters: int, device: torch.device,
+        max_cpu_adapters: int, device: torch.device, check: Callable[[Adapter], None] | None = None,
     ) -> None:
-        self.model, self.linears, self.device = model, linears, device
+        """`check`: a further test of every adapter to serve, raising AdapterError (its requests fail alone)."""
+        self.model, self.linears, self.device, self.check = model, linears, device, check
         self.max_adapters, self.max_adapter_rank = max_adapters, max_adapter_rank
         self.max_cpu_adapters = max_cpu_adapters
         self.named: dict[str, Adapter] = {}
@@ -99,26 +101,31 @@ class AdapterManager:
         if rank > self.max_adapter_rank:
             raise AdapterError(f"adapter {path} ({adapter.peft_type}) has rank {rank}, above max_adapter_rank="
                                f"{self.max_adapter_rank}: raise max_adapter_rank")
-        return self.loader.host_and_device(adapter, self._moved)
+        return self.loader.host_and_device(self._checked(adapter), self._moved)
 
-    def load_named(self, name: str, path: str | os.PathLike, **options: object) -> Adapter:
-        self.named[name] = adapter = self.load(path, name, **options)
+    def _checked(self, adapter: Adapter) -> Adapter:
+        if self.check is not None:
+            self.check(adapter)
         return adapter
 
+    def load_named(self, name: str, path: str | os.PathLike, **options: object) -> Adapter:
+        self.named[name] = self.load(path, name, **options)
+        return self.named[name]
+
     def unload(self, name: str) -> None:
-        self.named.pop(name)
+        del self.named[name]
 
     def get_by_path(self, path: str | os.PathLike, name: str | None = None) -> Adapter:
         """An adapter by folder, from the CPU cache when its files are unchanged, else read here."""
         path = os.path.abspath(os.fspath(path))
-        key = (path, _signature(path))
+        key = (path, files_signature(path))
         return self._cached(key, name) or self._cache(key, self.load(path, name))
 
     def lookup(self, path: str | os.PathLike, name: str | None = None) -> Adapter | PendingAdapter:
         """An adapter by folder without reading it on this thread: from the CPU cache when its files are
         unchanged, else a `PendingAdapter` that the loader fills. A folder without adapter files raises at once."""
         path = os.path.abspath(os.fspath(path))
-        key = (path, _signature(path))
+        key = (path, files_signature(path))
         if cached := self._cached(key, name):
             return cached
         if not key[1]:  # nothing to read: the read fails at once, with its own message
@@ -189,8 +196,8 @@ class AdapterManager:
             self._started.append(key)
 
     def _job(self, source: str | Adapter) -> tuple[Adapter, Staged]:
-        """One load, on the loader thread: a folder read and converted (or an adapter on the CPU), moved."""
-        adapter, on_device = (source, None) if isinstance(source, Adapter) else self._load(source)
+        """One load, on the loader thread: a folder read and converted (or an adapter on the CPU: checked), moved."""
+        adapter, on_device = (self._checked(source), None) if isinstance(source, Adapter) else self._load(source)
         return adapter, self.loader.move(adapter, self._moved) if on_device is None else self.loader.stage(on_device)
 
     def poll(self, finish: Callable[[Request], None]) -> list[Request]:
@@ -238,10 +245,6 @@ class AdapterManager:
         self._placements.clear()
 
     # ------------------------------------------------------------------ device slots
-    @property
-    def num_active(self) -> int:
-        return len(self._refs)
-
     def can_activate(self, adapter: Adapter | None) -> bool:
         """Whether a request with this adapter can run now (the running requests' adapters take slots)."""
         return adapter is None or adapter.identity in self._refs or len(self._refs) < self.max_adapters
@@ -287,14 +290,3 @@ def _bind(req: Request, adapter: Adapter) -> Adapter:
     start = 0 if inv is None else alora_start(req.prompt_token_ids, inv)
     req.adapter_start = NEVER if start is None else start
     return adapter
-
-
-def _signature(path: str) -> tuple:
-    sig = []
-    for file in ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"):
-        try:
-            st = os.stat(os.path.join(path, file))
-            sig.append((file, st.st_size, st.st_mtime_ns))
-        except OSError:
-            pass
-    return tuple(sig)

@@ -153,23 +153,14 @@ def tensor_parallel(model, config: EngineConfig) -> Iterator[TensorParallel | No
 
 class ShardedAdapterManager(AdapterManager):
     """Rank 0's `AdapterManager`: adapters are converted against the full layers; one a sharded layer cannot hold
-    fails its requests alone (AdapterError, as other bad adapters do); each new placement is recorded for the
-    workers (the CPU adapter, its full folded slots)."""
+    fails its requests alone (its `check`: AdapterError, as other bad adapters do); each new placement is recorded
+    for the workers (the CPU adapter, its full folded slots)."""
 
     def __init__(self, placements: list[Placement], *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.check = lambda adapter: check_adapter(adapter, self.linears)
         self.placements = placements
         self._sent: list[str | None] = [None] * self.max_adapters  # identity each slot holds on the workers
-
-    def load(self, path, name=None, **options) -> Adapter:
-        adapter = super().load(path, name, **options)
-        check_adapter(adapter, self.linears)
-        return adapter
-
-    def _job(self, source):  # the loader's job: a refusal fails the requests waiting for this adapter alone
-        adapter, staged = super()._job(source)
-        check_adapter(adapter, self.linears)
-        return adapter, staged
 
     def acquire(self, adapter: Adapter | None) -> int:
         slot = super().acquire(adapter)
