@@ -36,6 +36,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from scute.model.linear import ScuteLinear
+from scute.ops.groups import ActiveSlots
 from scute.ops.pool import StepKinds
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -80,9 +81,9 @@ class AdapterLayout:
                 key |= self.slot_kinds[s]
         return key
 
-    def active_slots(self, step_key: int) -> frozenset[int]:
+    def active_slots(self, step_key: int) -> ActiveSlots:
         """The slots a graph of `step_key` is captured for: every slot that needs no other pass."""
-        return frozenset([-1] + [s for s, k in enumerate(self.slot_kinds) if k & ~step_key == 0])
+        return ActiveSlots([-1] + [s for s, k in enumerate(self.slot_kinds) if k & ~step_key == 0])
 
 
 class DecodeGraphs:

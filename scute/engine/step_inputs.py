@@ -21,6 +21,7 @@ from scute.engine.scheduler import SchedulerOutput
 from scute.engine.utils import host_to_device
 from scute.model.attention import AttentionMetadata
 from scute.model.context import ForwardContext
+from scute.ops.groups import ActiveSlots
 
 
 @dataclass
@@ -118,7 +119,7 @@ def device_inputs(x: StepInputs, buffers: dict[str, Tensor], device: torch.devic
         token_adapter_slots=host_to_device(x.token_slots, torch.int64, device, buf["token_slots"]),
         sample_adapter_slots=host_to_device(x.sample_slots, torch.int64, device,
                                             _fits(buf["sample_slots"], x.sample_slots)),
-        active_adapter_slots=frozenset(x.token_slots),
+        active_adapter_slots=ActiveSlots(x.token_slots),
         attn=meta,
     )
     ids = host_to_device(x.input_ids, torch.int64, device, buf["input_ids"])

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scute.ops.groups import _needs_expand, _storage_key, pool_facts
+from scute.ops.groups import needs_expand, storage_key, pool_facts
 from scute.ops.meta import max_tiles
 from scute.ops.plan import SharedPlan, plan
 from scute.ops.slots import Slots
@@ -93,7 +93,7 @@ def layer_call_bytes(slots: Sequence[Sequence[Slots | None]], in_features: int, 
         cost.activations += _shared_group_bytes([row[shared] for row in slots], in_features, out_features, members,
                                                 n_tok, elem, d_elem, passes.shared)
     if passes.epilogue is not None:
-        expand = {s for s, col in live.items() if any(_needs_expand(sl) for sl in col)}
+        expand = {s for s, col in live.items() if any(needs_expand(sl) for sl in col)}
         cost.activations += sum(1 for s in token_slots if s in expand) * sum(2 * o * elem for o in out_features)
     return cost
 
@@ -117,7 +117,7 @@ def _slot_bytes(column: list[Slots | None], seen: set, elem: int) -> int:
         if sl is None:
             continue
         for x in sl.tensors().values():
-            key = _storage_key(x, "vec" if x.dim() == 1 else "mat")
+            key = storage_key(x, "vec" if x.dim() == 1 else "mat")
             if key in seen:
                 continue
             seen.add(key)
@@ -129,7 +129,7 @@ def _h_width(live: dict[int, list[Slots | None]]) -> int:
     """The widest rank span a group needs in h (A shared by projections counted once)."""
     width = 0
     for column in live.values():
-        keys = {_storage_key(sl.A, "mat"): sl.rank for sl in column if sl is not None and sl.A is not None}
+        keys = {storage_key(sl.A, "mat"): sl.rank for sl in column if sl is not None and sl.A is not None}
         width = max(width, sum(keys.values()))
     return width
 

@@ -4,7 +4,6 @@ the byte model (`scute.ops.cost`) computes them for slots that were never packed
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from collections.abc import Collection, Sequence
 from typing import NamedTuple
@@ -58,7 +57,7 @@ class SlotFacts(NamedTuple):
 def slot_facts(column: Sequence[Slots | None]) -> SlotFacts:
     live = [sl for sl in column if sl is not None]
     return SlotFacts(_share_key(list(column)), any(sl.t is not None or sl.t_blocks is not None for sl in live),
-                     any(_needs_expand(sl) for sl in live), any(sl.A is not None for sl in live),
+                     any(needs_expand(sl) for sl in live), any(sl.A is not None for sl in live),
                      tuple(sl.A.shape[0] for sl in live if sl.A is not None),
                      tuple(sl.t_blocks.shape[-1] for sl in live if sl.t_blocks is not None),
                      any(_exact_delta(sl) for sl in live))
@@ -103,25 +102,28 @@ def shared_a_of(column: Sequence[Slots | None]) -> tuple[int, ...]:
         if sl is None or sl.A is None:
             out.append(-1)
             continue
-        key = _storage_key(sl.A, "mat")
+        key = storage_key(sl.A, "mat")
         if key not in keys:
             keys.append(key)
         out.append(keys.index(key))
     return tuple(out)
 
 
+class ActiveSlots(frozenset):
+    """The distinct slots of a step's tokens, known on the host (−1, the base model, may be among them), with
+    their bit mask (bit s: slot s) computed once: every layer call of the step reads it (`step_kinds`)."""
+
+    def __new__(cls, slots=()):
+        self = super().__new__(cls, slots)
+        self.mask = sum(1 << s for s in self if s >= 0)
+        return self
+
+
 def step_kinds(masks: StepKinds, active: Collection[int] | None) -> StepKinds:
     """The passes a step runs when its tokens use only the slots in `active` (host-side; −1, the base model, may
     be among them), or None: any slot."""
-    mask = -1 if active is None else _slot_mask(active if isinstance(active, frozenset) else frozenset(active))
+    mask = -1 if active is None else (active if isinstance(active, ActiveSlots) else ActiveSlots(active)).mask
     return StepKinds(*(mask & m != 0 for m in masks))
-
-
-@functools.lru_cache(maxsize=8)
-def _slot_mask(active: frozenset[int]) -> int:
-    """The bit mask of a step's slots (bit s: slot s; the base model's −1 has none), computed once per step:
-    every layer call of the step passes the same set."""
-    return sum(1 << s for s in active if s >= 0)
 
 
 def _groups(keys: Sequence[tuple | None]) -> tuple[list[int], int]:
@@ -133,12 +135,14 @@ def _groups(keys: Sequence[tuple | None]) -> tuple[list[int], int]:
     return groups, max(first.values(), key=lambda g: (sizes[g], -g), default=-1)
 
 
-def _storage_key(x: Tensor, kind: str) -> tuple:
+def storage_key(x: Tensor, kind: str) -> tuple:
+    """The identity of a tensor's memory as `kind` (shared matrices are found by it, not by value)."""
     return (kind, x.device, x.dtype, x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape),
             tuple(x.stride()))
 
 
-def _needs_expand(sl: Slots | None) -> bool:
+def needs_expand(sl: Slots | None) -> bool:
+    """Whether a slot changes the base output at all (an epilogue term or a low-rank part)."""
     return sl is not None and (sl.o is not None or sl.o2 is not None or sl.c is not None or sl.A is not None)
 
 
@@ -161,5 +165,5 @@ def _share_key(column: list[Slots | None]) -> tuple | None:
         elif sl.A is None or not {"A", "B"} <= sl.shared:
             return None
         else:
-            key.append((_storage_key(sl.A, "mat"), _storage_key(sl.B, "matB"), sl.rot_group))
+            key.append((storage_key(sl.A, "mat"), storage_key(sl.B, "matB"), sl.rot_group))
     return tuple(key)

@@ -35,7 +35,7 @@ from collections.abc import Collection, Sequence
 import torch
 from torch import Tensor
 
-from scute.ops.groups import PoolFacts, StepKinds, _storage_key, pool_facts, shared_a_of, step_kinds
+from scute.ops.groups import PoolFacts, StepKinds, storage_key, pool_facts, shared_a_of, step_kinds
 from scute.ops.slots import Slots
 
 # Table fields (int64 each). Group fields (A, B, ranks, h offsets) are read at the group's representative slot,
@@ -124,7 +124,7 @@ class SlotPool:
         """The pool's copy of `x` (kind 'vec': float32; 'mat': matrix dtype; 'matB': matrix dtype, rows padded with
         zeros to a multiple of 8), made once per storage; its key joins `mine` (the copies a slot uses). The cache
         holds `x` itself, so the storage (and the key) cannot be reused while cached."""
-        key = _storage_key(x, kind)
+        key = storage_key(x, kind)
         mine.add(key)
         hit = keep.get(key) or self._cache.get(key)  # keep first: a storage met twice in one update is copied once
         if hit is None:
@@ -215,12 +215,12 @@ class SlotPool:
         a_src: dict[tuple, Tensor] = {}  # the distinct A's (VeRA's q, k and v share one)
         for sl in column:
             if sl is not None and sl.A is not None:
-                a_src.setdefault(_storage_key(sl.A, "mat"), sl.A)
+                a_src.setdefault(storage_key(sl.A, "mat"), sl.A)
         a_keys = list(a_src)
         rank = next(iter(a_src.values())).shape[0]
         self.shared_a_of = shared_a_of(column)
         self.shared_outs = tuple(0 if a < 0 else o for a, o in zip(self.shared_a_of, self.out_features))
-        src = tuple(a_keys) + tuple(None if sl is None or sl.B is None else _storage_key(sl.B, "mat")
+        src = tuple(a_keys) + tuple(None if sl is None or sl.B is None else storage_key(sl.B, "mat")
                                     for sl in column)
         if self._shared_src[:1] != (src,):
             self.shared_a = _refill(self.shared_a, torch.stack(list(a_src.values())), self.device, self.dtype)
@@ -269,7 +269,7 @@ class SlotPool:
         for p, sl in enumerate(column):
             if sl is None or sl.A is None:
                 continue
-            r, a_key = sl.A.shape[0], _storage_key(sl.A, "mat")
+            r, a_key = sl.A.shape[0], storage_key(sl.A, "mat")
             b = self._dev(sl.B, "matB", keep, mine)
             rows[p, F_B], rows[p, F_BLD], rows[p, F_RANK] = b.data_ptr(), b.shape[1], r
             if a_key in seen:  # the same A as an earlier projection (VeRA's shared A): multiply once
