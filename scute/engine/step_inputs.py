@@ -19,7 +19,7 @@ from scute.engine.prompt_logprobs import PromptRows
 from scute.engine.request import Request
 from scute.engine.scheduler import SchedulerOutput
 from scute.engine.utils import host_to_device
-from scute.model.attention import AttentionMetadata
+from scute.model.attention import AttentionMetadata, kv_gather_index
 from scute.model.context import ForwardContext
 from scute.ops.groups import ActiveSlots
 
@@ -115,6 +115,8 @@ def device_inputs(x: StepInputs, buffers: dict[str, Tensor], device: torch.devic
         max_seq_len=max(x.seq_lens), query_start_loc_host=x.query_start_loc, seq_lens_host=x.seq_lens,
         kv_caches=kv_caches, backend=backend,
     )
+    if backend == "torch":  # its gather index, once for every layer
+        meta.kv_index = kv_gather_index(meta, kv_caches[0][0].shape[1])
     ctx = ForwardContext(
         token_adapter_slots=host_to_device(x.token_slots, torch.int64, device, buf["token_slots"]),
         sample_adapter_slots=host_to_device(x.sample_slots, torch.int64, device,

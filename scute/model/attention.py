@@ -35,6 +35,8 @@ class AttentionMetadata:
     max_query_len, max_seq_len: host ints, the largest of each (grid sizes).
     query_start_loc_host, seq_lens_host: the same as Python lists (the torch backend loops over requests).
     kv_caches: per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+    kv_index: the torch backend's gather index of the step (`kv_gather_index`), built with the metadata by the
+        engine so that every layer reuses it; None: each call builds it.
     """
 
     slot_mapping: Tensor
@@ -47,7 +49,7 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     kv_caches: list[tuple[Tensor, Tensor]]
     backend: str = "torch"
-    _kv_index: Tensor | None = field(default=None, repr=False)  # torch backend: cached gather index
+    kv_index: Tensor | None = field(default=None, repr=False)  # torch backend: `kv_gather_index`, if built
 
     @property
     def num_seqs(self) -> int:
@@ -98,7 +100,7 @@ def torch_paged_attention(
     k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
     k_flat[meta.slot_mapping] = k.to(k_cache.dtype)
     v_flat[meta.slot_mapping] = v.to(v_cache.dtype)
-    index = _kv_gather_index(meta, k_cache.shape[1])
+    index = meta.kv_index if meta.kv_index is not None else kv_gather_index(meta, k_cache.shape[1])
     keys, values = k_flat[index].transpose(0, 1), v_flat[index].transpose(0, 1)  # [Hkv, sum L, D]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     qsl, kv_start = meta.query_start_loc_host, 0
@@ -114,15 +116,13 @@ def torch_paged_attention(
     return out
 
 
-def _kv_gather_index(meta: AttentionMetadata, block_size: int) -> Tensor:
-    """The KV slots of every request's positions 0..seq_len-1, concatenated (built once per step)."""
-    if meta._kv_index is None:
-        parts = []
-        for i, seq_len in enumerate(meta.seq_lens_host):
-            pos = torch.arange(seq_len, device=meta.block_tables.device)
-            parts.append(meta.block_tables[i, pos // block_size].long() * block_size + pos % block_size)
-        meta._kv_index = torch.cat(parts)
-    return meta._kv_index
+def kv_gather_index(meta: AttentionMetadata, block_size: int) -> Tensor:
+    """The KV slots of every request's positions 0..seq_len-1, concatenated: [sum seq_lens] int64."""
+    parts = []
+    for i, seq_len in enumerate(meta.seq_lens_host):
+        pos = torch.arange(seq_len, device=meta.block_tables.device)
+        parts.append(meta.block_tables[i, pos // block_size].long() * block_size + pos % block_size)
+    return torch.cat(parts)
 
 
 def _mask(q_len: int, seq_len: int, window: int | None, device: torch.device) -> Tensor | None:
