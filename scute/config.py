@@ -44,6 +44,11 @@ class EngineConfig:
     enforce_eager: bool = False
     # Distinct adapters resident on the device at once, hence the most distinct adapters in one step.
     max_adapters: int = 8
+    # Device memory the adapters in device slots may hold (their tensors; shared ones once), in bytes; on a GPU
+    # it is kept out of the KV cache's budget. None: on a GPU room for max_adapters + 4 (staged) LoRA adapters of
+    # rank 16 on every adapted layer, on the CPU no limit. An adapter that needs more slots' memory than is
+    # free waits for unused ones to be evicted; one larger than the whole budget fails alone.
+    adapter_memory_bytes: int | None = None
     # Largest adapter rank accepted (after folding: LoRA r, VeRA's shared rank, ...); larger ones fail alone.
     max_adapter_rank: int = 256
     # Adapters loaded by path kept in CPU memory (LRU); adapters named with `Engine.load_adapter` are kept
@@ -68,6 +73,8 @@ class EngineConfig:
         for name in positive:
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.adapter_memory_bytes is not None and self.adapter_memory_bytes <= 0:
+            raise ValueError(f"EngineConfig.adapter_memory_bytes must be positive, got {self.adapter_memory_bytes}")
         if self.max_cpu_adapters < 0:
             raise ValueError(f"EngineConfig.max_cpu_adapters must be >= 0, got {self.max_cpu_adapters}")
         if self.max_num_batched_tokens < self.max_num_seqs:

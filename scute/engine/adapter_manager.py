@@ -31,11 +31,12 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from scute.adapters import Adapter, AdapterError, alora_start, load_adapter, read_checkpoint
+from scute.adapters import Adapter, AdapterError, load_adapter, read_checkpoint
 from scute.adapters.checkpoint import files_signature
 from scute.adapters.adapter import SharedMemo
 from scute.engine.adapter_loader import AdapterLoader, Staged
-from scute.engine.request import NEVER, Request, RequestStatus
+from scute.engine.adapter_memory import AdapterMemory
+from scute.engine.request import Request, RequestStatus
 from scute.model.hf import place_adapter
 from scute.model.linear import ScuteLinear
 
@@ -66,8 +67,10 @@ class AdapterManager:
     def __init__(
         self, model: nn.Module, linears: dict[str, ScuteLinear], max_adapters: int, max_adapter_rank: int,
         max_cpu_adapters: int, device: torch.device, check: Callable[[Adapter], None] | None = None,
+        memory_bytes: int | None = None,
     ) -> None:
-        """`check`: a further test of every adapter to serve, raising AdapterError (its requests fail alone)."""
+        """`check`: a further test of every adapter to serve, raising AdapterError (its requests fail alone);
+        `memory_bytes`: the device memory the slots' adapters may hold (`AdapterMemory`; None: no limit)."""
         self.model, self.linears, self.device, self.check = model, linears, device, check
         self.max_adapters, self.max_adapter_rank = max_adapters, max_adapter_rank
         self.max_cpu_adapters = max_cpu_adapters
@@ -79,12 +82,13 @@ class AdapterManager:
         self._moved: SharedMemo = {}  # shared matrices on the device, one copy for every adapter (loader thread)
         self.dtype = next((m.weight.dtype for m in linears.values()), torch.float32)  # the device slots' matrices
         self.loader = AdapterLoader(device, self.dtype)
+        self.memory = AdapterMemory(memory_bytes, self.dtype)
         self._loads: dict[tuple, _Load] = {}  # ("path", folder, signature) or ("move", identity) -> its load
         self._queue: list[tuple[int, int, tuple]] = []  # heap of (arrival of a waiting request, seq, load key)
         self._seq = itertools.count()
         self._started: list[tuple] = []  # keys of the loads given to the loader, not polled yet
         self._staged: dict[str, tuple[Staged, set[Request]]] = {}  # identity -> device copy, requests waiting
-        self._placements: list[tuple[int, Staged]] = []  # slots given by `acquire`, filled by `place`
+        self._placements: list[tuple[int, Staged | None]] = []  # slots `acquire` fills or empties, for `place`
         self._failed: list[tuple[Request, str]] = []
 
     # ------------------------------------------------------------------ CPU tier
@@ -159,9 +163,12 @@ class AdapterManager:
                 else:
                     self._want(("path", *adapter.key), adapter.path, req)
                 return False
-            adapter = _bind(req, adapter.adapter)
+            adapter = req.bind_adapter(adapter.adapter)
         if adapter is None or adapter.identity in self._slots:
             return True
+        if error := self.memory.too_large(adapter):
+            self._failed.append((req, f"AdapterError: {error}"))
+            return False
         if adapter.identity in self._staged:
             self._staged[adapter.identity][1].add(req)
             return True
@@ -241,13 +248,15 @@ class AdapterManager:
     def place(self) -> None:
         """Put the adapters `acquire` gave slots to into them (the engine: after `schedule`, before the step)."""
         for slot, staged in self._placements:
-            place_adapter(self.linears, slot, staged.use())
+            place_adapter(self.linears, slot, None if staged is None else staged.use())
         self._placements.clear()
 
     # ------------------------------------------------------------------ device slots
     def can_activate(self, adapter: Adapter | None) -> bool:
-        """Whether a request with this adapter can run now (the running requests' adapters take slots)."""
-        return adapter is None or adapter.identity in self._refs or len(self._refs) < self.max_adapters
+        """Whether a request with this adapter can run now: the running requests' adapters keep their slots and
+        their memory, the unused ones can be evicted."""
+        return adapter is None or adapter.identity in self._refs or (
+            len(self._refs) < self.max_adapters and self.memory.fits(adapter, self._refs))
 
     def acquire(self, adapter: Adapter | None) -> int:
         """Pin a ready adapter in a device slot (giving it one: `place` fills it); returns the slot (−1 = base)."""
@@ -260,15 +269,23 @@ class AdapterManager:
         else:
             if staged is None:
                 raise RuntimeError(f"adapter {adapter.name!r} is not on the device: acquire only a ready one")
-            if None in self._slots:
-                slot = self._slots.index(None)
-            else:
-                evicted, _ = self._unused.popitem(last=False)  # can_activate() guarantees one exists
-                slot = self._slots.index(evicted)
-            self._placements.append((slot, staged))
+            emptied = []  # evicted for memory (can_activate() guarantees enough can be), then for a slot
+            while not self.memory.fits(adapter, filter(None, self._slots)):
+                emptied.append(self._evict())
+            slot = self._slots.index(None) if None in self._slots else self._evict()
+            self._placements += [(s, None) for s in emptied if s != slot] + [(slot, staged)]
             self._slots[slot] = ident
+            self.memory.hold(adapter)
         self._refs[ident] = self._refs.get(ident, 0) + 1
         return self._slots.index(ident)
+
+    def _evict(self) -> int:
+        """Empty the slot of the least recently used unused adapter; returns the slot."""
+        evicted, _ = self._unused.popitem(last=False)
+        slot = self._slots.index(evicted)
+        self._slots[slot] = None
+        self.memory.drop(evicted)
+        return slot
 
     def release(self, adapter: Adapter | None) -> None:
         if adapter is None:
@@ -278,15 +295,3 @@ class AdapterManager:
         if self._refs[ident] == 0:
             del self._refs[ident]
             self._unused[ident] = None
-
-
-def _bind(req: Request, adapter: Adapter) -> Adapter:
-    """Give a request the adapter its `PendingAdapter` loaded, named as the request names it, and the adapter's
-    gate (`Request.adapter_start`, as `Request` sets it for an adapter known on arrival)."""
-    if req.adapter_name not in (None, adapter.name):
-        adapter = replace(adapter, name=req.adapter_name)
-    req.adapter = adapter
-    inv = adapter.invocation_tokens
-    start = 0 if inv is None else alora_start(req.prompt_token_ids, inv)
-    req.adapter_start = NEVER if start is None else start
-    return adapter

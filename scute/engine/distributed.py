@@ -34,7 +34,8 @@ from scute.adapters import Adapter
 from scute.adapters.conversion import intern_shared
 from scute.config import EngineConfig
 from scute.engine.adapter_loader import AdapterLoader
-from scute.engine.adapter_manager import AdapterManager
+from scute.engine.adapter_manager import MAX_PREFETCH, AdapterManager
+from scute.engine.adapter_memory import adapter_budget
 from scute.engine.kv_plan import plan_kv_cache
 from scute.engine.model_runner import ModelRunner
 from scute.engine.step_inputs import DecodeStep, StepInputs
@@ -221,7 +222,8 @@ def _worker(rank: int, port: int, model: str, config: EngineConfig, threads: int
     group = _join(store, rank, config.tensor_parallel_size, device)
     loaded = load_model(model, None, config, rank)
     loaded.adapter_base = None  # the full layers: only rank 0 converts adapters
-    runner = ModelRunner(loaded, config, *plan_kv_cache(loaded, config))
+    memory = adapter_budget(config, loaded.linears, loaded.dtype, device, MAX_PREFETCH) or 0
+    runner = ModelRunner(loaded, config, *plan_kv_cache(loaded, config, memory))
     if runner.graphs is not None:
         runner.capture_graphs(progress=False)
     loader, memo = AdapterLoader(device, loaded.dtype), {}  # adapters as rank 0's device slots hold them

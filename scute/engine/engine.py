@@ -15,7 +15,8 @@ from tqdm.auto import tqdm
 
 from scute.adapters import Adapter, AdapterError
 from scute.config import EngineConfig
-from scute.engine.adapter_manager import AdapterManager
+from scute.engine.adapter_manager import MAX_PREFETCH, AdapterManager
+from scute.engine.adapter_memory import adapter_budget
 from scute.engine.block_manager import BlockManager
 from scute.engine.distributed import tensor_parallel
 from scute.engine.kv_plan import plan_kv_cache
@@ -44,10 +45,11 @@ class Engine:
             loaded = load_model(model, tokenizer, self.config)
             self.model, self.tokenizer = loaded.model, loaded.tokenizer
             self.vocab_size = self.model.get_input_embeddings().num_embeddings
+            memory = adapter_budget(self.config, loaded.linears, loaded.dtype, loaded.device, MAX_PREFETCH)
             self.adapters = (AdapterManager if self.tp is None else self.tp.adapter_manager)(
                 loaded.adapter_base, loaded.linears, self.config.max_adapters, self.config.max_adapter_rank,
-                self.config.max_cpu_adapters, loaded.device)
-            num_blocks, self.max_model_len = plan_kv_cache(loaded, self.config)
+                self.config.max_cpu_adapters, loaded.device, memory_bytes=memory)
+            num_blocks, self.max_model_len = plan_kv_cache(loaded, self.config, memory or 0)
             self.runner = ModelRunner(loaded, self.config, num_blocks, self.max_model_len, self.tp and self.tp.send)
             if self.runner.graphs is not None:
                 self.runner.capture_graphs()

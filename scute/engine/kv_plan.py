@@ -1,7 +1,8 @@
 """How many KV blocks the engine gets, and the max_model_len they allow.
 
 CPU: `kv_cache_memory_bytes` (default 1 GiB). GPU: the same option if given, else
-``gpu_memory_utilization × total`` minus what other processes hold minus the peak of a profiling forward of
+``gpu_memory_utilization × total`` minus what other processes hold minus the adapters' memory budget
+(`adapter_memory_bytes`, `scute.engine.adapter_memory`) minus the peak of a profiling forward of
 `max_num_batched_tokens` tokens (weights + activations; requests of at most PROFILE_SEQ_LEN tokens) minus what
 the adapters' kernels allocate on top of it (the profiling forward runs before any adapter is loaded). Never more blocks than `max_num_seqs` requests of
 `max_model_len` tokens can use. A tensor-parallel rank holds its share of the KV heads (`LoadedModel.num_kv_heads`),
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from scute.config import EngineConfig
+from scute.engine.adapter_memory import log_budget
 from scute.model.context import ForwardContext, forward_context
 from scute.model.attention import AttentionMetadata
 from scute.model.linear import ScuteLinear
@@ -26,8 +28,9 @@ CPU_DEFAULT_BYTES = 1 << 30
 PROFILE_SEQ_LEN = 1024
 
 
-def plan_kv_cache(loaded: LoadedModel, config: EngineConfig) -> tuple[int, int]:
-    """Returns (num_blocks, max_model_len); raises ValueError if max_model_len cannot fit."""
+def plan_kv_cache(loaded: LoadedModel, config: EngineConfig, adapter_bytes: int = 0) -> tuple[int, int]:
+    """Returns (num_blocks, max_model_len); raises ValueError if max_model_len cannot fit. `adapter_bytes`: the
+    device memory kept for the adapters (out of a budget derived from gpu_memory_utilization)."""
     bs = config.block_size
     elem = loaded.dtype.itemsize
     block_bytes = 2 * loaded.num_layers * bs * loaded.num_kv_heads * loaded.head_dim * elem
@@ -38,7 +41,7 @@ def plan_kv_cache(loaded: LoadedModel, config: EngineConfig) -> tuple[int, int]:
     if config.kv_cache_memory_bytes is not None:
         budget = config.kv_cache_memory_bytes
     elif loaded.device.type == "cuda":
-        budget = _gpu_budget(loaded, config)
+        budget = _gpu_budget(loaded, config) - adapter_bytes
     else:
         budget = CPU_DEFAULT_BYTES
     num_blocks = min(budget // block_bytes, config.max_num_seqs * -(-target_len // bs))
@@ -48,7 +51,9 @@ def plan_kv_cache(loaded: LoadedModel, config: EngineConfig) -> tuple[int, int]:
         num_blocks = int(fewest.item())
     if num_blocks < 1:
         raise ValueError(f"the KV budget ({budget} bytes) holds no block of {block_bytes} bytes: "
-                         "raise kv_cache_memory_bytes or gpu_memory_utilization, or lower block_size")
+                         "raise kv_cache_memory_bytes or gpu_memory_utilization, or lower block_size or "
+                         "adapter_memory_bytes")
+    log_budget(adapter_bytes or None, loaded)
     capacity = num_blocks * bs
     if config.max_model_len is not None and config.max_model_len > capacity:
         raise ValueError(f"max_model_len={config.max_model_len} does not fit the KV cache ({capacity} tokens in "

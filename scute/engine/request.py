@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scute.adapters import Adapter
-from scute.adapters import alora_start
+from scute.adapters import Adapter, alora_start
 from scute.sampling_params import SamplingParams
 
 NEVER = sys.maxsize  # `Request.adapter_start` of an aLoRA whose invocation tokens are not in the prompt
@@ -72,9 +71,7 @@ class Request:
         self.adapter_slot = -1  # slot in the ScuteLinear layers while running (-1 = base model)
         # Position of the first token the adapter applies to: 0, or for an aLoRA the start of its invocation
         # tokens' last occurrence in the prompt (never, if they do not occur); earlier tokens run on the base.
-        inv = None if adapter is None else adapter.invocation_tokens
-        start = 0 if inv is None else alora_start(self.prompt_token_ids, inv)
-        self.adapter_start = NEVER if start is None else start
+        self.adapter_start = _gate(self.prompt_token_ids, adapter)
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -92,6 +89,14 @@ class Request:
         self.generator: torch.Generator | None = None
         self.text = ""  # detokenized output, kept current only when stop strings need it
         self.eos_token_ids: list[int] = []  # the model's EOS ids (they end it unless ignore_eos)
+
+    def bind_adapter(self, adapter: Adapter) -> Adapter:
+        """Serve the request with the adapter its `PendingAdapter` loaded, named as the request names it, and set
+        the adapter's gate as for an adapter known on arrival; returns it."""
+        if self.adapter_name not in (None, adapter.name):
+            adapter = dataclasses.replace(adapter, name=self.adapter_name)
+        self.adapter, self.adapter_start = adapter, _gate(self.prompt_token_ids, adapter)
+        return adapter
 
     @property
     def num_tokens(self) -> int:
@@ -150,3 +155,10 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
                 f"status={self.status.value})")
+
+
+def _gate(prompt_token_ids: list[int], adapter) -> int:
+    """`Request.adapter_start` for this adapter: 0, an aLoRA's invocation start in the prompt, or NEVER."""
+    inv = getattr(adapter, "invocation_tokens", None)
+    start = 0 if inv is None else alora_start(prompt_token_ids, inv)
+    return NEVER if start is None else start

@@ -1,0 +1,101 @@
+"""The adapters' device-memory budget (`adapter_memory_bytes`): the slots never hold more than it, unused adapters
+are evicted to make room (tokens unchanged), an adapter larger than the whole budget fails alone, shared storages
+count once, and the default budget on a GPU has room for max_adapters + the staged LoRA adapters of rank 16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scute.config import EngineConfig
+from scute.engine.adapter_manager import MAX_PREFETCH
+from scute.engine.adapter_memory import DEFAULT_RANK, AdapterMemory, adapter_budget, adapter_storages, lora_bytes
+from tests.helpers import GREEDY, METHODS, Oracle, check, mixed_requests
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    return Oracle(tmp_path_factory.mktemp("adapters"))
+
+
+@pytest.fixture(scope="module")
+def sizes(oracle):
+    """Each method's adapter and its bytes as the slots hold them (float32 engine: 4 bytes per element)."""
+    engine = oracle.engine()
+    adapters = {m: engine.adapters.load(oracle.paths[m]) for m in METHODS}
+    return {m: sum(adapter_storages(a, 4).values()) for m, a in adapters.items()}
+
+
+def _watch(engine, budget: int) -> list[int]:
+    """Record the slots' bytes after every acquire, and check them against the budget."""
+    seen, acquire = [], engine.adapters.acquire
+
+    def acquire_and_check(adapter):
+        slot = acquire(adapter)
+        seen.append(engine.adapters.memory.used())
+        assert seen[-1] <= budget, f"{seen[-1]} bytes in the slots, budget {budget}"
+        return slot
+
+    engine.adapters.acquire = acquire_and_check
+    return seen
+
+
+def test_the_budget_bounds_the_slots_and_eviction_keeps_tokens(oracle, sizes):
+    budget = max(sizes.values()) + min(sizes.values())  # every adapter fits, never all five
+    engine = oracle.engine(max_adapters=len(METHODS), adapter_memory_bytes=budget)
+    seen = _watch(engine, budget)
+    prompts, adapters = mixed_requests()
+    specs = [None if a is None else oracle.paths[a] for a in adapters]
+    for _ in range(2):
+        check(oracle, engine.generate(prompts, GREEDY, specs, use_tqdm=False), prompts, adapters)
+    assert seen and max(seen) <= budget < sum(sizes.values())
+    assert engine.adapters._slots.count(None) > 0  # slots were emptied to make room, not all refilled
+
+
+def test_an_adapter_larger_than_the_budget_fails_alone(oracle, sizes):
+    big = max(sizes, key=sizes.get)
+    budget = max(n for m, n in sizes.items() if m != big)
+    engine = oracle.engine(max_adapters=len(METHODS), adapter_memory_bytes=budget)
+    prompts, adapters = mixed_requests()
+    specs = [None if a is None else oracle.paths[a] for a in adapters]
+    outputs = engine.generate(prompts, GREEDY, specs, use_tqdm=False)
+    for out, adapter in zip(outputs, adapters):
+        if adapter == big:
+            assert out.outputs[0].finish_reason == "error" and "adapter_memory_bytes" in out.error, out.error
+            assert f"{sizes[big] / 2**20:.1f} MiB" in out.error
+    keep = [i for i, a in enumerate(adapters) if a != big]
+    check(oracle, [outputs[i] for i in keep], [prompts[i] for i in keep], [adapters[i] for i in keep])
+
+
+def test_shared_storages_count_once(oracle):
+    """Two VeRA adapters of one projection key share their A and B (one tensor per content): held together they
+    cost one pair and two sets of vectors."""
+    engine = oracle.engine()
+    one = engine.adapters.load(oracle.paths["vera"])
+    two = engine.adapters.load(oracle.paths["vera"], name="again")  # read again: its own vectors, the same pair
+    two.identity = "another"  # held as a second adapter
+    memory = AdapterMemory(None, torch.float32)
+    memory.hold(one)
+    alone = memory.used()
+    memory.hold(two)
+    vectors = sum(x.numel() * 4 for s in two.layers.values() for x in s.tensors().values() if x.dim() == 1)
+    assert memory.used() == alone + vectors < 2 * alone
+    memory.drop(one.identity)
+    assert memory.used() == alone
+    assert AdapterMemory(alone - 1, torch.float32).too_large(one) is not None
+    assert AdapterMemory(alone, torch.float32).too_large(one) is None
+
+
+def test_default_budget(oracle):
+    engine = oracle.engine()
+    linears = engine.adapters.linears
+    assert adapter_budget(EngineConfig(device="cpu"), linears, torch.float32, torch.device("cpu"), 4) is None
+    assert adapter_budget(EngineConfig(device="cpu", adapter_memory_bytes=123), linears, torch.float32,
+                          torch.device("cpu"), 4) == 123
+    per_lora = lora_bytes(linears, DEFAULT_RANK, 2)
+    assert per_lora == sum(DEFAULT_RANK * (m.in_features + m.out_features) for m in linears.values()) * 2
+    got = adapter_budget(EngineConfig(device="cpu", max_adapters=8), linears, torch.bfloat16, torch.device("cuda"),
+                         MAX_PREFETCH)
+    assert got == (8 + MAX_PREFETCH) * per_lora
+    with pytest.raises(ValueError, match="adapter_memory_bytes"):
+        EngineConfig(device="cpu", adapter_memory_bytes=0)
