@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ranks", default="16,64", help="ranks of the LoRA conversions")
     p.add_argument("--convert", type=int, default=2, help="real conversions whose mean error is reported")
     p.add_argument("--max-adapters", type=int, default=256, help="device slots (more adapters swap via the CPU)")
+    p.add_argument("--adapter-memory-gib", type=float, default=None,
+                   help="the engine's adapter_memory_bytes in GiB (default: the engine's, room for max_adapters + 4 "
+                        "LoRA adapters of rank 16; larger conversions then hold fewer slots)")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -201,9 +204,11 @@ def main(argv: list[str] | None = None) -> dict:
                                                             args.convert, dtype)
     # One engine serves every variant in turn, as one server would: N adapters of a variant swap through its
     # device slots and its CPU tier; the previous variant's adapters are evicted as they go cold.
+    memory = None if args.adapter_memory_gib is None else int(args.adapter_memory_gib * 2**30)
     engine = Engine(model, device=device, dtype=str(dtype).split(".")[1], max_num_seqs=256,
                     max_adapters=min(max(counts), args.max_adapters), max_cpu_adapters=max(counts),
-                    max_adapter_rank=256, max_model_len=args.prompt + args.new_tokens + 16)
+                    max_adapter_rank=256, max_model_len=args.prompt + args.new_tokens + 16, adapter_memory_bytes=memory)
+    result["adapter_memory_bytes"] = engine.adapters.memory.budget
     for (method, name), (paths, error) in variants.items():
         for n in counts:
             print(f"{method} {name} N={n}", flush=True)
