@@ -21,7 +21,8 @@ from scute.model.linear import ScuteLinear
 from scute.model.loader import LoadedModel
 from scute.ops.groups import storage_key
 
-DEFAULT_RANK = 16  # the default budget: room for this many adapters of LoRA at this rank on every adapted layer
+DEFAULT_RANK = 16  # the default budget: room for LoRA adapters of this rank on every adapted layer...
+DEFAULT_SHARE = 0.1  # ...at most this share of the device's memory
 
 
 def adapter_storages(adapter: Adapter, matrix_bytes: int) -> dict[tuple, int]:
@@ -41,13 +42,21 @@ def lora_bytes(linears: dict[str, ScuteLinear], rank: int, matrix_bytes: int) ->
 
 def adapter_budget(config: EngineConfig, linears: dict[str, ScuteLinear], dtype: torch.dtype, device: torch.device,
                    staged: int) -> int | None:
-    """`config.adapter_memory_bytes`; by default on a GPU room for `max_adapters` + `staged` LoRA adapters of rank
-    `DEFAULT_RANK` on every adapted layer, on the CPU None (no limit: the adapters live in host memory there)."""
+    """`config.adapter_memory_bytes`; by default on a GPU `default_budget` for `max_adapters` + `staged`
+    adapters, on the CPU None (no limit: the adapters live in host memory there)."""
     if config.adapter_memory_bytes is not None:
         return config.adapter_memory_bytes
     if device.type != "cuda":
         return None
-    return (config.max_adapters + staged) * lora_bytes(linears, DEFAULT_RANK, dtype.itemsize)
+    total = torch.cuda.get_device_properties(device).total_memory
+    return default_budget(linears, config.max_adapters + staged, dtype, total)
+
+
+def default_budget(linears: dict[str, ScuteLinear], num_adapters: int, dtype: torch.dtype, device_memory: int) -> int:
+    """Room for `num_adapters` LoRA adapters of rank `DEFAULT_RANK` on every adapted layer, at most
+    `DEFAULT_SHARE` of the device's memory (thousands of slots for small adapters, IA3's or VeRA's, must not
+    take the KV cache's memory: LoRA adapters beyond the share then take turns in the slots)."""
+    return min(num_adapters * lora_bytes(linears, DEFAULT_RANK, dtype.itemsize), int(DEFAULT_SHARE * device_memory))
 
 
 def log_budget(budget: int | None, loaded: LoadedModel) -> None:

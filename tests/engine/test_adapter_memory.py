@@ -1,6 +1,7 @@
 """The adapters' device-memory budget (`adapter_memory_bytes`): the slots never hold more than it, unused adapters
 are evicted to make room (tokens unchanged), an adapter larger than the whole budget fails alone, shared storages
-count once, and the default budget on a GPU has room for max_adapters + the staged LoRA adapters of rank 16."""
+count once, and the default budget on a GPU has room for max_adapters + the staged LoRA adapters of rank 16, at
+most a tenth of the device's memory."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 
 from scute.config import EngineConfig
 from scute.engine.adapter_manager import MAX_PREFETCH
-from scute.engine.adapter_memory import DEFAULT_RANK, AdapterMemory, adapter_budget, adapter_storages, lora_bytes
+from scute.engine.adapter_memory import (DEFAULT_RANK, DEFAULT_SHARE, AdapterMemory, adapter_budget, adapter_storages,
+                                         default_budget, lora_bytes)
 from tests.helpers import GREEDY, METHODS, Oracle, check, mixed_requests
 
 
@@ -94,8 +96,7 @@ def test_default_budget(oracle):
                           torch.device("cpu"), 4) == 123
     per_lora = lora_bytes(linears, DEFAULT_RANK, 2)
     assert per_lora == sum(DEFAULT_RANK * (m.in_features + m.out_features) for m in linears.values()) * 2
-    got = adapter_budget(EngineConfig(device="cpu", max_adapters=8), linears, torch.bfloat16, torch.device("cuda"),
-                         MAX_PREFETCH)
-    assert got == (8 + MAX_PREFETCH) * per_lora
+    assert default_budget(linears, 8 + MAX_PREFETCH, torch.bfloat16, 1 << 40) == (8 + MAX_PREFETCH) * per_lora
+    assert default_budget(linears, 1 << 20, torch.bfloat16, 1 << 30) == int(DEFAULT_SHARE * (1 << 30))  # capped
     with pytest.raises(ValueError, match="adapter_memory_bytes"):
         EngineConfig(device="cpu", adapter_memory_bytes=0)
