@@ -256,7 +256,7 @@ class AdapterManager:
         """Whether a request with this adapter can run now: the running requests' adapters keep their slots and
         their memory, the unused ones can be evicted."""
         return adapter is None or adapter.identity in self._refs or (
-            len(self._refs) < self.max_adapters and self.memory.fits(adapter, self._refs))
+            len(self._refs) < self.max_adapters and self.memory.fits_beside_pinned(adapter))
 
     def acquire(self, adapter: Adapter | None) -> int:
         """Pin a ready adapter in a device slot (giving it one: `place` fills it); returns the slot (−1 = base)."""
@@ -270,13 +270,14 @@ class AdapterManager:
             if staged is None:
                 raise RuntimeError(f"adapter {adapter.name!r} is not on the device: acquire only a ready one")
             emptied = []  # evicted for memory (can_activate() guarantees enough can be), then for a slot
-            while not self.memory.fits(adapter, filter(None, self._slots)):
+            while not self.memory.fits_held(adapter):
                 emptied.append(self._evict())
             slot = self._slots.index(None) if None in self._slots else self._evict()
             self._placements += [(s, None) for s in emptied if s != slot] + [(slot, staged)]
             self._slots[slot] = ident
             self.memory.hold(adapter)
         self._refs[ident] = self._refs.get(ident, 0) + 1
+        self.memory.pin(adapter)
         return self._slots.index(ident)
 
     def _evict(self) -> int:
@@ -295,3 +296,4 @@ class AdapterManager:
         if self._refs[ident] == 0:
             del self._refs[ident]
             self._unused[ident] = None
+            self.memory.unpin(ident)

@@ -2,8 +2,10 @@
 
 An adapter's bytes are those of its distinct tensor storages as the device holds them (matrices in the serving
 dtype, vectors in float32, as `AdapterLoader` moves them); a storage several adapters share (VeRA's projection
-pair, one tensor per content) counts once for all of them. `AdapterManager` asks `fits` before it gives an
-adapter a slot and evicts unused adapters until it does; an adapter that cannot fit alone fails its requests.
+pair, one tensor per content) counts once for all of them. `AdapterManager` lets a request run only if its
+adapter fits beside the running requests' (`fits_beside_pinned`), then evicts unused adapters from the slots
+until it fits beside the rest (`fits_held`); an adapter that cannot fit alone fails its requests. Both checks
+cost the size of one adapter (`StorageUnion` keeps the resident ones' union as they come and go).
 The budget bounds the slots' adapters; the copies staged for waiting requests (at most `MAX_PREFETCH`) come on
 top, and the default budget has room for them.
 """
@@ -11,7 +13,6 @@ top, and the default budget has room for them.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
 
 import torch
 
@@ -69,38 +70,84 @@ def log_budget(budget: int | None, loaded: LoadedModel) -> None:
           f"{DEFAULT_RANK} on every adapted layer; adapter_memory_bytes sets it)", file=sys.stderr)
 
 
+class StorageUnion:
+    """The storages of a set of adapters (by identity), each counted once, and their bytes, kept as adapters
+    join and leave: the checks below cost the size of one adapter, not of every resident one."""
+
+    def __init__(self) -> None:
+        self.members: dict[str, dict[tuple, int]] = {}
+        self._refs: dict[tuple, int] = {}
+        self.bytes = 0
+
+    def add(self, identity: str, storages: dict[tuple, int]) -> None:
+        if identity in self.members:
+            return
+        self.members[identity] = storages
+        for key, n in storages.items():
+            self.bytes += n if key not in self._refs else 0
+            self._refs[key] = self._refs.get(key, 0) + 1
+
+    def remove(self, identity: str) -> None:
+        for key, n in self.members.pop(identity, {}).items():
+            self._refs[key] -= 1
+            if not self._refs[key]:
+                del self._refs[key]
+                self.bytes -= n
+
+    def extra(self, storages: dict[tuple, int]) -> int:
+        """The bytes `storages` would add to the union."""
+        return sum(n for key, n in storages.items() if key not in self._refs)
+
+
 class AdapterMemory:
-    """The storages of the adapters in device slots, by adapter identity; `budget` None: no limit."""
+    """The adapters in device slots (`held`) and those of running requests (`pinned`, a subset) against
+    `budget` (None: no limit)."""
 
     def __init__(self, budget: int | None, dtype: torch.dtype) -> None:
         self.budget, self.matrix_bytes = budget, dtype.itemsize
-        self._held: dict[str, dict[tuple, int]] = {}
+        self.held, self.pinned = StorageUnion(), StorageUnion()
+        self._totals: dict[str, int] = {}  # identity -> its bytes alone (a number per adapter ever asked about)
+
+    def storages(self, adapter: Adapter) -> dict[tuple, int]:
+        held = self.held.members.get(adapter.identity)
+        return held if held is not None else adapter_storages(adapter, self.matrix_bytes)
+
+    def total(self, adapter: Adapter) -> int:
+        if adapter.identity not in self._totals:
+            self._totals[adapter.identity] = sum(self.storages(adapter).values())
+        return self._totals[adapter.identity]
 
     def too_large(self, adapter: Adapter) -> str | None:
         """Why `adapter` can never be placed (larger than the whole budget), or None."""
-        if self.budget is None:
+        if self.budget is None or self.total(adapter) <= self.budget:
             return None
-        need = sum(adapter_storages(adapter, self.matrix_bytes).values())
-        if need <= self.budget:
-            return None
-        return (f"adapter {adapter.name!r} needs {need / 2**20:.1f} MiB of device memory, more than "
-                f"adapter_memory_bytes ({self.budget / 2**20:.1f} MiB): raise adapter_memory_bytes")
+        return (f"adapter {adapter.name!r} needs {self.total(adapter) / 2**20:.1f} MiB of device memory, more "
+                f"than adapter_memory_bytes ({self.budget / 2**20:.1f} MiB): raise adapter_memory_bytes")
 
-    def used(self, identities: Iterable[str] | None = None) -> int:
-        """The bytes of the held adapters (or of those among `identities`), shared storages once."""
-        keep = self._held if identities is None else {i: self._held[i] for i in identities if i in self._held}
-        return sum({k: n for storages in keep.values() for k, n in storages.items()}.values())
-
-    def fits(self, adapter: Adapter, beside: Iterable[str]) -> bool:
-        """Whether `adapter` fits in the budget beside the held adapters among `beside`."""
-        if self.budget is None:
+    def fits_beside_pinned(self, adapter: Adapter) -> bool:
+        """Whether `adapter` fits beside the running requests' adapters (the others can be evicted)."""
+        if self.budget is None or self.pinned.bytes + self.total(adapter) <= self.budget:
             return True
-        union = {k: n for i in beside if i in self._held for k, n in self._held[i].items()}
-        union.update(adapter_storages(adapter, self.matrix_bytes))
-        return sum(union.values()) <= self.budget
+        return self.pinned.bytes + self.pinned.extra(self.storages(adapter)) <= self.budget
+
+    def fits_held(self, adapter: Adapter) -> bool:
+        """Whether `adapter` fits beside every adapter in the slots."""
+        if self.budget is None or self.held.bytes + self.total(adapter) <= self.budget:
+            return True
+        return self.held.bytes + self.held.extra(self.storages(adapter)) <= self.budget
+
+    def used(self) -> int:
+        """The bytes of the adapters in the slots, shared storages once."""
+        return self.held.bytes
 
     def hold(self, adapter: Adapter) -> None:
-        self._held[adapter.identity] = adapter_storages(adapter, self.matrix_bytes)
+        self.held.add(adapter.identity, self.storages(adapter))
+
+    def pin(self, adapter: Adapter) -> None:
+        self.pinned.add(adapter.identity, self.storages(adapter))
+
+    def unpin(self, identity: str) -> None:
+        self.pinned.remove(identity)
 
     def drop(self, identity: str) -> None:
-        self._held.pop(identity, None)
+        self.held.remove(identity)

@@ -28,6 +28,10 @@ class Metrics:
                               labels, buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("scute:e2e_request_latency_seconds", "Time from arrival to the last token.", labels,
                              buckets=LATENCY_BUCKETS + (160.0, 320.0), registry=r)
+        self.adapters_resident = Gauge("scute:adapters_resident", "Adapters held in device slots.", labels,
+                                       registry=r)
+        self.adapter_memory = Gauge("scute:adapter_memory_used_bytes", "Device bytes of the adapters in the slots "
+                                    "(shared tensors once; the budget is adapter_memory_bytes).", labels, registry=r)
         self.adapter_loads = Counter("scute:adapter_loads", "Runtime adapter loads by result.",
                                      [*labels, "result"], registry=r)
         self.model_name = model_name
@@ -49,6 +53,9 @@ class Metrics:
         self.running.labels(self.model_name).set(len(scheduler.running))
         self.waiting.labels(self.model_name).set(len(scheduler.waiting))
         self.kv_usage.labels(self.model_name).set(1.0 - blocks.num_free_blocks / max(blocks.num_blocks, 1))
+        memory = engine.adapters.memory
+        self.adapters_resident.labels(self.model_name).set(len(memory.held.members))
+        self.adapter_memory.labels(self.model_name).set(memory.used())
 
     def observe_latency(self, output_tokens: int, arrival: float, first_token: float | None, end: float) -> None:
         """The latencies of a request its client saw to the end."""

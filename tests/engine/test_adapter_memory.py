@@ -51,6 +51,7 @@ def test_the_budget_bounds_the_slots_and_eviction_keeps_tokens(oracle, sizes):
     for _ in range(2):
         check(oracle, engine.generate(prompts, GREEDY, specs, use_tqdm=False), prompts, adapters)
     assert seen and max(seen) <= budget < sum(sizes.values())
+    assert engine.adapters.memory.pinned.bytes == 0 and not engine.adapters.memory.pinned.members  # all released
     assert engine.adapters._slots.count(None) > 0  # slots were emptied to make room, not all refilled
 
 

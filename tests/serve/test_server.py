@@ -204,7 +204,9 @@ def test_runtime_adapters_and_their_path_rules(server, reference, served):
         assert h.post("/v1/unload_lora_adapter", json=dict(lora_name="late")).status_code == 200
         assert h.post("/v1/completions", json=dict(model="late", prompt="a")).status_code == 404
         assert h.post("/v1/unload_lora_adapter", json=dict(lora_name="late")).status_code == 404
-        assert 'scute:adapter_loads_total{model_name="tiny",result="ok"}' in h.get("/metrics").text
+        text = h.get("/metrics").text
+        assert 'scute:adapter_loads_total{model_name="tiny",result="ok"}' in text
+        assert metric(text, "scute:adapters_resident") >= 1 and metric(text, "scute:adapter_memory_used_bytes") > 0
 
 
 def test_64_concurrent_streams(server, reference, served):
