@@ -153,7 +153,7 @@ class StepClock:
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         for i, (prompt, spec) in enumerate(zip(prompts, specs)):
             engine.add_request(f"bench-{time.monotonic_ns()}-{i}", prompt, sp, spec)
-        decode, host, seq_lens, prefill_s = [], [], [], 0.0
+        decode, host, seq_lens, prefill = [], [], [], []
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -168,13 +168,14 @@ class StepClock:
                 host.append(wall - self.wait)
                 seq_lens.append(sum(lens))
             elif new != len(lens):  # a step with prompt tokens
-                prefill_s += wall
+                prefill.append(wall)
         total = time.perf_counter() - start
         tokens = len(prompts) * (len(prompts[0]) + max_tokens)
         return dict(decode_ms=1e3 * statistics.median(decode) if decode else None,
                     host_ms=1e3 * statistics.median(host) if host else None,
                     kv_tokens=statistics.median(seq_lens) if seq_lens else 0, decode_steps=len(decode),
-                    prefill_tok_s=len(prompts) * len(prompts[0]) / prefill_s if prefill_s else None,
+                    prefill_tok_s=len(prompts) * len(prompts[0]) / sum(prefill) if prefill else None,
+                    prefill_steps_ms=[round(1e3 * w, 2) for w in prefill],  # each prompt step's wall time
                     total_tok_s=tokens / total)
 
 
