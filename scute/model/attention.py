@@ -117,12 +117,13 @@ def torch_paged_attention(
 
 
 def kv_gather_index(meta: AttentionMetadata, block_size: int) -> Tensor:
-    """The KV slots of every request's positions 0..seq_len-1, concatenated: [sum seq_lens] int64."""
-    parts = []
-    for i, seq_len in enumerate(meta.seq_lens_host):
-        pos = torch.arange(seq_len, device=meta.block_tables.device)
-        parts.append(meta.block_tables[i, pos // block_size].long() * block_size + pos % block_size)
-    return torch.cat(parts)
+    """The KV slots of every request's positions 0..seq_len-1, concatenated: [sum seq_lens] int64 (a few
+    vectorized ops, whatever the number of requests)."""
+    device = meta.block_tables.device
+    lens = torch.tensor(meta.seq_lens_host, dtype=torch.int64, device=device)
+    req = torch.repeat_interleave(torch.arange(len(meta.seq_lens_host), device=device), lens)
+    pos = torch.arange(req.shape[0], device=device) - (torch.cumsum(lens, 0) - lens)[req]
+    return meta.block_tables[req, pos // block_size].long() * block_size + pos % block_size
 
 
 def _mask(q_len: int, seq_len: int, window: int | None, device: torch.device) -> Tensor | None:
