@@ -103,19 +103,15 @@ def weight_bytes(model) -> int:
 
 
 def adapter_bytes(engine, specs: list) -> int:
-    """Live tensor bytes of the distinct adapters of a batch as the device holds them (matrices in the serving
-    dtype, vectors in float32); tensors shared between adapters (VeRA's projections) counted once."""
-    seen, total = set(), 0
+    """Live tensor bytes of the distinct adapters of a batch as the device holds them (`AdapterMemory`'s
+    count: matrices in the serving dtype, vectors in float32, tensors shared between adapters counted once)."""
+    from scute.engine.adapter_memory import StorageUnion, adapter_storages
+
+    union = StorageUnion()
     for spec in dict.fromkeys(s for s in specs if s is not None):
         adapter = engine.adapters.get_by_path(spec)
-        for slots in adapter.layers.values():
-            for name, x in slots.tensors().items():
-                key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape))
-                if key in seen:
-                    continue
-                seen.add(key)
-                total += x.numel() * (4 if x.dim() == 1 else 2)
-    return total
+        union.add(adapter.identity, adapter_storages(adapter, engine.adapters.memory.matrix_bytes))
+    return union.bytes
 
 
 class StepClock:

@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--convert", type=int, default=2, help="real conversions whose mean error is reported")
     p.add_argument("--max-adapters", type=int, default=256, help="device slots (more adapters swap via the CPU)")
     p.add_argument("--adapter-memory-gib", type=float, default=None,
-                   help="the engine's adapter_memory_bytes in GiB (default: the engine's, room for max_adapters + 4 "
-                        "LoRA adapters of rank 16, at most a tenth of the GPU; larger conversions hold fewer slots)")
+                   help="the engine's adapter_memory_bytes in GiB (default: the engine's, "
+                        "scute.engine.adapter_memory.default_budget)")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)

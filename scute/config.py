@@ -46,7 +46,7 @@ class EngineConfig:
     max_adapters: int = 8
     # Device memory the adapters in device slots may hold (their tensors; shared ones once), in bytes; on a GPU
     # it is kept out of the KV cache's budget. None: on a GPU room for max_adapters + 4 (staged) LoRA adapters of
-    # rank 16 on every adapted layer, at most a tenth of the device's memory; on the CPU no limit. An adapter that
+    # rank 16 on every adapted layer, capped at 0.1 of the device's memory; on the CPU no limit. An adapter that
     # does not fit beside the running requests' waits for unused ones to be evicted; one larger than the whole
     # budget fails alone.
     adapter_memory_bytes: int | None = None

@@ -256,7 +256,7 @@ class AdapterManager:
         """Whether a request with this adapter can run now: the running requests' adapters keep their slots and
         their memory, the unused ones can be evicted."""
         return adapter is None or adapter.identity in self._refs or (
-            len(self._refs) < self.max_adapters and self.memory.fits_beside_pinned(adapter))
+            len(self._refs) < self.max_adapters and self.memory.fits(adapter, self.memory.pinned))
 
     def acquire(self, adapter: Adapter | None) -> int:
         """Pin a ready adapter in a device slot (giving it one: `place` fills it); returns the slot (−1 = base)."""
@@ -270,7 +270,7 @@ class AdapterManager:
             if staged is None:
                 raise RuntimeError(f"adapter {adapter.name!r} is not on the device: acquire only a ready one")
             emptied = []  # evicted for memory (can_activate() guarantees enough can be), then for a slot
-            while not self.memory.fits_held(adapter):
+            while not self.memory.fits(adapter, self.memory.held):
                 emptied.append(self._evict())
             slot = self._slots.index(None) if None in self._slots else self._evict()
             self._placements += [(s, None) for s in emptied if s != slot] + [(slot, staged)]

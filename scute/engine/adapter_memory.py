@@ -3,8 +3,8 @@
 An adapter's bytes are those of its distinct tensor storages as the device holds them (matrices in the serving
 dtype, vectors in float32, as `AdapterLoader` moves them); a storage several adapters share (VeRA's projection
 pair, one tensor per content) counts once for all of them. `AdapterManager` lets a request run only if its
-adapter fits beside the running requests' (`fits_beside_pinned`), then evicts unused adapters from the slots
-until it fits beside the rest (`fits_held`); an adapter that cannot fit alone fails its requests. Both checks
+adapter fits beside the running requests' (`pinned`), then evicts unused adapters from the slots until it fits
+beside the rest (`held`); an adapter that cannot fit alone fails its requests. Both checks
 cost the size of one adapter (`StorageUnion` keeps the resident ones' union as they come and go).
 The budget bounds the slots' adapters; the copies staged for waiting requests (at most `MAX_PREFETCH`) come on
 top, and the default budget has room for them.
@@ -20,7 +20,7 @@ from scute.adapters import Adapter
 from scute.config import EngineConfig
 from scute.model.linear import ScuteLinear
 from scute.model.loader import LoadedModel
-from scute.ops.groups import storage_key
+from scute.ops.groups import slot_storages
 
 DEFAULT_RANK = 16  # the default budget: room for LoRA adapters of this rank on every adapted layer...
 DEFAULT_SHARE = 0.1  # ...at most this share of the device's memory
@@ -29,11 +29,7 @@ DEFAULT_SHARE = 0.1  # ...at most this share of the device's memory
 def adapter_storages(adapter: Adapter, matrix_bytes: int) -> dict[tuple, int]:
     """Each distinct storage of the adapter's live tensors and its bytes on the device (`matrix_bytes` per
     element of a matrix, 4 per element of a vector)."""
-    out = {}
-    for slots in adapter.layers.values():
-        for x in slots.tensors().values():
-            out[storage_key(x, "tensor")] = x.numel() * (matrix_bytes if x.dim() > 1 else 4)
-    return out
+    return {key: n for sl in adapter.layers.values() for key, n in slot_storages(sl, matrix_bytes).items()}
 
 
 def lora_bytes(linears: dict[str, ScuteLinear], rank: int, matrix_bytes: int) -> int:
@@ -124,17 +120,12 @@ class AdapterMemory:
         return (f"adapter {adapter.name!r} needs {self.total(adapter) / 2**20:.1f} MiB of device memory, more "
                 f"than adapter_memory_bytes ({self.budget / 2**20:.1f} MiB): raise adapter_memory_bytes")
 
-    def fits_beside_pinned(self, adapter: Adapter) -> bool:
-        """Whether `adapter` fits beside the running requests' adapters (the others can be evicted)."""
-        if self.budget is None or self.pinned.bytes + self.total(adapter) <= self.budget:
+    def fits(self, adapter: Adapter, beside: StorageUnion) -> bool:
+        """Whether `adapter` fits in the budget beside the adapters of `beside` (`pinned`: the running requests',
+        the others can be evicted; `held`: every adapter in the slots)."""
+        if self.budget is None or beside.bytes + self.total(adapter) <= self.budget:
             return True
-        return self.pinned.bytes + self.pinned.extra(self.storages(adapter)) <= self.budget
-
-    def fits_held(self, adapter: Adapter) -> bool:
-        """Whether `adapter` fits beside every adapter in the slots."""
-        if self.budget is None or self.held.bytes + self.total(adapter) <= self.budget:
-            return True
-        return self.held.bytes + self.held.extra(self.storages(adapter)) <= self.budget
+        return beside.bytes + beside.extra(self.storages(adapter)) <= self.budget
 
     def used(self) -> int:
         """The bytes of the adapters in the slots, shared storages once."""

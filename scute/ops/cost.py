@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scute.ops.groups import needs_expand, storage_key, pool_facts
+from scute.ops.groups import needs_expand, pool_facts, slot_storages, storage_key
 from scute.ops.meta import max_tiles
 from scute.ops.plan import SharedPlan, plan
 from scute.ops.slots import Slots
@@ -114,14 +114,10 @@ def _slot_bytes(column: list[Slots | None], seen: set, elem: int) -> int:
     """Bytes of one active slot's live tensors over the projections; tensors in `seen` were counted already."""
     total = 0
     for sl in column:
-        if sl is None:
-            continue
-        for x in sl.tensors().values():
-            key = storage_key(x, "vec" if x.dim() == 1 else "mat")
-            if key in seen:
-                continue
-            seen.add(key)
-            total += x.numel() * (VEC_BYTES if x.dim() == 1 else elem)
+        for key, n in ({} if sl is None else slot_storages(sl, elem)).items():
+            if key not in seen:
+                seen.add(key)
+                total += n
     return total
 
 

@@ -141,6 +141,13 @@ def storage_key(x: Tensor, kind: str) -> tuple:
             tuple(x.stride()))
 
 
+def slot_storages(sl: Slots, matrix_bytes: int) -> dict[tuple, int]:
+    """Each live tensor of a slot by its storage identity (`storage_key`), with its bytes as the device holds it:
+    matrices at `matrix_bytes` per element, vectors in float32."""
+    return {storage_key(x, "vec" if x.dim() == 1 else "mat"): x.numel() * (4 if x.dim() == 1 else matrix_bytes)
+            for x in sl.tensors().values()}
+
+
 def needs_expand(sl: Slots | None) -> bool:
     """Whether a slot changes the base output at all (an epilogue term or a low-rank part)."""
     return sl is not None and (sl.o is not None or sl.o2 is not None or sl.c is not None or sl.A is not None)
