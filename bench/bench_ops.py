@@ -74,7 +74,7 @@ def time_graph(fn, iters: int = 20, reps: int = 7) -> float:
 
 def measure_bandwidth() -> float:
     """The copy bandwidth every floor uses (`bench/_device.py`: a 2 GiB device-to-device copy, read + write
-    counted, median of 10 after a second of warm-up). About 4.2 TB/s on the H200; replays of a 1 GiB copy in a
+    counted, median of 20 back to back after a second of warm-up). About 4.27 TB/s on the H200; replays of a 1 GiB copy in a
     CUDA graph read 2.76 TB/s side by side, which is why the graph is not used here."""
     return copy_bandwidth(DEVICE)
 

@@ -19,6 +19,24 @@ from torch import Tensor
 from scute.engine.utils import host_to_device
 
 
+ARGMAX_PARTS = 64  # a long row's argmax as this many partial maxima, then their argmax
+
+
+def argmax_rows(logits: Tensor) -> Tensor:
+    """Semantics: ``logits.argmax(-1)`` (the first maximum of each row). Shapes: logits [S, V]; returns [S] int64.
+
+    A vocabulary that splits into `ARGMAX_PARTS` equal parts of 1024 or more takes two reductions: the maximum of
+    each part (its first), then the first part holding the largest. PyTorch's one reduction over few long rows
+    runs on few blocks: on an H200 a row of 128k logits took 36 µs of each decode step, more than a layer's norms."""
+    rows, vocab = logits.shape
+    if vocab % ARGMAX_PARTS or vocab // ARGMAX_PARTS < 1024:
+        return logits.argmax(dim=-1)
+    size = vocab // ARGMAX_PARTS
+    values, within = logits.view(rows, ARGMAX_PARTS, size).max(dim=-1)
+    part = values.argmax(dim=-1, keepdim=True)
+    return (part * size + within.gather(-1, part)).squeeze(-1)
+
+
 @dataclass
 class SamplingBatch:
     """Per-row sampling options, built on the host for the S rows that sample this step."""
@@ -109,7 +127,7 @@ class Sampler:
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         plain = not batch.masked[0] and batch.num_logprobs < 0 and batch.penalties is None
         if batch.all_greedy and plain:  # argmax needs no float32 copy
-            return SamplerOutput(logits.argmax(dim=-1), None, None, None)
+            return SamplerOutput(argmax_rows(logits), None, None, None)
         logits = logits.float()
         raw = logits
         if batch.penalties is not None:  # on the raw logits, before the mask and temperature (as vLLM)
@@ -122,7 +140,7 @@ class Sampler:
             index = host_to_device([rows, cols], torch.int64, logits.device)
             logits = logits.index_put((index[0], index[1]), logits.new_tensor(float("-inf")))
         if batch.all_greedy:
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
         else:
             tokens = self._sample(logits, batch)
         return self._with_logprobs(raw, tokens, batch.num_logprobs)

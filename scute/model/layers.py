@@ -1,10 +1,13 @@
-"""Module surgery for the decoder layer's elementwise work: each RMSNorm, each attention's rotary embedding and
-each MLP's SiLU·mul as one kernel (`scute.ops.elementwise`) instead of HF's chains of small ones.
+"""Module surgery for the decoder layer's elementwise work: each RMSNorm, the residual add before each
+post-attention RMSNorm, each attention's rotary embedding and each MLP's SiLU·mul as one kernel
+(`scute.ops.elementwise`) instead of HF's chains of small ones.
 
 Applied by `fuse_layers` to the classes whose forward it knows (Llama, Mistral, Qwen2, Qwen3); any other module
-is left as transformers wrote it. The replaced attention forward is HF's, line for line, except that the rotary
-embedding runs in place on the q and k heads (the column slices of the merged q/k/v GEMM's output) and the
-engine's attention function is called directly (the engine always routes attention to it).
+is left as transformers wrote it. The replaced forwards are HF's, line for line, except that the rotary
+embedding runs in place on the q and k heads (the column slices of the merged q/k/v GEMM's output), the
+engine's attention function is called directly (the engine always routes attention to it), and the decoder
+layer's first residual add runs inside the post-attention RMSNorm's kernel. The layer's second residual add
+stays: the next layer's input norm is called by the model's own loop, which passes one tensor between layers.
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ from torch import Tensor, nn
 
 from scute.model.attention import scute_attention
 from scute.model.linear import project
-from scute.ops.elementwise import rms_norm, rope_, silu_mul
+from scute.ops.elementwise import add_rms_norm, rms_norm, rope_, silu_mul
 
 RMS_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
 ATTENTIONS = {"LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention"}
 MLPS = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"}
+DECODER_LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
 
 
 class ScuteRMSNorm(nn.Module):
@@ -41,6 +45,8 @@ def fuse_layers(model: nn.Module) -> int:
         if cls in RMS_NORMS:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, ScuteRMSNorm(module))
+        elif cls in DECODER_LAYERS:
+            module.forward = types.MethodType(decoder_layer_forward, module)
         elif cls in ATTENTIONS:
             module.forward = types.MethodType(attention_forward, module)
         elif cls in MLPS and type(getattr(module, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU"):
@@ -49,6 +55,20 @@ def fuse_layers(model: nn.Module) -> int:
             continue
         count += 1
     return count
+
+
+def decoder_layer_forward(self, hidden_states: Tensor, **kwargs) -> Tensor:
+    """HF's Llama-family decoder layer: input norm, attention, residual add and post-attention norm (one kernel
+    when the norm is a `ScuteRMSNorm`), MLP, residual add. `kwargs` go to the attention as HF passes them."""
+    residual = hidden_states
+    hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+    norm = self.post_attention_layernorm
+    if isinstance(norm, ScuteRMSNorm):
+        hidden_states, residual = add_rms_norm(hidden_states, residual, norm.weight, norm.variance_epsilon)
+    else:
+        residual = residual + hidden_states
+        hidden_states = norm(residual)
+    return residual + self.mlp(hidden_states)
 
 
 def attention_forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],

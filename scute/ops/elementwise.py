@@ -1,7 +1,8 @@
-"""The decoder layer's elementwise ops as one kernel each: RMSNorm, rotary embedding, SiLU·mul.
+"""The decoder layer's elementwise ops as one kernel each: RMSNorm, residual add + RMSNorm, rotary embedding,
+SiLU·mul.
 
-In eager PyTorch each is a chain of small kernels (HF's RMSNorm: 6; rotary embedding of q and k: 10; SiLU·mul:
-2); inside a decode CUDA graph a small kernel still costs a few microseconds, so on a 32-layer model they add
+In eager PyTorch each is a chain of small kernels (HF's RMSNorm: 6, 7 with the residual add before it; rotary
+embedding of q and k: 10; SiLU·mul: 2); inside a decode CUDA graph a small kernel still costs a few microseconds, so on a 32-layer model they add
 about 18 x 32 launches per step. Each op here is one Triton kernel on CUDA and the reference math elsewhere. All
 three round where the PyTorch chain rounds (every intermediate the chain stores in the input dtype is rounded to
 it here too); the GPU compiler may contract a product into a sum, RMSNorm sums in another order than
@@ -41,6 +42,28 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         rows, weight, out, rows.shape[1], rows.stride(0), eps, BLOCK=_pow2(rows.shape[1]),
         num_warps=8 if rows.shape[1] >= 2048 else 4)
     return out.view(*x.shape[:-1], x.shape[-1])
+
+
+def add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Semantics (HF's decoder layer: ``h = residual + x`` then the post-attention RMSNorm of h):
+    returns ``(rms_norm_ref(h, weight, eps), h)``, h in x's dtype. Shapes: x, residual [..., N], weight [N]."""
+    h = residual + x
+    return rms_norm_ref(h, weight, eps), h
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """`add_rms_norm_ref`, one program per row on CUDA (one kernel instead of the add and the norm: a decode step
+    of a 32-layer model launches 32 fewer). x and residual need a unit last stride and one shape and dtype."""
+    if not triton_enabled(x) or x.stride(-1) != 1 or residual.stride(-1) != 1 or x.shape != residual.shape or \
+            x.dtype != residual.dtype:
+        return add_rms_norm_ref(x, residual, weight, eps)
+    rows, res = x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1])
+    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    _kernels().add_rms_norm_kernel[(rows.shape[0],)](
+        rows, res, weight, out, total, rows.shape[1], rows.stride(0), res.stride(0), eps,
+        BLOCK=_pow2(rows.shape[1]), num_warps=8 if rows.shape[1] >= 2048 else 4)
+    return out.view(*x.shape[:-1], x.shape[-1]), total.view(x.shape)
 
 
 def rotate_half(x: Tensor) -> Tensor:

@@ -23,6 +23,23 @@ def rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, x_stride, eps, BLOCK: tl.cons
 
 
 @triton.jit
+def add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_cols, x_stride, r_stride, eps, BLOCK: tl.constexpr):
+    """Program: one row. s = (r + x) rounded to x's dtype, stored; out = rms_norm(s) as `rms_norm_kernel`."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    r = tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0)
+    s = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
+    tl.store(sum_ptr + row * n_cols + cols, s, mask=mask)
+    sf = s.to(tl.float32)
+    var = tl.sum(sf * sf, axis=0) / n_cols
+    h = (sf * tl.rsqrt(var + eps)).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_stride, k_stride, q_heads, k_heads, HALF: tl.constexpr,
                 BLOCK_H: tl.constexpr):
     """Program (token t, tensor: 0 = q, 1 = k): every head of that token, in place. For halves x1, x2 of a head:

@@ -64,3 +64,19 @@ def test_a_stop_id_beyond_the_vocabulary_under_min_tokens_is_harmless():
     plain = SamplingParams(temperature=0, max_tokens=6, min_tokens=4)
     out, ref = engine.generate([[5, 6, 7], [5, 6, 7]], [sp, plain], use_tqdm=False)
     assert out.error is None and out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_argmax_rows_is_the_first_maximum():
+    from scute.engine.sampler import ARGMAX_PARTS, argmax_rows
+
+    vocab = ARGMAX_PARTS * 1024
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, vocab, generator=g).to(torch.bfloat16)  # bf16: many ties among the largest
+    logits[1, 7], logits[1, vocab - 3] = 50, 50  # a tie across parts: the first wins
+    logits[2, 3000], logits[2, 3001] = 40, 40  # a tie inside a part
+    logits[3] = 0  # every logit equal
+    logits[4, vocab - 1] = 60  # the last logit
+    assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+    assert argmax_rows(logits).tolist()[1:] == [7, 3000, 0, vocab - 1]
+    odd = torch.randn(3, vocab + 1, generator=g)  # not in equal parts: one reduction
+    assert torch.equal(argmax_rows(odd), odd.argmax(-1))

@@ -56,6 +56,23 @@ def test_rms_norm(monkeypatch, dtype, rows, cols):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", [(1, 64), (5, 4096)])
+def test_add_rms_norm(monkeypatch, dtype, rows, cols):
+    g = torch.Generator().manual_seed(rows + cols)
+    x = torch.randn(rows, cols + 16, generator=g).to(DEVICE, dtype)[:, 8:8 + cols]  # a strided view
+    residual = (4 * torch.randn(rows, cols, generator=g)).to(DEVICE, dtype)
+    w = (1 + 0.3 * torch.randn(cols, generator=g)).to(DEVICE, dtype)
+    seen = _launches(monkeypatch, "add_rms_norm_kernel")
+    got, total = ew.add_rms_norm(x, residual, w, 1e-5)
+    assert seen and got.dtype == total.dtype == dtype
+    want, want_total = ew.add_rms_norm_ref(x, residual, w, 1e-5)
+    torch.testing.assert_close(total, want_total, rtol=0, atol=0)  # one rounding of the sum, as PyTorch's add
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(got, ew.rms_norm_ref(want_total, w, 1e-5), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 4, 2, 16), (9, 6, 2, 32), (3, 32, 8, 128)])
 def test_rope_in_place_is_the_reference(monkeypatch, dtype, tokens, heads, kv_heads, dim):
     g = torch.Generator().manual_seed(tokens * heads)

@@ -1,0 +1,81 @@
+"""`fuse_layers`' decoder-layer forward (the residual add inside the post-attention RMSNorm's kernel) against
+transformers' own layer, for each family it knows. The attention is a stub (the real one needs the engine's paged
+KV cache; `tests/engine` runs it end to end against PEFT). Without CUDA the kernels run in Triton's interpreter,
+as in `tests/interpreter.py`; the fused kernel's launches are counted, so a forward that silently fell back to
+the add and the norm fails here."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from tests.interpreter import DEVICE, run_in_fresh_process, skip_here, use_interpreter
+
+FRESH_PROCESS = use_interpreter()  # before triton is imported (tests/interpreter.py)
+pytest.importorskip("triton")
+
+from scute.model import layers  # noqa: E402
+from scute.ops import elementwise as ew  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _in_interpreter_process(request, monkeypatch):
+    skip_here(request, FRESH_PROCESS)
+    monkeypatch.setenv("SCUTE_TRITON_CPU", "1")
+
+
+def test_in_a_fresh_interpreter_process():
+    run_in_fresh_process(__file__, FRESH_PROCESS)
+
+
+class StubAttention(nn.Module):
+    """x -> (tanh(x W), None), recording the keyword arguments it was called with."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden, hidden, bias=False)
+        self.seen: list[dict] = []
+
+    def forward(self, hidden_states, **kwargs):
+        self.seen.append(kwargs)
+        return torch.tanh(self.proj(hidden_states)), None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_decoder_layer_forward_is_transformers(monkeypatch, family):
+    from transformers import LlamaConfig, Qwen2Config
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+    config_cls, layer_cls = {"llama": (LlamaConfig, LlamaDecoderLayer), "qwen2": (Qwen2Config, Qwen2DecoderLayer)}[family]
+    config = config_cls(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                        num_hidden_layers=1, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    ref = layer_cls(config, 0).eval()
+    for norm in (ref.input_layernorm, ref.post_attention_layernorm):
+        nn.init.normal_(norm.weight, 1.0, 0.2)
+    ref.self_attn = StubAttention(64)
+    fused = copy.deepcopy(ref)
+    holder = nn.Module()
+    holder.layer = fused
+    assert layers.fuse_layers(holder) >= 4  # the layer, its two norms, its MLP
+    kernels, seen = ew._kernels(), []
+    kernel = kernels.add_rms_norm_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            seen.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(kernels, "add_rms_norm_kernel", Counting())
+    x = 3 * torch.randn(1, 5, 64)
+    with torch.no_grad():
+        want = ref(x, position_ids=torch.arange(5)[None])
+        got = fused.to(DEVICE)(x.to(DEVICE), position_ids=torch.arange(5, device=DEVICE)[None])
+    assert seen, "the fused add + RMSNorm kernel did not run"
+    assert set(fused.self_attn.seen[0]) == {"position_ids"}  # what the caller passed, for the attention
+    torch.testing.assert_close(fused.self_attn.seen[0]["position_ids"].cpu(), ref.self_attn.seen[0]["position_ids"])
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
