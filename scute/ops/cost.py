@@ -79,15 +79,18 @@ def layer_call_bytes(slots: Sequence[Sequence[Slots | None]], in_features: int, 
     for column in live.values():
         cost.adapters += _slot_bytes(column, seen, elem)
     groups, shared = facts.groups, facts.shared_group
-    d_elem = 4 if facts.exact_delta else elem  # the pool's delta dtype
+    fold = passes.fold
+    d_elem = 4 if facts.exact_delta and fold is None else elem  # the delta's dtype (the fold's: the output's)
     if passes.lowrank is not None:
         width = _h_width({s: col for s, col in live.items() if groups[s] != shared})
         lowrank_tokens = sum(1 for s in token_slots if s in live and groups[s] != shared
                              and any(sl is not None and sl.A is not None for sl in live[s]))
         h_passes = 2 * passes.lowrank.split_k  # each split's partial written, then read once (by the delta, or
         # by the shrink's sum)
-        delta = 2 * sum(out_features) * d_elem  # the delta written, then read by the epilogue
+        delta = (1 if fold else 2) * sum(out_features) * d_elem  # the delta written, read by the epilogue
         cost.activations += lowrank_tokens * (in_features * elem + h_passes * width * 4 + delta)
+    if fold is not None:  # each GEMM that adds deltas reads its whole buffer (every token writes its rows)
+        cost.activations += n_tok * sum(o for o, add in zip(out_features, fold.adds) if add) * elem
     if passes.shared is not None:
         members = sum(1 for s in token_slots if s >= 0 and groups[s] == shared)
         cost.activations += _shared_group_bytes([row[shared] for row in slots], in_features, out_features, members,

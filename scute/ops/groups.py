@@ -35,6 +35,8 @@ class PoolFacts(NamedTuple):
     exact_delta: bool  # some slot keeps its delta in float32 (`SlotPool.delta_dtype`)
     shared_a_of: tuple[int, ...]  # projection p's index among the shared group's distinct A's, −1: not adapted
     shared_outs: tuple[int, ...]  # out_p where the shared group adapts p, else 0
+    plain_mask: int = 0  # slots whose every projection is a plain low-rank delta or nothing (bit s: slot s)
+    lowrank_masks: tuple[int, ...] = ()  # per projection, the slots with A there
 
     @property
     def shared_products(self) -> int:
@@ -52,6 +54,8 @@ class SlotFacts(NamedTuple):
     ranks: tuple[int, ...]  # A's rank in each projection that has one
     blocks: tuple[int, ...]  # the OFT block size in each projection that has one
     exact_delta: bool
+    plain: bool  # every projection is a plain low-rank delta (A, m, B) or nothing, and one has A
+    lowrank_in: tuple[bool, ...]  # each projection has A
 
 
 def slot_facts(column: Sequence[Slots | None]) -> SlotFacts:
@@ -60,7 +64,9 @@ def slot_facts(column: Sequence[Slots | None]) -> SlotFacts:
                      any(needs_expand(sl) for sl in live), any(sl.A is not None for sl in live),
                      tuple(sl.A.shape[0] for sl in live if sl.A is not None),
                      tuple(sl.t_blocks.shape[-1] for sl in live if sl.t_blocks is not None),
-                     any(_exact_delta(sl) for sl in live))
+                     any(_exact_delta(sl) for sl in live),
+                     any(sl.A is not None for sl in live) and all(_plain_lowrank(sl) for sl in live),
+                     tuple(sl is not None and sl.A is not None for sl in column))
 
 
 def pool_facts(slots: Sequence[Sequence[Slots | None]], out_features: Sequence[int],
@@ -90,7 +96,9 @@ def pool_facts(slots: Sequence[Sequence[Slots | None]], out_features: Sequence[i
     return PoolFacts(tuple(out_features), tuple(groups), shared, masks, max(ranks, default=0),
                      1 << (max(blocks, default=1) - 1).bit_length(), min(blocks, default=1),
                      any(f.exact_delta for f in facts), a_of,
-                     tuple(0 if a < 0 else o for a, o in zip(a_of, out_features)))
+                     tuple(0 if a < 0 else o for a, o in zip(a_of, out_features)),
+                     sum(1 << s for s, f in enumerate(facts) if f.plain and groups[s] != shared),
+                     tuple(sum(1 << s for s, f in enumerate(facts) if f.lowrank_in[p]) for p in range(len(slots))))
 
 
 def shared_a_of(column: Sequence[Slots | None]) -> tuple[int, ...]:
@@ -119,10 +127,15 @@ class ActiveSlots(frozenset):
         return self
 
 
+def active_mask(active: Collection[int] | None) -> int:
+    """The bit mask of the adapter slots in `active` (−1 among them is not a bit); None (any slot): every bit."""
+    return -1 if active is None else (active if isinstance(active, ActiveSlots) else ActiveSlots(active)).mask
+
+
 def step_kinds(masks: StepKinds, active: Collection[int] | None) -> StepKinds:
     """The passes a step runs when its tokens use only the slots in `active` (host-side; −1, the base model, may
     be among them), or None: any slot."""
-    mask = -1 if active is None else (active if isinstance(active, ActiveSlots) else ActiveSlots(active)).mask
+    mask = active_mask(active)
     return StepKinds(*(mask & m != 0 for m in masks))
 
 
@@ -151,6 +164,11 @@ def slot_storages(sl: Slots, matrix_bytes: int) -> dict[tuple, int]:
 def needs_expand(sl: Slots | None) -> bool:
     """Whether a slot changes the base output at all (an epilogue term or a low-rank part)."""
     return sl is not None and (sl.o is not None or sl.o2 is not None or sl.c is not None or sl.A is not None)
+
+
+def _plain_lowrank(sl: Slots) -> bool:
+    """The slot's output is z + B (m ⊙ A x) or z: no input transform, no epilogue term but the delta."""
+    return all(x is None for x in (sl.t, sl.t_blocks, sl.o, sl.o2, sl.c, sl.v))
 
 
 def _exact_delta(sl: Slots | None) -> bool:

@@ -63,6 +63,11 @@ class LaunchConfig:
     # epilogue
     epilogue_half_n: int = 512  # chunk: this many column pairs
     epilogue_warps: int = 4
+    # the fold: from this many tokens, a call whose step's slots are all plain low-rank deltas adds them in its
+    # GEMMs (cuBLAS's C input) instead of an epilogue pass. A prefill GEMM is compute-bound, so reading C there
+    # is nearly free, where the pass reads d and reads and writes z. Below it (decode steps, which graphs
+    # capture) the deltas run beside the GEMMs, off the chain, which the fold would put them on.
+    fold_min_tokens: int = 512
 
 
 CONFIG = LaunchConfig()

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from scute.ops.epilogue import epilogue_grid
-from scute.ops.groups import PoolFacts, StepKinds, step_kinds
+from scute.ops.groups import PoolFacts, StepKinds, active_mask, step_kinds
 from scute.ops.input_transform import rows_launch, windowed, windows_grid
 from scute.ops.launch import block_r, choose_chunks_per_prog, choose_split_k, config, rows_half_n
 from scute.ops.lora_delta import rows_grid, tiles_grid
@@ -68,6 +68,16 @@ class EpiloguePlan(NamedTuple):
     chunks_each: tuple[int, ...]
 
 
+class FoldPlan(NamedTuple):
+    """The fold: each projection's deltas written into a buffer of its output's shape, which its base GEMM adds
+    (``z = d + x Wᵀ``, cuBLAS's C input), with no epilogue pass. For a step of `fold_min_tokens` tokens or more,
+    every one of an adapter whose slots are all plain low-rank deltas (`PoolFacts.plain_mask`), and in each
+    projection either every token has a delta or none has: every row of a buffer is written, and a projection
+    without deltas is the plain GEMM, as for base tokens (whose rows must stay exactly ``F.linear``'s)."""
+
+    adds: tuple[bool, ...]  # projection p's GEMM adds the deltas (else no token of the step has one there)
+
+
 class Plan(NamedTuple):
     """The passes of one layer call, in the order they are launched (None: the pass does not run), and the sizes
     their grids are computed from (`kernel_launches`: the host's hot path never needs the grids themselves, each
@@ -85,6 +95,7 @@ class Plan(NamedTuple):
     in_features: int
     num_tiles: int
     device: torch.device
+    fold: FoldPlan | None = None
 
     def kernel_launches(self, captured: bool = False) -> tuple[Launch, ...]:
         """Every Triton launch of the call, in order (in a captured graph the epilogues interleave with the
@@ -108,7 +119,8 @@ class Plan(NamedTuple):
         return tuple(out)
 
     def launches(self, captured: bool = False) -> int:
-        """Every kernel launch of the call: Triton's, the base GEMMs and the shared group's A x (cuBLAS)."""
+        """Every kernel launch of the call: Triton's, the base GEMMs and the shared group's A x (cuBLAS); not the
+        fold's bias add."""
         products = self.shared.products if self.shared is not None and self.num_tokens else 0
         return len(self.kernel_launches(captured)) + self.gemms + products
 
@@ -121,15 +133,29 @@ def plan(facts: PoolFacts, num_tokens: int, in_features: int, num_tiles: int, de
     given; `half_n`, `block_k`, `tile_half_n` as in `scute_linears_triton` (None: the launch configuration)."""
     kinds = step_kinds(facts.kind_masks, active_slots)
     inputs = InputPlan(windowed(num_tokens, facts.block_b)) if kinds.input_transform else None
-    merged_gemm = merged and inputs is None
+    fold = _fold_plan(facts, kinds, num_tokens, active_slots)
+    merged_gemm = merged and inputs is None and fold is None
     shared = lowrank = epilogue = None
     if kinds.expand:
         shared = SharedPlan(facts.shared_products, scale_pass(num_tokens)) if kinds.shared else None
         lowrank = _lowrank_plan(facts, num_tokens, in_features, num_tiles, half_n, block_k, tile_half_n) \
             if kinds.lowrank else None
-        epilogue = _epilogue_plan(facts.out_features, num_tokens, merged_gemm)
+        epilogue = _epilogue_plan(facts.out_features, num_tokens, merged_gemm) if fold is None else None
     return Plan(kinds, shared, lowrank, inputs, merged_gemm, 1 if merged_gemm else len(facts.out_features),
-                epilogue, facts, num_tokens, in_features, num_tiles, device)
+                epilogue, facts, num_tokens, in_features, num_tiles, device, fold)
+
+
+def _fold_plan(facts: PoolFacts, kinds: StepKinds, num_tokens: int,
+               active_slots: Collection[int] | None) -> FoldPlan | None:
+    """The fold (`FoldPlan`), if the step's slots are known and allow it (a slot of the shared group, whose
+    products write d apart, does not)."""
+    if active_slots is None or -1 in active_slots or num_tokens < config().fold_min_tokens or not kinds.lowrank \
+            or kinds.shared:
+        return None
+    mask = active_mask(active_slots)
+    if mask & ~facts.plain_mask or any(mask & m not in (0, mask) for m in facts.lowrank_masks):
+        return None
+    return FoldPlan(tuple(mask & m != 0 for m in facts.lowrank_masks))
 
 
 def _lowrank_plan(facts: PoolFacts, num_tokens: int, in_features: int, num_tiles: int, half_n: int | None,

@@ -10,6 +10,9 @@ One call serves ``P`` projections sharing the input ``x`` (``P = 1`` for a `Scut
                                                     lines above run beside it, on side streams
     z_p ← o ⊙ z_p + o2 ⊙ rot_g(z_p) + c + v ⊙ d_p    in place, after GEMM p and the deltas    (`epilogue.py`)
 
+A long step (prefill) whose slots are all plain low-rank deltas folds the last two lines into one: the GEMM adds
+d_p itself (``torch.addmm``, the delta as cuBLAS's C), with no epilogue pass (`FoldPlan`).
+
 The call computes its `Plan` (`plan.py`) once and reads every launch parameter from it. Each pass is a `ScuteOp`
 (a `torch.library` custom op with a fake, so `torch.compile` traces through; a plain call elsewhere) launching
 Triton kernels (`kernels/`) with the launch configuration of `launch.py`. Tokens whose slot is −1 are never read
@@ -59,6 +62,8 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     if not passes.kinds.expand:
         xs = _input_transform(x, pool, meta) if passes.input_transform is not None else None
         return _base_gemms(x, xs, weights, biases, merged if passes.merged_gemm else None)
+    if passes.fold is not None:
+        return _folded(x, weights, biases, pool, meta, passes)
     # The low-rank deltas read only x: in a captured graph the shrink and the one-token delta run on a side stream
     # beside the base GEMMs (bandwidth-bound too, but they leave part of it, and SMs, unused), the multi-token delta
     # on a second one beside the one-token delta (they write disjoint rows; at decode it usually has nothing to do,
@@ -90,6 +95,18 @@ def call_plan(x: Tensor, pool: SlotPool, meta: LoraMeta, active_slots: Collectio
     """The `Plan` of `scute_linears_triton` with these arguments (`active_slots` ignored under torch.compile)."""
     return plan(pool.facts, x.shape[0], x.shape[1], meta.tile_group.shape[0], x.device,
                 None if torch.compiler.is_compiling() else active_slots, merged, half_n, block_k, tile_half_n)
+
+
+def _folded(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], pool: SlotPool, meta: LoraMeta,
+            passes: Plan) -> list[Tensor]:
+    """The fold (`FoldPlan`): the deltas, in line, into buffers of the outputs' shapes and dtype (every row
+    written), then ``z_p = d_p (+ b_p) + x W_pᵀ`` with d_p as cuBLAS's C: the product and the delta summed in
+    float32 and rounded once, d_p rounded to the output's dtype first (a plain low-rank slot's delta is its
+    effect: `SlotPool.delta_dtype`). A projection without deltas is the plain GEMM."""
+    ds = [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
+    _lowrank_delta(ds, x, pool, meta, None, passes.lowrank)
+    return [(torch.addmm(d if b is None else d.add_(b), x, w.t()) if add else F.linear(x, w, b))
+            for d, w, b, add in zip(ds, weights, biases, passes.fold.adds)]
 
 
 def _shared_delta(ds: list[Tensor], x: Tensor, pool: SlotPool, meta: LoraMeta,

@@ -34,6 +34,7 @@ from scute.ops.pool import F_RANK  # noqa: E402
 from scute.ops.reference import input_transform_ref  # noqa: E402
 from scute.ops.testing import POPULARITY, random_slots, token_slots, vera_pair  # noqa: E402
 from scute.ops import input_transform as input_transform_mod, launch, shared_delta, shrink as shrink_mod  # noqa: E402
+from scute.ops.epilogue import epilogue_  # noqa: E402
 from scute.ops.input_transform import input_transform  # noqa: E402
 
 IN, OUT = 32, 48
@@ -473,6 +474,45 @@ def test_step_runs_the_passes_of_its_slots(tokens, active, passes, monkeypatch):
                                 block_k=BLOCK_K, active_slots=active)
     assert called == passes
     check(y, x, w, b, slots, ts, FP32_TOL)
+
+
+@pytest.mark.parametrize("case, folds", [("lora", True), ("k_unadapted", True), ("bias", True),
+                                         ("k_partly", False), ("base_token", False), ("dora", False)])
+def test_fold(case, folds, monkeypatch):
+    """A long step of plain LoRA slots adds its deltas in the GEMMs (no epilogue), exactly: every projection where
+    every token has a delta, the plain GEMM where none has (k unadapted), a bias too; a step that cannot fold
+    (one slot without k, a base token, a DoRA slot) takes the epilogue."""
+    set_config(monkeypatch, fold_min_tokens=16)
+    gen = torch.Generator().manual_seed(5)
+    outs = (48, 16, 16)
+    kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
+    ws = [(torch.randn(o, IN, generator=gen) / IN ** 0.5).to(DEVICE) for o in outs]
+    bs = [torch.randn(o, generator=gen).to(DEVICE) if case == "bias" and p == 0 else None for p, o in enumerate(outs)]
+    per_proj = [[random_slots("dora" if case == "dora" and s == 2 else "lora", IN, o, rank=r, **kw)
+                 for s, r in enumerate((4, 16, 8))] for o in outs]
+    if case == "k_unadapted":
+        per_proj[1] = [None] * 3
+    if case == "k_partly":
+        per_proj[1][0] = None
+    ts = torch.randint(0, 3, (40,), generator=gen)
+    if case == "base_token":
+        ts[5] = -1
+    ts, x = ts.to(DEVICE), torch.randn(40, IN, generator=gen).to(DEVICE)
+    pool = SlotPool(IN, outs, 3, DEVICE, torch.float32)
+    pool.update(per_proj)
+    meta = build_lora_meta(ts, pool.slot_group)
+    active = set(ts.tolist())
+    passes = triton_ops.call_plan(x, pool, meta, active)
+    assert (passes.fold is not None) == folds and (passes.epilogue is None) == folds
+    if folds:
+        assert passes.fold.adds == (True, case != "k_unadapted", True)
+    epilogues = []
+    monkeypatch.setattr(triton_ops, "epilogue_", lambda *a, **k: epilogues.append(1) or epilogue_(*a, **k))
+    ys = scute_linears_triton(x, ws, bs, pool, meta, half_n=HALF_N, block_k=BLOCK_K, tile_half_n=HALF_N,
+                              active_slots=active)
+    assert bool(epilogues) != folds
+    for y, w, b, slots in zip(ys, ws, bs, per_proj):
+        check(y, x, w, b, slots, ts, FP32_TOL)
 
 
 def test_scute_linear_module(monkeypatch):

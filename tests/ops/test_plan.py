@@ -7,6 +7,7 @@ products of the call (the base GEMMs, the shared group's A x) are counted, for a
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -67,14 +68,15 @@ def _spy(monkeypatch) -> tuple[list[Launch], list[str]]:
                 launched.append(Launch(_name, tuple(grid)))
                 return _kernel[grid]
         monkeypatch.setattr(kernels, name, Spy())
-    linear, mm = F.linear, torch.mm
+    linear, mm, addmm = F.linear, torch.mm, torch.addmm
     monkeypatch.setattr(F, "linear", lambda *a, **kw: products.append("linear") or linear(*a, **kw))
     monkeypatch.setattr(torch, "mm", lambda *a, **kw: products.append("mm") or mm(*a, **kw))
+    monkeypatch.setattr(torch, "addmm", lambda *a, **kw: products.append("addmm") or addmm(*a, **kw))
     return launched, products
 
 
 def _check_call(monkeypatch, kind: str, num_tokens: int, merged: bool = False, all_slots: bool = False,
-                tokens: list[int] | None = None) -> None:
+                tokens: list[int] | None = None, fold: bool = False) -> None:
     """One call's launches against its plan, and the plan's count against the byte model's (`tokens`: the
     tokens' slots, else drawn uniformly)."""
     gen = torch.Generator().manual_seed(num_tokens)
@@ -91,15 +93,22 @@ def _check_call(monkeypatch, kind: str, num_tokens: int, merged: bool = False, a
     meta = build_lora_meta(ts, pool.slot_group)
     active = None if all_slots else set(tokens)
     passes = triton_ops.call_plan(x, pool, meta, active, merged)
+    assert (passes.fold is not None) == fold
     launched, products = _spy(monkeypatch)
     scute_linears_triton(x, ws, bs, pool, meta, active_slots=active,
                          merged=(torch.cat(ws), None) if merged else None)
+    config = launch.CONFIG  # the test's (undone below with the spies); the byte model plans under it too
     monkeypatch.undo()
     assert launched == list(passes.kernel_launches())
     assert len(launched) + len(products) == passes.launches()
-    assert products.count("linear") == passes.gemms
+    assert products.count("linear") + products.count("addmm") == passes.gemms
+    assert products.count("addmm") == (sum(passes.fold.adds) if fold else 0)
     if not all_slots:
-        assert layer_call_bytes(slots, IN, outs, tokens, 4, merged=merged).launches == passes.launches()
+        saved, launch.CONFIG = launch.CONFIG, config
+        try:
+            assert layer_call_bytes(slots, IN, outs, tokens, 4, merged=merged).launches == passes.launches()
+        finally:
+            launch.CONFIG = saved
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 33, 130])
@@ -117,6 +126,15 @@ def test_merged_and_any_slot(kind, num_tokens, monkeypatch):
     and a call that knows no slots (None: any slot) runs every pass of its pool."""
     _check_call(monkeypatch, kind, num_tokens, merged=True)
     _check_call(monkeypatch, kind, num_tokens, all_slots=True)
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_fold_launches(merged, monkeypatch):
+    """A long step of plain LoRA slots only folds: no epilogue launch, one addmm per projection (merged weights
+    or not); with a base token among them it does not."""
+    for tokens, fold in (([0, 1, 2] * 11, True), ([0, 1, 2] * 10 + [-1, 0, 1], False)):
+        monkeypatch.setattr(launch, "CONFIG", dataclasses.replace(launch.CONFIG, fold_min_tokens=16))
+        _check_call(monkeypatch, "lora", 33, merged=merged, tokens=tokens, fold=fold)
 
 
 def test_base_tokens_alone(monkeypatch):
