@@ -11,7 +11,7 @@ One call serves ``P`` projections sharing the input ``x`` (``P = 1`` for a `Scut
     z_p ← o ⊙ z_p + o2 ⊙ rot_g(z_p) + c + v ⊙ d_p    in place, after GEMM p and the deltas    (`epilogue.py`)
 
 A long step (prefill) whose slots are all plain low-rank deltas folds the last two lines into one: the GEMM adds
-d_p itself (``torch.addmm``, the delta as cuBLAS's C), with no epilogue pass (`FoldPlan`).
+d_p itself (``d_p.addmm_(x, W_pᵀ)``, the delta as cuBLAS's C), with no epilogue pass (`FoldPlan`).
 
 The call computes its `Plan` (`plan.py`) once and reads every launch parameter from it. Each pass is a `ScuteOp`
 (a `torch.library` custom op with a fake, so `torch.compile` traces through; a plain call elsewhere) launching
@@ -105,7 +105,8 @@ def _folded(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None
     effect: `SlotPool.delta_dtype`). A projection without deltas is the plain GEMM."""
     ds = [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
     _lowrank_delta(ds, x, pool, meta, None, passes.lowrank)
-    return [(torch.addmm(d if b is None else d.add_(b), x, w.t()) if add else F.linear(x, w, b))
+    # in place: torch.addmm(d, ...) would first copy d into a new output (a pass over z of its own)
+    return [((d if b is None else d.add_(b)).addmm_(x, w.t()) if add else F.linear(x, w, b))
             for d, w, b, add in zip(ds, weights, biases, passes.fold.adds)]
 
 

@@ -68,10 +68,10 @@ def _spy(monkeypatch) -> tuple[list[Launch], list[str]]:
                 launched.append(Launch(_name, tuple(grid)))
                 return _kernel[grid]
         monkeypatch.setattr(kernels, name, Spy())
-    linear, mm, addmm = F.linear, torch.mm, torch.addmm
+    linear, mm, addmm_ = F.linear, torch.mm, torch.Tensor.addmm_
     monkeypatch.setattr(F, "linear", lambda *a, **kw: products.append("linear") or linear(*a, **kw))
     monkeypatch.setattr(torch, "mm", lambda *a, **kw: products.append("mm") or mm(*a, **kw))
-    monkeypatch.setattr(torch, "addmm", lambda *a, **kw: products.append("addmm") or addmm(*a, **kw))
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda *a, **kw: products.append("addmm") or addmm_(*a, **kw))
     return launched, products
 
 
