@@ -32,7 +32,7 @@ def effective_delta(slots: Slots, weight: Tensor, bias: Tensor | None) -> tuple[
     ``U(W0 T x + b0) + s·v ⊙ B(m ⊙ A x) = (W0 + ΔW) x + (b0 + Δb)`` for every x."""
     f64 = torch.float64
     w0 = weight.detach().to(f64)
-    b0 = torch.zeros(w0.shape[0], dtype=f64) if bias is None else bias.detach().to(f64)
+    b0 = torch.zeros(w0.shape[0], dtype=f64, device=w0.device) if bias is None else bias.detach().to(f64)
     w = w0
     if slots.t is not None:
         w = w * slots.t.to(f64)[None, :]
@@ -115,8 +115,8 @@ def convert_layer(name: str, slots: Slots, weight: Tensor, bias: Tensor | None, 
     db_norm = db.norm().item()
     has_bias = db_norm > 1e-9 * b_ref  # DoRA's (1 − g)⊙b0 correction cancels to rounding
     delta_norm = dW.norm().item()
-    A = torch.zeros(rank, in_f, dtype=torch.float64)
-    B = torch.zeros(out_f, rank, dtype=torch.float64)
+    A = torch.zeros(rank, in_f, dtype=torch.float64, device=dW.device)
+    B = torch.zeros(out_f, rank, dtype=torch.float64, device=dW.device)
     if slots.A is not None and not _base_path_changed(slots) and slots.rank <= rank:
         Bf, Af = low_rank_factors(slots)  # already ΔW = B'A' at rank ≤ R: exact without an SVD
         k, method = slots.rank, "factors"
