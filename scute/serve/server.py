@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 
 from scute.config import EngineConfig
@@ -102,8 +103,18 @@ def serve_main(argv: list[str]) -> int:
     app = build_app(state)
     url = f"http://{args.host}:{args.port}/v1"
     print(f"scute serve: {url} serving {', '.join([state.served_model_name, *adapters]) }", flush=True)
+    # uvicorn shuts down gracefully on SIGINT or SIGTERM, then raises the signal again under the handler it found:
+    # SIGTERM's default would end the process before the engine's shutdown below
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    except KeyboardInterrupt:
+        pass
     finally:
         state.engine.shutdown()
+        print("scute serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(0)

@@ -8,14 +8,18 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
+import subprocess
+import sys
 import time
+import urllib.request
 
 import httpx
 import openai
 import pytest
 
 from scute import SamplingParams
-from tests.serve.conftest import API_KEY
+from tests.serve.conftest import API_KEY, free_port
 
 MODELS = ["tiny", "lora", "dora", "ia3", "vera", "oft"]
 PROMPT = "the quick brown fox jumps over"
@@ -290,3 +294,29 @@ def test_clients_that_disconnect_leave_no_kv_blocks_held(server):
         assert metric_value(text, aborted) == before + 3  # stopped by the disconnect, not run to their end
     state = server[1]
     assert not state.engine.engine.scheduler.running and not state.engine.engine.requests
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_scute_serve_stops_its_engine_on_a_signal(served, sig):
+    """`python -m scute serve` as a user runs it: up, answering, then SIGTERM (a service manager's stop) or SIGINT
+    (Ctrl-C): it shuts the engine down and exits 0."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "scute", "serve", str(served / "model"), "--port", str(port),
+                             "--device", "cpu", "--dtype", "float32", "--max-model-len", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "scute serve did not start"
+                time.sleep(0.2)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert "scute serve: stopped" in out
