@@ -21,7 +21,7 @@ Stages (each printed with its elapsed time, and its seconds kept in the JSON):
 4. measure: `bench_serving.py` at each of ``--rates`` (requests/s, Poisson arrivals; ``inf``: all at once),
    ``--num-prompts`` requests each, spread uniformly over the adapters, ``--input-len`` random prompt tokens and
    exactly ``--output-len`` generated (greedy, ``ignore_eos``), a fresh seed per rate (no prefix-cache hits).
-5. the server is stopped (SIGINT, as Ctrl-C; SIGTERM after 30 s, SIGKILL after 10 more), also on an error.
+5. the server is stopped (SIGTERM; SIGKILL after 30 s), also on an error.
 
 Writes ``--out`` (after every rate: a run cut short keeps what it measured): the device, the command, the options,
 the server's command line, each stage's seconds and each rate's `bench_serving` result (every request's record
@@ -200,9 +200,9 @@ def wait_ready(proc: subprocess.Popen, url: str, log: str, timeout: float) -> li
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """SIGINT first (Ctrl-C: uvicorn stops, then `scute serve` shuts its engine down and exits 0; after SIGTERM
-    uvicorn re-raises the signal and the process dies before that), then SIGTERM, then SIGKILL."""
-    for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 10), (signal.SIGKILL, None)):
+    """SIGTERM (as a service manager stops it: uvicorn stops, then `scute serve` shuts its engine down and exits
+    0), then SIGKILL if it has not within 30 s."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, None)):
         if proc.poll() is not None:
             break
         proc.send_signal(sig)

@@ -4,7 +4,9 @@ triton.language decorates its own helpers in the mode TRITON_INTERPRET says when
 other test modules import it at collection (transformers -> torch._dynamo -> triton). A module calls
 `use_interpreter()` before it imports triton: on the CPU the variable is set if triton is not imported yet;
 otherwise the module's tests skip (`skip_here`) and its `test_in_a_fresh_interpreter_process` runs the module
-again in a fresh process with the variable set (`run_in_fresh_process`). On CUDA the kernels run on the GPU.
+again in a fresh process with the variable set (`run_in_fresh_process`). `interpreter_module` makes both pieces
+for a module. On CUDA the kernels run on the GPU. `spy_launches` records a module's kernel launches, so that a
+path that silently falls back to a reference fails its test.
 """
 
 from __future__ import annotations
@@ -44,3 +46,34 @@ def run_in_fresh_process(path: str, fresh: bool) -> None:
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path], check=False,
                           cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def interpreter_module(path: str, fresh: bool, triton_cpu: bool = False):
+    """The autouse fixture and the `test_in_a_fresh_interpreter_process` of the kernel test module at `path`
+    (``fresh``: its `use_interpreter()`), to bind at its top level under those names. `triton_cpu`: the module's
+    tests also route layers on CPU tensors through the Triton path (``SCUTE_TRITON_CPU=1``)."""
+
+    @pytest.fixture(autouse=True)
+    def _in_interpreter_process(request, monkeypatch):
+        skip_here(request, fresh)
+        if triton_cpu:
+            monkeypatch.setenv("SCUTE_TRITON_CPU", "1")
+
+    def test_in_a_fresh_interpreter_process():
+        run_in_fresh_process(path, fresh)
+
+    return _in_interpreter_process, test_in_a_fresh_interpreter_process
+
+
+def spy_launches(monkeypatch, module, *names: str) -> list[tuple[str, tuple]]:
+    """Replace each kernel `names` of `module` (a module of `triton.jit` kernels) by one that records
+    ``(name, grid)`` in the returned list, then launches the kernel."""
+    launched: list[tuple[str, tuple]] = []
+    for name in names:
+        class Spy:
+            def __getitem__(self, grid, _name=name, _kernel=getattr(module, name)):
+                launched.append((_name, tuple(grid)))
+                return _kernel[grid]
+
+        monkeypatch.setattr(module, name, Spy())
+    return launched

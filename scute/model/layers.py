@@ -58,16 +58,12 @@ def fuse_layers(model: nn.Module) -> int:
 
 
 def decoder_layer_forward(self, hidden_states: Tensor, **kwargs) -> Tensor:
-    """HF's Llama-family decoder layer: input norm, attention, residual add and post-attention norm (one kernel
-    when the norm is a `ScuteRMSNorm`), MLP, residual add. `kwargs` go to the attention as HF passes them."""
+    """HF's Llama-family decoder layer: input norm, attention, residual add and post-attention norm (one kernel),
+    MLP, residual add. `kwargs` go to the attention as HF passes them."""
     residual = hidden_states
     hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
     norm = self.post_attention_layernorm
-    if isinstance(norm, ScuteRMSNorm):
-        hidden_states, residual = add_rms_norm(hidden_states, residual, norm.weight, norm.variance_epsilon)
-    else:
-        residual = residual + hidden_states
-        hidden_states = norm(residual)
+    hidden_states, residual = add_rms_norm(hidden_states, residual, norm.weight, norm.variance_epsilon)
     return residual + self.mlp(hidden_states)
 
 

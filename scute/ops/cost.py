@@ -87,7 +87,7 @@ def layer_call_bytes(slots: Sequence[Sequence[Slots | None]], in_features: int, 
                              and any(sl is not None and sl.A is not None for sl in live[s]))
         h_passes = 2 * passes.lowrank.split_k  # each split's partial written, then read once (by the delta, or
         # by the shrink's sum)
-        delta = (1 if fold else 2) * sum(out_features) * d_elem  # the delta written, read by the epilogue
+        delta = (1 if fold else 2) * sum(out_features) * d_elem  # written; read by the epilogue (folded: below)
         cost.activations += lowrank_tokens * (in_features * elem + h_passes * width * 4 + delta)
     if fold is not None:  # each GEMM that adds deltas reads its whole buffer (every token writes its rows)
         cost.activations += n_tok * sum(o for o, add in zip(out_features, fold.adds) if add) * elem

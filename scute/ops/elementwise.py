@@ -37,11 +37,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if not triton_enabled(x) or x.stride(-1) != 1:
         return rms_norm_ref(x, weight, eps)
     rows = x.reshape(-1, x.shape[-1])
-    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    _kernels().rms_norm_kernel[(rows.shape[0],)](
-        rows, weight, out, rows.shape[1], rows.stride(0), eps, BLOCK=_pow2(rows.shape[1]),
-        num_warps=8 if rows.shape[1] >= 2048 else 4)
-    return out.view(*x.shape[:-1], x.shape[-1])
+    out = _norm_out(rows, weight)
+    _kernels().rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.shape[1], rows.stride(0), eps,
+                                                 **_row_launch(rows.shape[1]))
+    return out.view(x.shape)
 
 
 def add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -58,12 +57,20 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
             x.dtype != residual.dtype:
         return add_rms_norm_ref(x, residual, weight, eps)
     rows, res = x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1])
-    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    _kernels().add_rms_norm_kernel[(rows.shape[0],)](
-        rows, res, weight, out, total, rows.shape[1], rows.stride(0), res.stride(0), eps,
-        BLOCK=_pow2(rows.shape[1]), num_warps=8 if rows.shape[1] >= 2048 else 4)
-    return out.view(*x.shape[:-1], x.shape[-1]), total.view(x.shape)
+    out, total = _norm_out(rows, weight), torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    _kernels().add_rms_norm_kernel[(rows.shape[0],)](rows, res, weight, out, total, rows.shape[1], rows.stride(0),
+                                                     res.stride(0), eps, **_row_launch(rows.shape[1]))
+    return out.view(x.shape), total.view(x.shape)
+
+
+def _norm_out(rows: Tensor, weight: Tensor) -> Tensor:
+    """The normalized rows' buffer: weight's and x's dtypes promoted, as ``weight * h`` gives."""
+    return torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, rows.dtype), device=rows.device)
+
+
+def _row_launch(n_cols: int) -> dict:
+    """Launch parameters of a one-row-per-program norm: the row in one block."""
+    return dict(BLOCK=_pow2(n_cols), num_warps=8 if n_cols >= 2048 else 4)
 
 
 def rotate_half(x: Tensor) -> Tensor:

@@ -9,17 +9,23 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, x_stride, eps, BLOCK: tl.constexpr):
-    """Program: one row. out = w * (x * rsqrt(mean(x²) + eps)).to(x dtype), in out's dtype."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+def _rms_normed(x, w_ptr, out_ptr, row, cols, mask, n_cols, eps):
+    """Store w * (x * rsqrt(mean(x²) + eps)).to(x dtype) as row `row` of out (x: one row in its dtype)."""
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / n_cols
     h = (xf * tl.rsqrt(var + eps)).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n_cols + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, x_stride, eps, BLOCK: tl.constexpr):
+    """Program: one row. out = w * (x * rsqrt(mean(x²) + eps)).to(x dtype), in out's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    _rms_normed(tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0), w_ptr, out_ptr, row, cols, mask,
+                n_cols, eps)
 
 
 @triton.jit
@@ -32,11 +38,7 @@ def add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_cols, x_stride,
     r = tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0)
     s = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
     tl.store(sum_ptr + row * n_cols + cols, s, mask=mask)
-    sf = s.to(tl.float32)
-    var = tl.sum(sf * sf, axis=0) / n_cols
-    h = (sf * tl.rsqrt(var + eps)).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * n_cols + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
+    _rms_normed(s, w_ptr, out_ptr, row, cols, mask, n_cols, eps)
 
 
 @triton.jit

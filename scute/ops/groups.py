@@ -50,23 +50,27 @@ class SlotFacts(NamedTuple):
     share_key: tuple | None  # `_share_key`: slots with equal keys form one group
     transform: bool  # some projection has T
     expand: bool  # some projection has an epilogue term
-    lowrank: bool  # some projection has A
+    lowrank_in: tuple[bool, ...]  # each projection has A
     ranks: tuple[int, ...]  # A's rank in each projection that has one
     blocks: tuple[int, ...]  # the OFT block size in each projection that has one
     exact_delta: bool
     plain: bool  # every projection is a plain low-rank delta (A, m, B) or nothing, and one has A
-    lowrank_in: tuple[bool, ...]  # each projection has A
+
+    @property
+    def lowrank(self) -> bool:
+        """Some projection has A."""
+        return any(self.lowrank_in)
 
 
 def slot_facts(column: Sequence[Slots | None]) -> SlotFacts:
     live = [sl for sl in column if sl is not None]
+    lowrank_in = tuple(sl is not None and sl.A is not None for sl in column)
     return SlotFacts(_share_key(list(column)), any(sl.t is not None or sl.t_blocks is not None for sl in live),
-                     any(needs_expand(sl) for sl in live), any(sl.A is not None for sl in live),
+                     any(needs_expand(sl) for sl in live), lowrank_in,
                      tuple(sl.A.shape[0] for sl in live if sl.A is not None),
                      tuple(sl.t_blocks.shape[-1] for sl in live if sl.t_blocks is not None),
                      any(_exact_delta(sl) for sl in live),
-                     any(sl.A is not None for sl in live) and all(_plain_lowrank(sl) for sl in live),
-                     tuple(sl is not None and sl.A is not None for sl in column))
+                     any(lowrank_in) and all(_plain_lowrank(sl) for sl in live))
 
 
 def pool_facts(slots: Sequence[Sequence[Slots | None]], out_features: Sequence[int],

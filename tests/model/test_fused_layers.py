@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.interpreter import DEVICE, run_in_fresh_process, skip_here, use_interpreter
+from tests.interpreter import DEVICE, interpreter_module, spy_launches, use_interpreter
 
 FRESH_PROCESS = use_interpreter()  # before triton is imported (tests/interpreter.py)
 pytest.importorskip("triton")
@@ -21,14 +21,8 @@ from scute.model import layers  # noqa: E402
 from scute.ops import elementwise as ew  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _in_interpreter_process(request, monkeypatch):
-    skip_here(request, FRESH_PROCESS)
-    monkeypatch.setenv("SCUTE_TRITON_CPU", "1")
-
-
-def test_in_a_fresh_interpreter_process():
-    run_in_fresh_process(__file__, FRESH_PROCESS)
+_in_interpreter_process, test_in_a_fresh_interpreter_process = interpreter_module(__file__, FRESH_PROCESS,
+                                                                                  triton_cpu=True)
 
 
 class StubAttention(nn.Module):
@@ -62,15 +56,7 @@ def test_decoder_layer_forward_is_transformers(monkeypatch, family):
     holder = nn.Module()
     holder.layer = fused
     assert layers.fuse_layers(holder) >= 4  # the layer, its two norms, its MLP
-    kernels, seen = ew._kernels(), []
-    kernel = kernels.add_rms_norm_kernel
-
-    class Counting:
-        def __getitem__(self, grid):
-            seen.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(kernels, "add_rms_norm_kernel", Counting())
+    seen = spy_launches(monkeypatch, ew._kernels(), "add_rms_norm_kernel")
     x = 3 * torch.randn(1, 5, 64)
     with torch.no_grad():
         want = ref(x, position_ids=torch.arange(5)[None])

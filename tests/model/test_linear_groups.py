@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from tests.interpreter import DEVICE, run_in_fresh_process, skip_here, use_interpreter
+from tests.interpreter import DEVICE, interpreter_module, use_interpreter
 
 FRESH_PROCESS = use_interpreter()  # before triton is imported (tests/interpreter.py)
 pytest.importorskip("triton")
@@ -35,14 +35,8 @@ IN, OUTS, SLOTS = 32, (48, 16, 16), 6
 TOL = 5e-3 if DEVICE == "cuda" else 1e-5  # tf32 dots on the GPU; exact fp32 products in the interpreter
 
 
-@pytest.fixture(autouse=True)
-def _in_interpreter_process(request, monkeypatch):
-    skip_here(request, FRESH_PROCESS)
-    monkeypatch.setenv("SCUTE_TRITON_CPU", "1")
-
-
-def test_in_a_fresh_interpreter_process():
-    run_in_fresh_process(__file__, FRESH_PROCESS)
+_in_interpreter_process, test_in_a_fresh_interpreter_process = interpreter_module(__file__, FRESH_PROCESS,
+                                                                                  triton_cpu=True)
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.interpreter import DEVICE, run_in_fresh_process, skip_here, use_interpreter
+from tests.interpreter import DEVICE, interpreter_module, spy_launches, use_interpreter
 
 FRESH_PROCESS = use_interpreter()  # before triton is imported (tests/interpreter.py)
 pytest.importorskip("triton")
@@ -17,28 +17,8 @@ from scute.ops import elementwise as ew  # noqa: E402
 DTYPES = [torch.float32] if DEVICE == "cpu" else [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(autouse=True)
-def _in_interpreter_process(request, monkeypatch):
-    skip_here(request, FRESH_PROCESS)
-    monkeypatch.setenv("SCUTE_TRITON_CPU", "1")
-
-
-def test_in_a_fresh_interpreter_process():
-    run_in_fresh_process(__file__, FRESH_PROCESS)
-
-
-def _launches(monkeypatch, name: str) -> list:
-    """Counts the kernel's launches, so that a path that silently falls back to the reference fails."""
-    kernels = ew._kernels()
-    kernel, seen = getattr(kernels, name), []
-
-    class Counting:
-        def __getitem__(self, grid):
-            seen.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(kernels, name, Counting())
-    return seen
+_in_interpreter_process, test_in_a_fresh_interpreter_process = interpreter_module(__file__, FRESH_PROCESS,
+                                                                                  triton_cpu=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -47,7 +27,7 @@ def test_rms_norm(monkeypatch, dtype, rows, cols):
     g = torch.Generator().manual_seed(rows * cols)
     x = torch.randn(rows, cols + 16, generator=g).to(DEVICE, dtype)[:, 8:8 + cols]  # a strided view
     w = (1 + 0.3 * torch.randn(cols, generator=g)).to(DEVICE, dtype)
-    seen = _launches(monkeypatch, "rms_norm_kernel")
+    seen = spy_launches(monkeypatch, ew._kernels(), "rms_norm_kernel")
     got = ew.rms_norm(x, w, 1e-5)
     assert seen and got.dtype == dtype
     want = ew.rms_norm_ref(x, w, 1e-5)
@@ -62,7 +42,7 @@ def test_add_rms_norm(monkeypatch, dtype, rows, cols):
     x = torch.randn(rows, cols + 16, generator=g).to(DEVICE, dtype)[:, 8:8 + cols]  # a strided view
     residual = (4 * torch.randn(rows, cols, generator=g)).to(DEVICE, dtype)
     w = (1 + 0.3 * torch.randn(cols, generator=g)).to(DEVICE, dtype)
-    seen = _launches(monkeypatch, "add_rms_norm_kernel")
+    seen = spy_launches(monkeypatch, ew._kernels(), "add_rms_norm_kernel")
     got, total = ew.add_rms_norm(x, residual, w, 1e-5)
     assert seen and got.dtype == total.dtype == dtype
     want, want_total = ew.add_rms_norm_ref(x, residual, w, 1e-5)
@@ -83,7 +63,7 @@ def test_rope_in_place_is_the_reference(monkeypatch, dtype, tokens, heads, kv_he
     cos, sin = angle.cos().to(DEVICE, dtype), angle.sin().to(DEVICE, dtype)
     v_before = qkv[:, (heads + kv_heads) * dim:].clone()
     want_q, want_k = ew.rope_ref(q.clone(), k.clone(), cos, sin)
-    seen = _launches(monkeypatch, "rope_kernel")
+    seen = spy_launches(monkeypatch, ew._kernels(), "rope_kernel")
     got_q, got_k = ew.rope_(q, k, cos, sin)
     assert seen and got_q.data_ptr() == q.data_ptr()  # in place
     # every product and sum rounded where PyTorch rounds them; the GPU compiler may contract a product into the
@@ -100,7 +80,7 @@ def test_silu_mul(monkeypatch, dtype, rows, cols):
     g = torch.Generator().manual_seed(cols)
     gate_up = (3 * torch.randn(rows, 2 * cols, generator=g)).to(DEVICE, dtype)
     gate, up = gate_up[:, :cols], gate_up[:, cols:]
-    seen = _launches(monkeypatch, "silu_mul_kernel")
+    seen = spy_launches(monkeypatch, ew._kernels(), "silu_mul_kernel")
     got = ew.silu_mul(gate, up)
     assert seen
     tol = 1e-5 if dtype == torch.float32 else 1e-2

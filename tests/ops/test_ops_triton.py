@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from tests.interpreter import DEVICE, run_in_fresh_process, skip_here, use_interpreter
+from tests.interpreter import DEVICE, interpreter_module, use_interpreter
 
 FRESH_PROCESS = use_interpreter()  # before triton is imported (tests/interpreter.py)
 pytest.importorskip("triton")
@@ -50,13 +50,7 @@ HALF_N, BLOCK_K = 16, 16
 FP32_TOL = 5e-3 if DEVICE == "cuda" else 2e-5
 
 
-@pytest.fixture(autouse=True)
-def _in_interpreter_process(request):
-    skip_here(request, FRESH_PROCESS)
-
-
-def test_in_a_fresh_interpreter_process():
-    run_in_fresh_process(__file__, FRESH_PROCESS)
+_in_interpreter_process, test_in_a_fresh_interpreter_process = interpreter_module(__file__, FRESH_PROCESS)
 
 
 def mixed_slots(dtype, gen, in_f=IN, out_f=OUT) -> list:

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from tests.interpreter import DEVICE, run_in_fresh_process, skip_here, use_interpreter
+from tests.interpreter import DEVICE, interpreter_module, spy_launches, use_interpreter
 
 FRESH_PROCESS = use_interpreter()  # before triton is imported (tests/interpreter.py)
 pytest.importorskip("triton")
@@ -24,7 +24,6 @@ from scute.ops import SlotPool, build_lora_meta, scute_linears_triton, triton_op
 from scute.ops import input_transform as input_transform_mod, launch, lora_delta  # noqa: E402
 from scute.ops.cost import layer_call_bytes  # noqa: E402
 from scute.ops.groups import pool_facts  # noqa: E402
-from scute.ops.plan import Launch  # noqa: E402
 from scute.ops.testing import random_slots, token_slots, vera_pair  # noqa: E402
 
 IN = 32
@@ -32,13 +31,7 @@ KERNELS = ("input_transform_kernel", "input_tiles_kernel", "shrink_kernel", "del
            "shared_scale_kernel", "shared_expand_kernel", "epilogue_kernel")
 
 
-@pytest.fixture(autouse=True)
-def _in_interpreter_process(request):
-    skip_here(request, FRESH_PROCESS)
-
-
-def test_in_a_fresh_interpreter_process():
-    run_in_fresh_process(__file__, FRESH_PROCESS)
+_in_interpreter_process, test_in_a_fresh_interpreter_process = interpreter_module(__file__, FRESH_PROCESS)
 
 
 def _pool_slots(kind: str, gen: torch.Generator) -> tuple[tuple[int, ...], list[list]]:
@@ -59,15 +52,9 @@ def _pool_slots(kind: str, gen: torch.Generator) -> tuple[tuple[int, ...], list[
     return outs, rows
 
 
-def _spy(monkeypatch) -> tuple[list[Launch], list[str]]:
+def _spy(monkeypatch) -> tuple[list[tuple[str, tuple]], list[str]]:
     """Records every Triton launch (kernel, grid) and every cuBLAS product of the call."""
-    kernels, launched, products = launch.kernels(), [], []
-    for name in KERNELS:
-        class Spy:
-            def __getitem__(self, grid, _name=name, _kernel=getattr(kernels, name)):
-                launched.append(Launch(_name, tuple(grid)))
-                return _kernel[grid]
-        monkeypatch.setattr(kernels, name, Spy())
+    launched, products = spy_launches(monkeypatch, launch.kernels(), *KERNELS), []
     linear, mm, addmm_ = F.linear, torch.mm, torch.Tensor.addmm_
     monkeypatch.setattr(F, "linear", lambda *a, **kw: products.append("linear") or linear(*a, **kw))
     monkeypatch.setattr(torch, "mm", lambda *a, **kw: products.append("mm") or mm(*a, **kw))
