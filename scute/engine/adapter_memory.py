@@ -5,7 +5,9 @@ dtype, vectors in float32, as `AdapterLoader` moves them); a storage several ada
 pair, one tensor per content) counts once for all of them. `AdapterManager` lets a request run only if its
 adapter fits beside the running requests' (`pinned`), then evicts unused adapters from the slots until it fits
 beside the rest (`held`); an adapter that cannot fit alone fails its requests. Both checks
-cost the size of one adapter (`StorageUnion` keeps the resident ones' union as they come and go).
+cost the number of storages the adapter may share (`StorageUnion` keeps the resident ones' union as they come
+and go): a request pinning a LoRA adapter costs the host no more than one with a VeRA adapter of a few storages,
+whatever the number of its layers.
 The budget bounds the slots' adapters; the copies staged for waiting requests (at most `MAX_PREFETCH`) come on
 top, and the default budget has room for them.
 """
@@ -13,6 +15,7 @@ top, and the default budget has room for them.
 from __future__ import annotations
 
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -26,10 +29,28 @@ DEFAULT_RANK = 16  # the default budget: room for LoRA adapters of this rank on 
 DEFAULT_SHARE = 0.1  # ...at most this share of the device's memory
 
 
-def adapter_storages(adapter: Adapter, matrix_bytes: int) -> dict[tuple, int]:
-    """Each distinct storage of the adapter's live tensors and its bytes on the device (`matrix_bytes` per
+class Storages(NamedTuple):
+    """An adapter's distinct storages on the device: `own`, the bytes of those no other adapter holds (every
+    tensor not named in `Slots.shared`: loaded for this adapter alone); `shared`, by `storage_key`, those that
+    other adapters may hold too (`Slots.shared`: VeRA's pair), with their bytes."""
+
+    own: int
+    shared: dict[tuple, int]
+
+    @property
+    def total(self) -> int:
+        return self.own + sum(self.shared.values())
+
+
+def adapter_storages(adapter: Adapter, matrix_bytes: int) -> Storages:
+    """The adapter's distinct storages (each counted once) and their bytes on the device (`matrix_bytes` per
     element of a matrix, 4 per element of a vector)."""
-    return {key: n for sl in adapter.layers.values() for key, n in slot_storages(sl, matrix_bytes).items()}
+    own: dict[tuple, int] = {}
+    shared: dict[tuple, int] = {}
+    for sl in adapter.layers.values():
+        shared.update(slot_storages(sl, matrix_bytes, sl.shared))
+        own.update(slot_storages(sl, matrix_bytes, set(sl.live) - sl.shared))
+    return Storages(sum(own.values()), shared)
 
 
 def lora_bytes(linears: dict[str, ScuteLinear], rank: int, matrix_bytes: int) -> int:
@@ -68,31 +89,36 @@ def log_budget(budget: int | None, loaded: LoadedModel) -> None:
 
 class StorageUnion:
     """The storages of a set of adapters (by identity), each counted once, and their bytes, kept as adapters
-    join and leave: the checks below cost the size of one adapter, not of every resident one."""
+    join and leave: an adapter's own storages as one number, the shared ones counted by reference."""
 
     def __init__(self) -> None:
-        self.members: dict[str, dict[tuple, int]] = {}
+        self.members: dict[str, Storages] = {}
         self._refs: dict[tuple, int] = {}
         self.bytes = 0
 
-    def add(self, identity: str, storages: dict[tuple, int]) -> None:
+    def add(self, identity: str, storages: Storages) -> None:
         if identity in self.members:
             return
         self.members[identity] = storages
-        for key, n in storages.items():
+        self.bytes += storages.own
+        for key, n in storages.shared.items():
             self.bytes += n if key not in self._refs else 0
             self._refs[key] = self._refs.get(key, 0) + 1
 
     def remove(self, identity: str) -> None:
-        for key, n in self.members.pop(identity, {}).items():
+        storages = self.members.pop(identity, None)
+        if storages is None:
+            return
+        self.bytes -= storages.own
+        for key, n in storages.shared.items():
             self._refs[key] -= 1
             if not self._refs[key]:
                 del self._refs[key]
                 self.bytes -= n
 
-    def extra(self, storages: dict[tuple, int]) -> int:
+    def extra(self, storages: Storages) -> int:
         """The bytes `storages` would add to the union."""
-        return sum(n for key, n in storages.items() if key not in self._refs)
+        return storages.own + sum(n for key, n in storages.shared.items() if key not in self._refs)
 
 
 class AdapterMemory:
@@ -104,13 +130,13 @@ class AdapterMemory:
         self.held, self.pinned = StorageUnion(), StorageUnion()
         self._totals: dict[str, int] = {}  # identity -> its bytes alone (a number per adapter ever asked about)
 
-    def storages(self, adapter: Adapter) -> dict[tuple, int]:
+    def storages(self, adapter: Adapter) -> Storages:
         held = self.held.members.get(adapter.identity)
         return held if held is not None else adapter_storages(adapter, self.matrix_bytes)
 
     def total(self, adapter: Adapter) -> int:
         if adapter.identity not in self._totals:
-            self._totals[adapter.identity] = sum(self.storages(adapter).values())
+            self._totals[adapter.identity] = self.storages(adapter).total
         return self._totals[adapter.identity]
 
     def too_large(self, adapter: Adapter) -> str | None:

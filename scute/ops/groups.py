@@ -158,11 +158,12 @@ def storage_key(x: Tensor, kind: str) -> tuple:
             tuple(x.stride()))
 
 
-def slot_storages(sl: Slots, matrix_bytes: int) -> dict[tuple, int]:
-    """Each live tensor of a slot by its storage identity (`storage_key`), with its bytes as the device holds it:
-    matrices at `matrix_bytes` per element, vectors in float32."""
+def slot_storages(sl: Slots, matrix_bytes: int, names: Collection[str] | None = None) -> dict[tuple, int]:
+    """Each live tensor of a slot (of those named in `names`; None: all) by its storage identity
+    (`storage_key`), with its bytes as the device holds it: matrices at `matrix_bytes` per element, vectors in
+    float32."""
     return {storage_key(x, "vec" if x.dim() == 1 else "mat"): x.numel() * (4 if x.dim() == 1 else matrix_bytes)
-            for x in sl.tensors().values()}
+            for name, x in sl.tensors().items() if names is None or name in names}
 
 
 def needs_expand(sl: Slots | None) -> bool:

@@ -25,7 +25,7 @@ def sizes(oracle):
     """Each method's adapter and its bytes as the slots hold them (float32 engine: 4 bytes per element)."""
     engine = oracle.engine()
     adapters = {m: engine.adapters.load(oracle.paths[m]) for m in METHODS}
-    return {m: sum(adapter_storages(a, 4).values()) for m, a in adapters.items()}
+    return {m: adapter_storages(a, 4).total for m, a in adapters.items()}
 
 
 def _watch(engine, budget: int) -> list[int]:
@@ -70,6 +70,26 @@ def test_an_adapter_larger_than_the_budget_fails_alone(oracle, sizes):
     check(oracle, [outputs[i] for i in keep], [prompts[i] for i in keep], [adapters[i] for i in keep])
 
 
+def test_storages_split_own_from_shared(oracle):
+    """An adapter's bytes are its distinct storages' either way; only what `Slots.shared` names is kept by key
+    (what other adapters may hold too), so pinning a LoRA adapter for a request is one addition, not a walk over
+    its layers' tensors."""
+    from scute.ops.groups import slot_storages
+
+    engine = oracle.engine()
+    for method in METHODS:
+        adapter = engine.adapters.load(oracle.paths[method])
+        storages = adapter_storages(adapter, 4)
+        distinct = {k: n for sl in adapter.layers.values() for k, n in slot_storages(sl, 4).items()}
+        assert storages.total == sum(distinct.values()) > 0, method
+        assert bool(storages.shared) == (method == "vera"), method
+        union = AdapterMemory(None, torch.float32).pinned
+        union.add(adapter.identity, storages)
+        assert union.bytes == storages.total
+        union.remove(adapter.identity)
+        assert union.bytes == 0 and not union._refs
+
+
 def test_shared_storages_count_once(oracle):
     """Two VeRA adapters of one projection key share their A and B (one tensor per content): held together they
     cost one pair and two sets of vectors."""
@@ -97,7 +117,7 @@ def test_default_budget(oracle):
                           torch.device("cpu"), 4) == 123
     lora = engine.adapters.load(oracle.paths["lora"])  # rank 4 on the decoder's linear layers: the estimate is exact
     adapted = {name: lin for name, lin in linears.items() if name in lora.layers}
-    assert len(adapted) > 6 and lora_bytes(adapted, 4, 4) == sum(adapter_storages(lora, 4).values())
+    assert len(adapted) > 6 and lora_bytes(adapted, 4, 4) == adapter_storages(lora, 4).total
     per_lora = lora_bytes(linears, DEFAULT_RANK, 2)
     assert default_budget(linears, 8 + MAX_PREFETCH, torch.bfloat16, 1 << 40) == (8 + MAX_PREFETCH) * per_lora
     assert default_budget(linears, 1 << 20, torch.bfloat16, 1 << 30) == int(DEFAULT_SHARE * (1 << 30))  # capped
