@@ -54,11 +54,13 @@ class ForwardContext:
     def lora_meta(self, num_tokens: int, slot_group: Tensor, group_key: tuple | None):
         """The `LoraMeta` of a layer call over `num_tokens` rows for a pool's grouping (`SlotPool.slot_group`,
         `group_key`: pools of one grouping share it)."""
+        from scute.ops.launch import tile_tokens
         from scute.ops.meta import build_lora_meta
 
         key = (self._which(num_tokens), group_key)
         if key not in self._metas:
-            self._metas[key] = build_lora_meta(self.adapter_slots(num_tokens), slot_group)
+            self._metas[key] = build_lora_meta(self.adapter_slots(num_tokens), slot_group,
+                                               block_m=tile_tokens(num_tokens))
         return self._metas[key]
 
     def _which(self, num_tokens: int) -> str:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from scute.ops.groups import needs_expand, pool_facts, slot_storages, storage_key
+from scute.ops.launch import tile_tokens
 from scute.ops.meta import max_tiles
 from scute.ops.plan import SharedPlan, plan
 from scute.ops.slots import Slots
@@ -66,8 +67,9 @@ def layer_call_bytes(slots: Sequence[Sequence[Slots | None]], in_features: int, 
     write at the least. Its passes and launches are the call's `Plan` (`scute.ops.plan`)."""
     n_tok, n_proj = len(token_slots), len(out_features)
     facts = pool_facts(slots, out_features)
-    passes = plan(facts, n_tok, in_features, max_tiles(n_tok, len(slots[0])), _DEVICE, set(token_slots),
-                  merged)
+    block_m = tile_tokens(n_tok)
+    passes = plan(facts, n_tok, in_features, max_tiles(n_tok, len(slots[0]), block_m), _DEVICE, set(token_slots),
+                  merged, block_m=block_m)
     cost = CallBytes(launches=passes.launches())
     cost.weights = sum(o * in_features * elem + (o * elem if bias else 0) for o in out_features)
     cost.activations = sum(n_tok * (in_features + o) * elem for o in out_features)

@@ -34,10 +34,16 @@ class LaunchConfig:
     expand_warps: int = 1
     expand_stages: int = 1
     target_expand_programs: int = 4096  # this delta and the epilogue stream more chunks per program beyond this grid
+    # tiles: a step of long_step_tokens tokens or more (prefill) cuts each group's tokens into tiles of
+    # long_tile_tokens instead of BLOCK_M, so that the shrink reads a group's A, and the multi-token delta its B,
+    # once per that many tokens: at 16 a 64-LoRA prefill re-read them as many bytes as it wrote of the deltas
+    long_step_tokens: int = 512
+    long_tile_tokens: int = 64
     # low-rank delta, multi-token tiles
     max_block_r: int = 64  # rank tile: the largest rank rounded up to a power of two in [16, 64]; larger ranks
     # get several rank tiles (the shrink's grid, this delta's loop)
-    tile_half_n: int = 128  # chunk = 2·tile_half_n columns at rank tile 16 or 32; a larger rank tile narrows it
+    tile_half_n: int = 128  # chunk = 2·tile_half_n columns at rank tile 16 or 32 and BLOCK_M-token tiles; a larger
+    # rank tile or a taller tile narrows it (the [tile, chunk] float32 product stays in registers)
     tile_warps: int = 4
     tile_stages: int = 1
     tile_programs_per_sm: int = 3  # a persistent launch: this many programs per SM walk the items...
@@ -111,6 +117,12 @@ def kernels():
 # ---------------------------------------------------------------------------------------------- grid sizing
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def tile_tokens(num_tokens: int) -> int:
+    """Tokens per tile of a step of `num_tokens` tokens (`LoraMeta.block_m`): BLOCK_M, or long_tile_tokens from
+    long_step_tokens on."""
+    return CONFIG.long_tile_tokens if num_tokens >= CONFIG.long_step_tokens else BLOCK_M
 
 
 def block_r(max_rank: int, cap: int | None = None) -> int:

@@ -10,13 +10,12 @@ from torch import Tensor
 
 from scute.ops.launch import (block_r, cdiv, config, kernels, persistent_programs, precision, row_block_r, scute_op,
                               tl_dtype)
-from scute.ops.meta import BLOCK_M
 
 
 @scute_op("scute::lora_delta_rows_", mutates_args=("ds",))
 def lora_delta_rows_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, sorted_idx: Tensor,
                      tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, half_n: int, chunks_per_prog: int,
-                     max_rank: int, mat_dtype: torch.dtype) -> None:
+                     max_rank: int, mat_dtype: torch.dtype, block_m: int) -> None:
     """The low-rank delta of the tokens of one-token tiles (most tokens at decode), for each projection.
 
     Semantics (token t with slot a ≥ 0 at sorted position i, projection p, group g of a with rank r > 0):
@@ -27,8 +26,9 @@ def lora_delta_rows_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: T
     tokens' rows; rows of base tokens are not written.
 
     Shapes: ds = P ≤ 3 tensors [T, out_p] (contiguous, one dtype), mat_dtype the pool's matrix dtype, h from
-    `shrink_`, sorted_slots [T] int32, the rest as in `shrink_`. A program per (tile, `chunks_per_prog` chunks of
-    2·half_n columns of one projection), in rank steps of `row_block_r(max_rank, half_n)`.
+    `shrink_`, sorted_slots [T] int32, the rest (and `block_m`) as in `shrink_`. A program per (tile,
+    `chunks_per_prog` chunks of 2·half_n columns of one projection), in rank steps of `row_block_r(max_rank,
+    half_n)`.
     """
     c = config()
     num_tokens = ds[0].shape[0]
@@ -37,7 +37,7 @@ def lora_delta_rows_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: T
     outs = [d.shape[1] for d in ds] + [0] * (3 - len(ds))
     kernels().delta_rows_kernel[rows_grid(tile_group.shape[0], outs, half_n, chunks_per_prog)](
         *_delta_args(ds, outs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end),
-        chunks_per_prog, B_TY=tl_dtype(mat_dtype), P=len(ds), SPLIT_K=h.shape[0], BM=BLOCK_M,
+        chunks_per_prog, B_TY=tl_dtype(mat_dtype), P=len(ds), SPLIT_K=h.shape[0], BM=block_m,
         BR=row_block_r(max_rank, half_n), BN=2 * half_n, ONCE_ABOVE=c.row_block_r, num_warps=c.expand_warps,
         num_stages=c.expand_stages)
 
@@ -55,14 +55,15 @@ def tiles_grid(device: torch.device) -> tuple[int]:
 
 @lora_delta_rows_.register_fake
 def _(ds, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, half_n, chunks_per_prog, max_rank,
-      mat_dtype):
+      mat_dtype, block_m):
     return None
 
 
 @scute_op("scute::lora_delta_tiles_", mutates_args=("ds",))
 def lora_delta_tiles_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: Tensor, sorted_idx: Tensor,
                       tile_group: Tensor, tile_start: Tensor, tile_end: Tensor, multi_tiles: Tensor,
-                      num_multi: Tensor, max_rank: int, tile_half_n: int, mat_dtype: torch.dtype) -> None:
+                      num_multi: Tensor, max_rank: int, tile_half_n: int, mat_dtype: torch.dtype,
+                      block_m: int) -> None:
     """The semantics of `lora_delta_rows_` for the tokens of multi-token tiles (prefill, a popular adapter, a
     shared VeRA group), from h[0] (the shrink sums these tiles' splits there). The two write disjoint rows of ds,
     so they may run at the same time.
@@ -78,14 +79,14 @@ def lora_delta_tiles_(ds: list[Tensor], h: Tensor, table: Tensor, sorted_slots: 
     (programs,) = grid = tiles_grid(ds[0].device)
     kernels().delta_tiles_kernel[grid](
         *_delta_args(ds, outs, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end), multi_tiles,
-        num_multi, c.tile_items_per_program * programs, B_TY=tl_dtype(mat_dtype), P=len(ds), BM=BLOCK_M,
+        num_multi, c.tile_items_per_program * programs, B_TY=tl_dtype(mat_dtype), P=len(ds), BM=block_m,
         BR=block_r(max_rank), BN=2 * tile_half_n, PREC=precision(mat_dtype), num_warps=c.tile_warps,
         num_stages=c.tile_stages)
 
 
 @lora_delta_tiles_.register_fake
 def _(ds, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, multi_tiles, num_multi, max_rank,
-      tile_half_n, mat_dtype):
+      tile_half_n, mat_dtype, block_m):
     return None
 
 

@@ -23,6 +23,7 @@ from scute.ops.groups import PoolFacts, StepKinds, active_mask, step_kinds
 from scute.ops.input_transform import rows_launch, windowed, windows_grid
 from scute.ops.launch import block_r, choose_chunks_per_prog, choose_split_k, config, rows_half_n
 from scute.ops.lora_delta import rows_grid, tiles_grid
+from scute.ops.meta import BLOCK_M
 from scute.ops.shared_delta import expand_launch, scale_grid, scale_pass
 from scute.ops.shrink import shrink_grid
 
@@ -56,6 +57,7 @@ class LowrankPlan(NamedTuple):
     chunks: int  # ...and its chunks per program
     tile_half_n: int  # the multi-token delta's half-chunk...
     multi: bool  # ...which launches for two tokens or more
+    block_m: int  # tokens per tile (`LoraMeta.block_m`)
 
 
 class EpiloguePlan(NamedTuple):
@@ -127,10 +129,11 @@ class Plan(NamedTuple):
 
 def plan(facts: PoolFacts, num_tokens: int, in_features: int, num_tiles: int, device: torch.device,
          active_slots: Collection[int] | None = None, merged: bool = False, half_n: int | None = None,
-         block_k: int | None = None, tile_half_n: int | None = None) -> Plan:
-    """The plan of a call over `num_tokens` tokens of `in_features` inputs cut into `num_tiles` tiles (the
-    `LoraMeta`'s), for a step whose tokens use only `active_slots` (None: any); `merged`: merged weights are
-    given; `half_n`, `block_k`, `tile_half_n` as in `scute_linears_triton` (None: the launch configuration)."""
+         block_k: int | None = None, tile_half_n: int | None = None, block_m: int = BLOCK_M) -> Plan:
+    """The plan of a call over `num_tokens` tokens of `in_features` inputs cut into `num_tiles` tiles of up to
+    `block_m` tokens (the `LoraMeta`'s), for a step whose tokens use only `active_slots` (None: any); `merged`:
+    merged weights are given; `half_n`, `block_k`, `tile_half_n` as in `scute_linears_triton` (None: the launch
+    configuration)."""
     kinds = step_kinds(facts.kind_masks, active_slots)
     inputs = InputPlan(windowed(num_tokens, facts.block_b)) if kinds.input_transform else None
     fold = _fold_plan(facts, kinds, num_tokens, active_slots)
@@ -138,7 +141,7 @@ def plan(facts: PoolFacts, num_tokens: int, in_features: int, num_tiles: int, de
     shared = lowrank = epilogue = None
     if kinds.expand:
         shared = SharedPlan(facts.shared_products, scale_pass(num_tokens)) if kinds.shared else None
-        lowrank = _lowrank_plan(facts, num_tokens, in_features, num_tiles, half_n, block_k, tile_half_n) \
+        lowrank = _lowrank_plan(facts, num_tokens, in_features, num_tiles, half_n, block_k, tile_half_n, block_m) \
             if kinds.lowrank else None
         epilogue = _epilogue_plan(facts.out_features, num_tokens, merged_gemm) if fold is None else None
     return Plan(kinds, shared, lowrank, inputs, merged_gemm, 1 if merged_gemm else len(facts.out_features),
@@ -159,13 +162,14 @@ def _fold_plan(facts: PoolFacts, kinds: StepKinds, num_tokens: int,
 
 
 def _lowrank_plan(facts: PoolFacts, num_tokens: int, in_features: int, num_tiles: int, half_n: int | None,
-                  block_k: int | None, tile_half_n: int | None) -> LowrankPlan:
+                  block_k: int | None, tile_half_n: int | None, block_m: int) -> LowrankPlan:
     c, outs, rank = config(), facts.out_features, facts.max_rank
     block_k = block_k or c.block_k
     split_k = choose_split_k(in_features, num_tiles * len(outs), block_k)
     rows_hn = rows_half_n(num_tiles, outs, rank, half_n)
-    return LowrankPlan(split_k, block_k, rows_hn, choose_chunks_per_prog(num_tiles, outs, rows_hn),
-                       max(16, (tile_half_n or c.tile_half_n) * 32 // max(block_r(rank), 32)), num_tokens > 1)
+    tile_hn = (tile_half_n or c.tile_half_n) * 32 // max(block_r(rank), 32) * BLOCK_M // block_m
+    return LowrankPlan(split_k, block_k, rows_hn, choose_chunks_per_prog(num_tiles, outs, rows_hn), max(16, tile_hn),
+                       num_tokens > 1, block_m)
 
 
 def _epilogue_plan(outs: tuple[int, ...], num_tokens: int, merged_gemm: bool) -> EpiloguePlan:

@@ -6,12 +6,11 @@ import torch
 from torch import Tensor
 
 from scute.ops.launch import block_r, cdiv, config, kernels, precision, rank_tiles, scute_op
-from scute.ops.meta import BLOCK_M
 
 
 @scute_op("scute::shrink_", mutates_args=("h",))
 def shrink_(h: Tensor, x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group: Tensor, tile_start: Tensor,
-            tile_end: Tensor, num_proj: int, max_rank: int, block_k: int) -> None:
+            tile_end: Tensor, num_proj: int, max_rank: int, block_k: int, block_m: int) -> None:
     """Down projection of every token by its group's A (all projections of the pool), split over K.
 
     Semantics:
@@ -20,8 +19,8 @@ def shrink_(h: Tensor, x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group:
     Multi-token tiles and groups wider than `row_block_r` have the sum in h[0] instead (summed once, in split order).
 
     Shapes: h [split_k, T, h_width] float32, indexed by *sorted* position; x [T, in], table (see
-    `input_transform`), sorted_idx [T], tile_* [NT] int32 (`LoraMeta`); max_rank ≥ every rank in the table
-    (sizes the grid's rank tiles).
+    `input_transform`), sorted_idx [T], tile_* [NT] int32 (`LoraMeta`, tiles of up to `block_m` tokens);
+    max_rank ≥ every rank in the table (sizes the grid's rank tiles).
     """
     c = config()
     split_k, num_tokens, h_width = h.shape
@@ -33,7 +32,7 @@ def shrink_(h: Tensor, x: Tensor, table: Tensor, sorted_idx: Tensor, tile_group:
     grid = shrink_grid(tile_group.shape[0], split_k, max_rank, num_proj)
     kernels().shrink_kernel[grid](
         x, h, arrival_counters(x.device, grid[0] * rt * num_proj), table, sorted_idx, tile_group, tile_start,
-        tile_end, num_tokens, in_features, table.shape[1], h_width, k_per_split, SPLIT_K=split_k, RT=rt, BM=BLOCK_M,
+        tile_end, num_tokens, in_features, table.shape[1], h_width, k_per_split, SPLIT_K=split_k, RT=rt, BM=block_m,
         BR=block_r(max_rank), BK=block_k, PREC=precision(x.dtype), ONCE_ABOVE=c.row_block_r,
         num_warps=c.shrink_warps, num_stages=c.shrink_stages)
 
@@ -44,7 +43,7 @@ def shrink_grid(num_tiles: int, split_k: int, max_rank: int, num_proj: int) -> t
 
 
 @shrink_.register_fake
-def _(h, x, table, sorted_idx, tile_group, tile_start, tile_end, num_proj, max_rank, block_k):
+def _(h, x, table, sorted_idx, tile_group, tile_start, tile_end, num_proj, max_rank, block_k, block_m):
     return None
 
 

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from scute.ops.epilogue import epilogue_
 from scute.ops.input_transform import input_transform
-from scute.ops.launch import SideStreams, choose_split_k, on, side_streams
+from scute.ops.launch import SideStreams, choose_split_k, on, side_streams, tile_tokens
 from scute.ops.lora_delta import lora_delta_rows_, lora_delta_tiles_
 from scute.ops.meta import LoraMeta, max_tiles
 from scute.ops.plan import LowrankPlan, Plan, plan
@@ -94,7 +94,8 @@ def call_plan(x: Tensor, pool: SlotPool, meta: LoraMeta, active_slots: Collectio
               tile_half_n: int | None = None) -> Plan:
     """The `Plan` of `scute_linears_triton` with these arguments (`active_slots` ignored under torch.compile)."""
     return plan(pool.facts, x.shape[0], x.shape[1], meta.tile_group.shape[0], x.device,
-                None if torch.compiler.is_compiling() else active_slots, merged, half_n, block_k, tile_half_n)
+                None if torch.compiler.is_compiling() else active_slots, merged, half_n, block_k, tile_half_n,
+                meta.block_m)
 
 
 def _folded(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], pool: SlotPool, meta: LoraMeta,
@@ -136,14 +137,14 @@ def _lowrank_delta(ds: list[Tensor], x: Tensor, pool: SlotPool, meta: LoraMeta, 
         lowrank.wait_stream(torch.cuda.current_stream(x.device))  # the fork: x is ready
     with on(lowrank):
         shrink_(h, x, pool.table, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end, pool.num_proj,
-                pool.max_rank, lp.block_k)
+                pool.max_rank, lp.block_k, lp.block_m)
     if beside is not None:
         beside.wait_stream(lowrank)
     with on(beside if beside is not None else lowrank):
         lora_delta_tiles_(ds, h, pool.table, *tiles, meta.multi_tiles, meta.num_multi, pool.max_rank, lp.tile_half_n,
-                          pool.dtype)
+                          pool.dtype, lp.block_m)
     with on(lowrank):
-        lora_delta_rows_(ds, h, pool.table, *tiles, lp.half_n, lp.chunks, pool.max_rank, pool.dtype)
+        lora_delta_rows_(ds, h, pool.table, *tiles, lp.half_n, lp.chunks, pool.max_rank, pool.dtype, lp.block_m)
     if beside is not None:
         lowrank.wait_stream(beside)
     return [h]
@@ -203,7 +204,7 @@ def call_transient_bytes(num_tokens: int, in_features: int, out_features: Sequen
     each, `elem` bytes) and the delta [T, Σ out_p] (float32 at most: `SlotPool.delta_dtype`). Freed when the call
     returns."""
     num_proj = len(out_features)
-    split = choose_split_k(in_features, max_tiles(num_tokens, num_slots) * num_proj)
+    split = choose_split_k(in_features, max_tiles(num_tokens, num_slots, tile_tokens(num_tokens)) * num_proj)
     return num_tokens * (num_proj * in_features * elem + (split * 4 + 2 * elem) * num_proj * max_rank
                          + sum(out_features) * 4)
 

@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.gpu,
 from scute.model.context import ForwardContext, forward_context  # noqa: E402
 from scute.model.linear import ScuteLinear  # noqa: E402
 from scute.ops import SlotPool, build_lora_meta, scute_linear_ref, scute_linears_triton  # noqa: E402
+from scute.ops.launch import tile_tokens  # noqa: E402
 from scute.ops.testing import POPULARITY, random_slots, token_slots, vera_pair  # noqa: E402
 
 LLAMA3_8B = {"q": (4096, 4096), "k": (4096, 1024), "v": (4096, 1024), "o": (4096, 4096),
@@ -55,18 +56,21 @@ def effect_errors(y, x, w, slots, ts):
     return rel, rel32
 
 
+@pytest.mark.parametrize("num_tokens", [64, 1024])
 @pytest.mark.parametrize("proj", list(LLAMA3_8B))
-def test_llama_projection_bf16(proj):
+def test_llama_projection_bf16(proj, num_tokens):
+    """64 tokens: decode-sized tiles; 1024: a long step's (`tile_tokens`)."""
     in_f, out_f = LLAMA3_8B[proj]
     gen = torch.Generator().manual_seed(len(proj))
     pair = vera_pair(256, 14336, 14336, dtype=DT, device="cuda", generator=gen)
     slots = llama_slots(in_f, out_f, gen, pair)
     w = (torch.randn(out_f, in_f, generator=gen) / in_f ** 0.5).to("cuda", DT)
-    ts = token_slots("uniform", 64, len(slots), generator=gen).cuda()
-    x = torch.randn(64, in_f, generator=gen).to("cuda", DT)
+    ts = token_slots("uniform", num_tokens, len(slots), generator=gen).cuda()
+    x = torch.randn(num_tokens, in_f, generator=gen).to("cuda", DT)
     pool = SlotPool(in_f, (out_f,), len(slots), "cuda", DT)
     pool.update([slots])
-    (y,) = scute_linears_triton(x, [w], [None], pool, build_lora_meta(ts, pool.slot_group))
+    meta = build_lora_meta(ts, pool.slot_group, block_m=tile_tokens(num_tokens))
+    (y,) = scute_linears_triton(x, [w], [None], pool, meta)
     rel, rel32 = effect_errors(y, x, w, slots, ts)
     print(f"{proj}: max err / effect vs reference {rel.max().item():.2e}, vs all-fp32 {rel32.max().item():.2e}")
     assert rel.max().item() <= 1e-2

@@ -77,7 +77,7 @@ def mixed_slots(dtype, gen, in_f=IN, out_f=OUT) -> list:
 def run_triton(x, weights, biases, slots_per_proj, ts, dtype, **kw):
     pool = SlotPool(x.shape[1], [w.shape[0] for w in weights], len(slots_per_proj[0]), DEVICE, dtype)
     pool.update(slots_per_proj)
-    meta = build_lora_meta(ts, pool.slot_group)
+    meta = build_lora_meta(ts, pool.slot_group, block_m=kw.get("block_m", BLOCK_M))
     return scute_linears_triton(x, weights, biases, pool, meta, half_n=kw.get("half_n", HALF_N),
                                 block_k=kw.get("block_k", BLOCK_K), tile_half_n=kw.get("tile_half_n", HALF_N))
 
@@ -111,6 +111,33 @@ def test_every_method_mixed(popularity, num_tokens):
     x = torch.randn(num_tokens, IN, generator=gen).to(DEVICE)
     (y,) = run_triton(x, [w], [b], [slots], ts, torch.float32)
     check(y, x, w, b, slots, ts, FP32_TOL)
+
+
+@pytest.mark.parametrize("block_m", [32, 64])
+def test_long_tiles(block_m):
+    """A long step's tiles (`launch.tile_tokens`): every method mixed, groups of one token to several tiles."""
+    gen, w, b = _case(torch.float32, seed=block_m)
+    slots = mixed_slots(torch.float32, gen)
+    counts = {0: 2 * block_m + 3, 2: block_m, 4: 5, 6: block_m + 1, 7: 1, 8: 9, 12: block_m - 1, -1: 4, 3: 2}
+    ts = _shuffled(counts, gen)
+    x = torch.randn(ts.shape[0], IN, generator=gen).to(DEVICE)
+    (y,) = run_triton(x, [w], [b], [slots], ts, torch.float32, block_m=block_m)
+    check(y, x, w, b, slots, ts, FP32_TOL)
+
+
+def test_long_steps_get_long_tiles(monkeypatch):
+    """The forward context builds a step's metadata with the tile height the launch configuration gives its
+    length."""
+    from scute.model.context import ForwardContext
+    from scute.ops import launch
+
+    monkeypatch.setattr(launch, "CONFIG", dataclasses.replace(launch.CONFIG, long_step_tokens=40, long_tile_tokens=32))
+    group = torch.arange(4, dtype=torch.int32, device=DEVICE)
+    for num_tokens, block_m in ((39, BLOCK_M), (40, 32)):
+        ctx = ForwardContext(torch.zeros(num_tokens, dtype=torch.long, device=DEVICE))
+        meta = ctx.lora_meta(num_tokens, group, None)
+        assert meta.block_m == block_m and meta.tile_group.shape[0] == max_tiles(num_tokens, 4, block_m)
+        assert (meta.tile_group >= 0).sum() == -(-num_tokens // block_m)
 
 
 @pytest.mark.parametrize("num_tokens", [7, 33])
@@ -299,25 +326,26 @@ def test_shared_matrix_read_once():
     check(run_triton(x, [w], [None], [slots], ts, torch.float32)[0], x, w, None, slots, ts, FP32_TOL)
 
 
+@pytest.mark.parametrize("block_m", [BLOCK_M, 64])
 @pytest.mark.parametrize("popularity", POPULARITY)
-def test_meta(popularity):
+def test_meta(popularity, block_m):
     gen = torch.Generator().manual_seed(9)
-    for num_tokens in (1, 3, 7, 33, 100):
+    for num_tokens in (1, 3, 7, 33, 100, 300):
         ts = token_slots(popularity, num_tokens, 12, generator=gen)
         group = torch.tensor([0, 1, 2, 2, 4, 5, 2, 7, 8, 9, 10, 11], dtype=torch.int32)
-        meta = build_lora_meta(ts, group)
+        meta = build_lora_meta(ts, group, block_m=block_m)
         key = torch.where(ts >= 0, group.long()[ts.clamp(min=0)], 12)
         assert torch.equal(meta.sorted_idx.long(), torch.sort(key, stable=True).indices)
         covered = []
         for g, s, e in zip(meta.tile_group.tolist(), meta.tile_start.tolist(), meta.tile_end.tolist()):
             if g >= 0:
-                rows = meta.sorted_idx[s:min(s + BLOCK_M, e)].long()
+                rows = meta.sorted_idx[s:min(s + block_m, e)].long()
                 assert bool((key[rows] == g).all())
                 covered += rows.tolist()
         assert sorted(covered) == sorted((ts >= 0).nonzero().squeeze(1).tolist())
-        assert meta.tile_group.shape[0] == max_tiles(num_tokens, 12)
-        out = LoraMeta.empty(num_tokens, 12, "cpu")
-        build_lora_meta(ts, group, out=out)
+        assert meta.tile_group.shape[0] == max_tiles(num_tokens, 12, block_m)
+        out = LoraMeta.empty(num_tokens, 12, "cpu", block_m)
+        build_lora_meta(ts, group, out=out, block_m=block_m)
         assert all(torch.equal(getattr(out, f), getattr(meta, f)) for f in ("sorted_idx", "tile_group", "tile_end"))
 
 

@@ -154,7 +154,7 @@ def test_a_launcher_off_its_plan_fails_the_check(stray, monkeypatch):
 def _multi_even_for_one(grid):
     """A `lora_delta_tiles_` that launches (an empty walk) for one token too."""
     def fn(ds, h, table, sorted_slots, sorted_idx, tile_group, tile_start, tile_end, multi_tiles, num_multi,
-           max_rank, tile_half_n, mat_dtype):
+           max_rank, tile_half_n, mat_dtype, block_m):
         launch.kernels().delta_tiles_kernel[grid(ds[0].device)]  # recorded by the spy, not run
     return fn
 

@@ -3,7 +3,8 @@
 Imported lazily (`scute.ops.launch.kernels`, on first use) because `triton.jit` decides at decoration time whether
 to run compiled or in the interpreter (``TRITON_INTERPRET=1``). Table layout and flags: `scute.ops.pool`.
 
-A tile is up to BLOCK_M = 16 tokens of one adapter group (at decode: one token). The shrink is a tile GEMM on
+A tile is up to `LoraMeta.block_m` tokens of one adapter group (16 at decode, where a tile is mostly one token;
+more in a long step, `launch.tile_tokens`). The shrink is a tile GEMM on
 tensor cores (`tl.dot` of x and A in their own dtype: exact products, fp32 sums; fp32 inputs in IEEE fp32, no
 tf32) over the grid (tile, K split x rank tile, projection); masked rows move no bytes. The delta d = B (m ⊙ h)
 (float32 sums, stored in `SlotPool.delta_dtype`) is two launches, each compiled to its own register count (at
