@@ -15,7 +15,7 @@ from scute.model.context import get_forward_context
 from scute.ops import (
     SlotPool,
     merged_gemm,
-    scute_linear_triton,
+    scute_linears_deferred,
     scute_linears_triton,
     triton_enabled,
 )
@@ -90,10 +90,7 @@ class ScuteLinear(nn.Module):
         ctx = get_forward_context()
         token_slots = ctx.adapter_slots(flat.shape[0])
         if triton_enabled(flat):
-            pool = self.pool = pool_for(self.pool, flat, [self])
-            meta = ctx.lora_meta(flat.shape[0], pool.slot_group, pool.group_key)
-            y = scute_linear_triton(flat, self.weight, self.bias, pool, meta,
-                                    ctx.active_adapter_slots)
+            y = self._triton(flat, defer=False)[0][0]
         else:  # the grouping of tokens by slot is the same for every layer: computed once per forward
             rows = ctx.slot_rows(flat.shape[0])
             dtype = acc_dtype(flat.dtype)
@@ -101,6 +98,23 @@ class ScuteLinear(nn.Module):
                 self.stack = LowRankStack.build(self.slots, dtype, flat.device)
             y = scute_linear_cpu(flat, self.weight, self.bias, self.slots, token_slots, self.stack, rows)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def deferred(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """`forward`, its plain low-rank delta left for the consumer to add (`scute_linears_deferred`): (z, d),
+        d None when z is complete (no deferral: off the Triton path, on a sharded layer, or other slots)."""
+        if self.num_filled == 0 or self.shard is not None or torch.compiler.is_compiling() or not triton_enabled(x):
+            return self(x), None
+        (z,), (d,) = self._triton(x.reshape(-1, self.in_features), defer=True)
+        return z.view(*x.shape[:-1], self.out_features), d
+
+    def _triton(self, flat: Tensor, defer: bool) -> tuple[list[Tensor], list[Tensor | None]]:
+        """`scute_linears_deferred` (`defer`) or `scute_linears_triton` over this layer's own pool."""
+        ctx = get_forward_context()
+        pool = self.pool = pool_for(self.pool, flat, [self])
+        args = (flat, [self.weight], [self.bias], pool, ctx.lora_meta(flat.shape[0], pool.slot_group, pool.group_key))
+        if defer:
+            return scute_linears_deferred(*args, active_slots=ctx.active_adapter_slots)
+        return scute_linears_triton(*args, active_slots=ctx.active_adapter_slots), [None]
 
     def extra_repr(self) -> str:
         filled = self.num_filled
@@ -159,17 +173,29 @@ class LinearGroup:
         """Every member's output for `x` (shapes ``(*x.shape[:-1], out_p)``)."""
         if not self.serves(x):
             return [m.forward_alone(x) for m in self.members]
+        return self._call(x, defer=False)[0]
+
+    def deferred(self, x: Tensor) -> tuple[list[Tensor], list[Tensor | None]]:
+        """`__call__`, each output's plain low-rank delta left for the consumer to add (`ScuteLinear.deferred`)."""
+        if not self.serves(x) or any(m.shard is not None for m in self.members):
+            return self(x), [None] * len(self.members)
+        return self._call(x, defer=True)
+
+    def _call(self, x: Tensor, defer: bool) -> tuple[list[Tensor], list[Tensor | None]]:
+        """The members' outputs (and, if `defer`, their deferred deltas) from one call over the group's pool, or
+        one GEMM."""
         flat = x.reshape(-1, self.in_features)
-        merged = self.merged()
+        merged, none = self.merged(), [None] * len(self.members)
         if merged is not None and not any(m.num_filled for m in self.members):  # no adapter: the one GEMM
-            ys = merged_gemm(flat, *merged, self.out_features)
+            ys, ds = merged_gemm(flat, *merged, self.out_features), none
         else:
             ctx = get_forward_context()
             pool = self.pool = pool_for(self.pool, flat, self.members)
-            ys = scute_linears_triton(flat, [m.weight for m in self.members], [m.bias for m in self.members], pool,
-                                      ctx.lora_meta(flat.shape[0], pool.slot_group, pool.group_key),
-                                      active_slots=ctx.active_adapter_slots, merged=merged)
-        return [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
+            args = (flat, [m.weight for m in self.members], [m.bias for m in self.members], pool,
+                    ctx.lora_meta(flat.shape[0], pool.slot_group, pool.group_key))
+            kw = dict(active_slots=ctx.active_adapter_slots, merged=merged)
+            ys, ds = scute_linears_deferred(*args, **kw) if defer else (scute_linears_triton(*args, **kw), none)
+        return [y.view(*x.shape[:-1], y.shape[-1]) for y in ys], ds
 
     def set_slot(self, index: int, member_slots: Sequence[Slots | None]) -> None:
         """Slot `index` of every member at once (``member_slots[i]`` for member i), the group's pool updated once."""
@@ -208,6 +234,16 @@ def project(x: Tensor, *linears: nn.Module) -> list[Tensor]:
     if group is not None and list(linears) == group.members:
         return group(x)
     return [linear(x) for linear in linears]
+
+
+def project_deferred(x: Tensor, *linears: nn.Module) -> tuple[list[Tensor], list[Tensor | None]]:
+    """`project`, each output with its deferred plain low-rank delta (None: the output is complete), for a
+    consumer that adds it (`scute.ops.elementwise`). A module that is not a `ScuteLinear` gives its output."""
+    group = getattr(linears[0], "group", None)
+    if group is not None and list(linears) == group.members:
+        return group.deferred(x)
+    outs = [lin.deferred(x) if isinstance(lin, ScuteLinear) else (lin(x), None) for lin in linears]
+    return [z for z, _ in outs], [d for _, d in outs]
 
 
 def pool_for(pool: SlotPool | None, x: Tensor, linears: Sequence[ScuteLinear]) -> SlotPool:

@@ -16,7 +16,7 @@ from torch import Tensor
 from scute.ops.meta import LoraMeta, build_lora_meta
 from scute.ops.pool import SlotPool
 from scute.ops.reference import scute_linear_ref
-from scute.ops.triton_ops import merged_gemm, scute_linear_triton, scute_linears_triton
+from scute.ops.triton_ops import merged_gemm, scute_linear_triton, scute_linears_deferred, scute_linears_triton
 
 # The CPU and fallback path.
 scute_linear = scute_linear_ref
@@ -37,4 +37,4 @@ def triton_enabled(x: Tensor) -> bool:
 
 
 __all__ = ["LoraMeta", "SlotPool", "build_lora_meta", "merged_gemm", "scute_linear", "scute_linear_ref",
-           "scute_linear_triton", "scute_linears_triton", "triton_enabled"]
+           "scute_linear_triton", "scute_linears_deferred", "scute_linears_triton", "triton_enabled"]

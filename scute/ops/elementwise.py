@@ -1,9 +1,14 @@
 """The decoder layer's elementwise ops as one kernel each: RMSNorm, residual add + RMSNorm, rotary embedding,
-SiLU·mul.
+SiLU·mul, residual add.
+
+The ones that consume an adapted projection's output (add + RMSNorm after o, SiLU·mul after gate/up, the residual
+add after down) take its deferred delta too (`scute.ops.scute_linears_deferred`): they complete the output
+(``z + d`` in float32, rounded once, as the epilogue would) as they load it, so a decode step of plain LoRA
+adapters launches no epilogue for those projections.
 
 In eager PyTorch each is a chain of small kernels (HF's RMSNorm: 6, 7 with the residual add before it; rotary
-embedding of q and k: 10; SiLU·mul: 2); inside a decode CUDA graph a small kernel still costs a few microseconds, so on a 32-layer model they add
-about 18 x 32 launches per step. Each op here is one Triton kernel on CUDA and the reference math elsewhere. All
+embedding of q and k: 10; SiLU·mul: 2); inside a decode CUDA graph a small kernel still costs a few
+microseconds, so on a 32-layer model they add about 18 x 32 launches per step. Each op here is one Triton kernel on CUDA and the reference math elsewhere. All
 three round where the PyTorch chain rounds (every intermediate the chain stores in the input dtype is rounded to
 it here too); the GPU compiler may contract a product into a sum, RMSNorm sums in another order than
 `torch.mean` and SiLU's exponential is Triton's: results within an ulp of the chain's, the same in the eager and
@@ -43,23 +48,34 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return out.view(x.shape)
 
 
-def add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def plus(x: Tensor, d: Tensor | None) -> Tensor:
+    """Semantics: a deferred output completed, ``x + d`` in float32 rounded to x's dtype (x if d is None). Shapes:
+    d of x's number of elements, any float dtype."""
+    return x if d is None else (x.float() + d.reshape(x.shape).float()).to(x.dtype)
+
+
+def add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                     dx: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Semantics (HF's decoder layer: ``h = residual + x`` then the post-attention RMSNorm of h):
-    returns ``(rms_norm_ref(h, weight, eps), h)``, h in x's dtype. Shapes: x, residual [..., N], weight [N]."""
-    h = residual + x
+    returns ``(rms_norm_ref(h, weight, eps), h)``, h in x's dtype; x is ``plus(x, dx)``. Shapes: x, residual
+    [..., N], weight [N], dx x's number of elements."""
+    h = residual + plus(x, dx)
     return rms_norm_ref(h, weight, eps), h
 
 
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                 dx: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """`add_rms_norm_ref`, one program per row on CUDA (one kernel instead of the add and the norm: a decode step
     of a 32-layer model launches 32 fewer). x and residual need a unit last stride and one shape and dtype."""
     if not triton_enabled(x) or x.stride(-1) != 1 or residual.stride(-1) != 1 or x.shape != residual.shape or \
             x.dtype != residual.dtype:
-        return add_rms_norm_ref(x, residual, weight, eps)
+        return add_rms_norm_ref(x, residual, weight, eps, dx)
     rows, res = x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1])
+    d = rows if dx is None else dx.reshape(rows.shape)
     out, total = _norm_out(rows, weight), torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    _kernels().add_rms_norm_kernel[(rows.shape[0],)](rows, res, weight, out, total, rows.shape[1], rows.stride(0),
-                                                     res.stride(0), eps, **_row_launch(rows.shape[1]))
+    _kernels().add_rms_norm_kernel[(rows.shape[0],)](rows, d, res, weight, out, total, rows.shape[1], rows.stride(0),
+                                                     d.stride(0), res.stride(0), eps, HAS_D=dx is not None,
+                                                     **_row_launch(rows.shape[1]))
     return out.view(x.shape), total.view(x.shape)
 
 
@@ -99,20 +115,36 @@ def rope_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tenso
     return q, k
 
 
-def silu_mul_ref(gate: Tensor, up: Tensor) -> Tensor:
-    """Semantics: ``silu(gate) * up``, silu rounded to the input dtype first (as two PyTorch ops round)."""
-    return torch.nn.functional.silu(gate) * up
+def silu_mul_ref(gate: Tensor, up: Tensor, d_gate: Tensor | None = None, d_up: Tensor | None = None) -> Tensor:
+    """Semantics: ``silu(gate) * up``, silu rounded to the input dtype first (as two PyTorch ops round), gate and
+    up first completed with their deferred deltas (`plus`)."""
+    return torch.nn.functional.silu(plus(gate, d_gate)) * plus(up, d_up)
 
 
-def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+def silu_mul(gate: Tensor, up: Tensor, d_gate: Tensor | None = None, d_up: Tensor | None = None) -> Tensor:
     """`silu_mul_ref` in one kernel on CUDA; gate and up [T, N] with a unit last stride (column slices of one
-    merged gate/up output will do)."""
+    merged gate/up output will do); the deltas [T, N] contiguous (one of them alone is added first, apart)."""
     if not triton_enabled(gate) or gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1:
-        return silu_mul_ref(gate, up)
+        return silu_mul_ref(gate, up, d_gate, d_up)
+    if (d_gate is None) != (d_up is None):
+        gate, up, d_gate, d_up = plus(gate, d_gate), plus(up, d_up), None, None
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     block = 1024
     _kernels().silu_mul_kernel[(gate.shape[0], -(-gate.shape[1] // block))](
-        gate, up, out, gate.shape[1], gate.stride(0), up.stride(0), BLOCK=block, num_warps=4)
+        gate, up, gate if d_gate is None else d_gate, up if d_up is None else d_up, out, gate.shape[1],
+        gate.stride(0), up.stride(0), HAS_D=d_gate is not None, BLOCK=block, num_warps=4)
+    return out
+
+
+def residual_add(residual: Tensor, x: Tensor, dx: Tensor | None = None) -> Tensor:
+    """Semantics: ``residual + plus(x, dx)`` (HF's decoder layer's second residual add, x completed with its
+    deferred delta), each sum rounded to the dtype. One kernel on CUDA when there is a delta; else the add."""
+    if dx is None or not triton_enabled(x) or not (x.is_contiguous() and residual.is_contiguous()) or \
+            x.shape != residual.shape or x.dtype != residual.dtype:
+        return residual + plus(x, dx)
+    out, block = torch.empty_like(x), 2048
+    _kernels().residual_add_kernel[(-(-x.numel() // block),)](residual, x, dx, out, x.numel(), BLOCK=block,
+                                                              num_warps=4)
     return out
 
 

@@ -29,12 +29,23 @@ def rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, x_stride, eps, BLOCK: tl.cons
 
 
 @triton.jit
-def add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_cols, x_stride, r_stride, eps, BLOCK: tl.constexpr):
-    """Program: one row. s = (r + x) rounded to x's dtype, stored; out = rms_norm(s) as `rms_norm_kernel`."""
+def _plus(x, d_ptr, offs, mask, HAS_D: tl.constexpr):
+    """x + d in float32, rounded to x's dtype (`scute.ops.elementwise.plus`); x if not HAS_D."""
+    if HAS_D:
+        d = tl.load(d_ptr + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def add_rms_norm_kernel(x_ptr, d_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_cols, x_stride, d_stride, r_stride, eps,
+                        HAS_D: tl.constexpr, BLOCK: tl.constexpr):
+    """Program: one row. s = (r + x) rounded to x's dtype, stored; out = rms_norm(s) as `rms_norm_kernel`. HAS_D:
+    x is first completed with its deferred delta d."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    x = _plus(tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0), d_ptr, row * d_stride + cols, mask, HAS_D)
     r = tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0)
     s = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
     tl.store(sum_ptr + row * n_cols + cols, s, mask=mask)
@@ -69,13 +80,28 @@ def rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_stride, k_stride, q_heads, k_h
 
 
 @triton.jit
-def silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, gate_stride, up_stride, BLOCK: tl.constexpr):
-    """Program (row, column block): out = silu(gate).to(dtype) * up, rounded to the dtype."""
+def silu_mul_kernel(gate_ptr, up_ptr, dg_ptr, du_ptr, out_ptr, n_cols, gate_stride, up_stride, HAS_D: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Program (row, column block): out = silu(gate).to(dtype) * up, rounded to the dtype. HAS_D: gate and up
+    are first completed with their deferred deltas (dg, du: contiguous rows)."""
     row, cb = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = cb * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    g = tl.load(gate_ptr + row * gate_stride + cols, mask=mask, other=0.0)
-    u = tl.load(up_ptr + row * up_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    g = _plus(tl.load(gate_ptr + row * gate_stride + cols, mask=mask, other=0.0), dg_ptr, row * n_cols + cols, mask,
+              HAS_D)
+    u = _plus(tl.load(up_ptr + row * up_stride + cols, mask=mask, other=0.0), du_ptr, row * n_cols + cols, mask,
+              HAS_D).to(tl.float32)
     gf = g.to(tl.float32)
     act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
     tl.store(out_ptr + row * n_cols + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def residual_add_kernel(r_ptr, x_ptr, d_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """Program: BLOCK elements. out = r + (x completed with its deferred delta d), each sum rounded to the
+    dtype (contiguous tensors of one shape)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = _plus(tl.load(x_ptr + offs, mask=mask, other=0.0), d_ptr, offs, mask, True)
+    r = tl.load(r_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, (r.to(tl.float32) + x.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)

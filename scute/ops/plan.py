@@ -80,6 +80,18 @@ class FoldPlan(NamedTuple):
     adds: tuple[bool, ...]  # projection p's GEMM adds the deltas (else no token of the step has one there)
 
 
+class DeferPlan(NamedTuple):
+    """The deferral: each projection's deltas left for its output's consumer to add (``z + d`` in float32,
+    rounded once: what the epilogue computes for a plain low-rank slot), with no epilogue pass. For a step below
+    `fold_min_tokens` tokens whose adapter tokens' slots are all plain low-rank deltas (`PoolFacts.plain_mask`),
+    when the caller adds them (`scute_linears_deferred`): the deltas run beside the GEMMs as before, and the
+    epilogue's launch leaves the chain. Rows without a delta (base tokens; a slot without A in a projection) hold
+    zeros (`zero`) unless there are none."""
+
+    adds: tuple[bool, ...]  # projection p has deltas (else its output is complete and no d is returned)
+    zero: bool  # some token of a projection with deltas has none: its d is zero-filled first
+
+
 class Plan(NamedTuple):
     """The passes of one layer call, in the order they are launched (None: the pass does not run), and the sizes
     their grids are computed from (`kernel_launches`: the host's hot path never needs the grids themselves, each
@@ -98,6 +110,7 @@ class Plan(NamedTuple):
     num_tiles: int
     device: torch.device
     fold: FoldPlan | None = None
+    defer: DeferPlan | None = None
 
     def kernel_launches(self, captured: bool = False) -> tuple[Launch, ...]:
         """Every Triton launch of the call, in order (in a captured graph the epilogues interleave with the
@@ -121,31 +134,35 @@ class Plan(NamedTuple):
         return tuple(out)
 
     def launches(self, captured: bool = False) -> int:
-        """Every kernel launch of the call: Triton's, the base GEMMs and the shared group's A x (cuBLAS); not the
-        fold's bias add."""
+        """Every kernel launch of the call: Triton's, the base GEMMs, the shared group's A x (cuBLAS) and the
+        deferral's zero fills; not the fold's bias add."""
         products = self.shared.products if self.shared is not None and self.num_tokens else 0
-        return len(self.kernel_launches(captured)) + self.gemms + products
+        zeros = sum(self.defer.adds) if self.defer is not None and self.defer.zero and self.num_tokens else 0
+        return len(self.kernel_launches(captured)) + self.gemms + products + zeros
 
 
 def plan(facts: PoolFacts, num_tokens: int, in_features: int, num_tiles: int, device: torch.device,
          active_slots: Collection[int] | None = None, merged: bool = False, half_n: int | None = None,
-         block_k: int | None = None, tile_half_n: int | None = None, block_m: int = BLOCK_M) -> Plan:
+         block_k: int | None = None, tile_half_n: int | None = None, block_m: int = BLOCK_M,
+         consumer_adds: bool = False) -> Plan:
     """The plan of a call over `num_tokens` tokens of `in_features` inputs cut into `num_tiles` tiles of up to
     `block_m` tokens (the `LoraMeta`'s), for a step whose tokens use only `active_slots` (None: any); `merged`:
     merged weights are given; `half_n`, `block_k`, `tile_half_n` as in `scute_linears_triton` (None: the launch
-    configuration)."""
+    configuration); `consumer_adds`: the caller adds plain low-rank deltas itself (`DeferPlan`)."""
     kinds = step_kinds(facts.kind_masks, active_slots)
     inputs = InputPlan(windowed(num_tokens, facts.block_b)) if kinds.input_transform else None
     fold = _fold_plan(facts, kinds, num_tokens, active_slots)
+    defer = _defer_plan(facts, kinds, num_tokens, active_slots) if consumer_adds else None
     merged_gemm = merged and inputs is None and fold is None
     shared = lowrank = epilogue = None
     if kinds.expand:
         shared = SharedPlan(facts.shared_products, scale_pass(num_tokens)) if kinds.shared else None
         lowrank = _lowrank_plan(facts, num_tokens, in_features, num_tiles, half_n, block_k, tile_half_n, block_m) \
             if kinds.lowrank else None
-        epilogue = _epilogue_plan(facts.out_features, num_tokens, merged_gemm) if fold is None else None
+        epilogue = _epilogue_plan(facts.out_features, num_tokens, merged_gemm) \
+            if fold is None and defer is None else None
     return Plan(kinds, shared, lowrank, inputs, merged_gemm, 1 if merged_gemm else len(facts.out_features),
-                epilogue, facts, num_tokens, in_features, num_tiles, device, fold)
+                epilogue, facts, num_tokens, in_features, num_tiles, device, fold, defer)
 
 
 def _fold_plan(facts: PoolFacts, kinds: StepKinds, num_tokens: int,
@@ -159,6 +176,18 @@ def _fold_plan(facts: PoolFacts, kinds: StepKinds, num_tokens: int,
     if mask & ~facts.plain_mask or any(mask & m not in (0, mask) for m in facts.lowrank_masks):
         return None
     return FoldPlan(tuple(mask & m != 0 for m in facts.lowrank_masks))
+
+
+def _defer_plan(facts: PoolFacts, kinds: StepKinds, num_tokens: int,
+                active_slots: Collection[int] | None) -> DeferPlan | None:
+    """The deferral (`DeferPlan`), if the step's slots are known and allow it."""
+    if active_slots is None or num_tokens >= config().fold_min_tokens or not kinds.lowrank or kinds.shared:
+        return None
+    mask = active_mask(active_slots)
+    if mask & ~facts.plain_mask:
+        return None
+    partial = any(mask & m not in (0, mask) for m in facts.lowrank_masks)
+    return DeferPlan(tuple(mask & m != 0 for m in facts.lowrank_masks), -1 in active_slots or partial)
 
 
 def _lowrank_plan(facts: PoolFacts, num_tokens: int, in_features: int, num_tiles: int, half_n: int | None,

@@ -11,7 +11,9 @@ One call serves ``P`` projections sharing the input ``x`` (``P = 1`` for a `Scut
     z_p ← o ⊙ z_p + o2 ⊙ rot_g(z_p) + c + v ⊙ d_p    in place, after GEMM p and the deltas    (`epilogue.py`)
 
 A long step (prefill) whose slots are all plain low-rank deltas folds the last two lines into one: the GEMM adds
-d_p itself (``d_p.addmm_(x, W_pᵀ)``, the delta as cuBLAS's C), with no epilogue pass (`FoldPlan`).
+d_p itself (``d_p.addmm_(x, W_pᵀ)``, the delta as cuBLAS's C), with no epilogue pass (`FoldPlan`). A shorter one
+(decode) called through `scute_linears_deferred` returns z_p and d_p instead, for the consumer of each output to
+add d_p in its own kernel (`DeferPlan`): the epilogue's launch leaves the step's chain.
 
 The call computes its `Plan` (`plan.py`) once and reads every launch parameter from it. Each pass is a `ScuteOp`
 (a `torch.library` custom op with a fake, so `torch.compile` traces through; a plain call elsewhere) launching
@@ -57,13 +59,37 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     outputs, ``weights[p]`` being its row slices (`merged_gemm`): the base GEMMs of a step without an input
     transform then run as one.
     """
+    return _call(x, weights, biases, pool, meta, half_n, block_k, tile_half_n, active_slots, merged, False)[0]
+
+
+def scute_linears_deferred(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], pool: SlotPool,
+                           meta: LoraMeta, active_slots: Collection[int] | None = None,
+                           merged: tuple[Tensor, Tensor | None] | None = None,
+                           ) -> tuple[list[Tensor], list[Tensor | None]]:
+    """`scute_linears_triton`, each output's plain low-rank delta left for its consumer to add (`DeferPlan`).
+
+    Semantics: (zs, ds) with ``plus(zs[p], ds[p]) = scute_linears_triton(x, ...)[p]`` (`scute.ops.elementwise.plus`:
+    ``z + d`` in float32, rounded to z's dtype; z itself where ds[p] is None). The deltas are deferred when the call
+    is decode-sized (below `fold_min_tokens`) and every adapter token's slot is a plain low-rank delta; else every
+    ds[p] is None and zs are complete. Shapes: as in `scute_linears_triton`; ds[p] [T, out_p] contiguous, in
+    `SlotPool.delta_dtype`.
+    """
+    return _call(x, weights, biases, pool, meta, None, None, None, active_slots, merged, True)
+
+
+def _call(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], pool: SlotPool, meta: LoraMeta,
+          half_n: int | None, block_k: int | None, tile_half_n: int | None, active_slots: Collection[int] | None,
+          merged: tuple[Tensor, Tensor | None] | None, consumer_adds: bool,
+          ) -> tuple[list[Tensor], list[Tensor | None]]:
+    """The layer call: its outputs, and the deltas its consumers add (all None unless deferred)."""
     x = x.contiguous()
-    passes = call_plan(x, pool, meta, active_slots, merged is not None, half_n, block_k, tile_half_n)
+    passes = call_plan(x, pool, meta, active_slots, merged is not None, half_n, block_k, tile_half_n, consumer_adds)
+    none = [None] * len(weights)
     if not passes.kinds.expand:
         xs = _input_transform(x, pool, meta) if passes.input_transform is not None else None
-        return _base_gemms(x, xs, weights, biases, merged if passes.merged_gemm else None)
+        return _base_gemms(x, xs, weights, biases, merged if passes.merged_gemm else None), none
     if passes.fold is not None:
-        return _folded(x, weights, biases, pool, meta, passes)
+        return _folded(x, weights, biases, pool, meta, passes), none
     # The low-rank deltas read only x: in a captured graph the shrink and the one-token delta run on a side stream
     # beside the base GEMMs (bandwidth-bound too, but they leave part of it, and SMs, unused), the multi-token delta
     # on a second one beside the one-token delta (they write disjoint rows; at decode it usually has nothing to do,
@@ -82,20 +108,22 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     if passes.shared is not None:
         scratch += _shared_delta(ds, x, pool, meta, side)
     if passes.lowrank is not None:
-        scratch += _lowrank_delta(ds, x, pool, meta, side, passes.lowrank)
+        zero = [d for d, add in zip(ds, passes.defer.adds) if add] if passes.defer and passes.defer.zero else []
+        scratch += _lowrank_delta(ds, x, pool, meta, side, passes.lowrank, zero)
     xs = _input_transform(x, pool, meta) if passes.input_transform is not None else None
     zs = _gemms_then_epilogues(x, xs, ds, weights, biases, merged, pool, meta, side, passes)
     del scratch  # joined: the side streams are done with it
-    return zs
+    return zs, none if passes.defer is None else [d if add else None for d, add in zip(ds, passes.defer.adds)]
 
 
 def call_plan(x: Tensor, pool: SlotPool, meta: LoraMeta, active_slots: Collection[int] | None = None,
               merged: bool = False, half_n: int | None = None, block_k: int | None = None,
-              tile_half_n: int | None = None) -> Plan:
-    """The `Plan` of `scute_linears_triton` with these arguments (`active_slots` ignored under torch.compile)."""
+              tile_half_n: int | None = None, consumer_adds: bool = False) -> Plan:
+    """The `Plan` of `scute_linears_triton` (`consumer_adds`: of `scute_linears_deferred`) with these arguments
+    (`active_slots` ignored under torch.compile)."""
     return plan(pool.facts, x.shape[0], x.shape[1], meta.tile_group.shape[0], x.device,
                 None if torch.compiler.is_compiling() else active_slots, merged, half_n, block_k, tile_half_n,
-                meta.block_m)
+                meta.block_m, consumer_adds)
 
 
 def _folded(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], pool: SlotPool, meta: LoraMeta,
@@ -126,9 +154,9 @@ def _shared_delta(ds: list[Tensor], x: Tensor, pool: SlotPool, meta: LoraMeta,
 
 
 def _lowrank_delta(ds: list[Tensor], x: Tensor, pool: SlotPool, meta: LoraMeta, side: SideStreams | None,
-                   lp: LowrankPlan) -> list[Tensor]:
-    """The shrink, then the one-token and multi-token deltas (beside each other) into ds; returns the shrink's
-    partials."""
+                   lp: LowrankPlan, zero: Sequence[Tensor] = ()) -> list[Tensor]:
+    """The shrink, then the one-token and multi-token deltas (beside each other) into ds (the buffers in `zero`
+    zero-filled first, on the same stream); returns the shrink's partials."""
     h = x.new_empty((lp.split_k, x.shape[0], pool.h_width), dtype=torch.float32)
     tiles = (meta.sorted_slots, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end)
     lowrank = side.lowrank if side is not None else None
@@ -136,6 +164,8 @@ def _lowrank_delta(ds: list[Tensor], x: Tensor, pool: SlotPool, meta: LoraMeta, 
     if lowrank is not None:
         lowrank.wait_stream(torch.cuda.current_stream(x.device))  # the fork: x is ready
     with on(lowrank):
+        for d in zero:
+            d.zero_()
         shrink_(h, x, pool.table, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end, pool.num_proj,
                 pool.max_rank, lp.block_k, lp.block_m)
     if beside is not None:
@@ -154,15 +184,17 @@ def _gemms_then_epilogues(x: Tensor, xs: Tensor | None, ds: list[Tensor], weight
                           biases: Sequence[Tensor | None], merged, pool: SlotPool, meta: LoraMeta,
                           side: SideStreams | None, passes: Plan) -> list[Tensor]:
     """The base GEMMs, each projection's epilogue after its GEMM and the deltas. One merged GEMM: one epilogue
-    launch for every projection after it; else, in a graph, each epilogue beside the next projection's GEMM."""
+    launch for every projection after it; else, in a graph, each epilogue beside the next projection's GEMM.
+    Deferred (no epilogue): the GEMMs, then the join."""
     ep = passes.epilogue
     if side is not None and passes.shared is not None:
         side.lowrank.wait_stream(side.shared)
-    if side is None or passes.merged_gemm:
+    if side is None or passes.merged_gemm or ep is None:
         zs = _base_gemms(x, xs, weights, biases, merged if passes.merged_gemm else None)
         if side is not None:
             torch.cuda.current_stream(x.device).wait_stream(side.lowrank)
-        epilogue_(zs, ds, pool.table, meta.token_slots, ep.half_n, ep.chunks)
+        if ep is not None:
+            epilogue_(zs, ds, pool.table, meta.token_slots, ep.half_n, ep.chunks)
         return zs
     main, zs = torch.cuda.current_stream(x.device), []
     for p, (w, b) in enumerate(zip(weights, biases)):

@@ -65,3 +65,52 @@ def test_decoder_layer_forward_is_transformers(monkeypatch, family):
     assert set(fused.self_attn.seen[0]) == {"position_ids"}  # what the caller passed, for the attention
     torch.testing.assert_close(fused.self_attn.seen[0]["position_ids"].cpu(), ref.self_attn.seen[0]["position_ids"])
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_deferred_deltas_land_in_their_consumers(monkeypatch):
+    """A decoder layer whose MLP holds plain LoRA slots, base tokens among the step's: gate/up's and down's deltas
+    come back deferred and the SiLU·mul and the residual add complete them, with the bits the epilogues give (the
+    same layer with deferral off), launching no epilogue."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from scute.model.context import ForwardContext, forward_context
+    from scute.model.hf import swap_linears
+    from scute.ops import plan as plan_mod, triton_ops
+    from scute.ops.epilogue import epilogue_
+    from scute.ops.testing import random_slots
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1)
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.layer = LlamaDecoderLayer(config, 0).eval()
+    holder.layer.self_attn = StubAttention(64)
+    holder.to(DEVICE)
+    linears = swap_linears(holder, 2)
+    layers.fuse_layers(holder)
+    gen = torch.Generator().manual_seed(1)
+    lora = lambda i, o: random_slots("lora", i, o, rank=4, device=DEVICE, generator=gen)  # noqa: E731
+    for slot in (0, 1):
+        linears["layer.mlp.gate_proj"].group.set_slot(slot, [lora(64, 96), lora(64, 96)])
+        linears["layer.mlp.down_proj"].set_slot(slot, lora(96, 64))
+    token_slots = torch.tensor([0, 1, -1, 0, 1], device=DEVICE)
+    x = 3 * torch.randn(1, 5, 64, device=DEVICE)
+    epilogues = []
+    monkeypatch.setattr(triton_ops, "epilogue_", lambda *a, **k: epilogues.append(1) or epilogue_(*a, **k))
+
+    def run():
+        ctx = ForwardContext(token_slots, active_adapter_slots=frozenset(token_slots.tolist()))
+        with torch.no_grad(), forward_context(ctx):
+            return holder.layer(x, position_ids=torch.arange(5, device=DEVICE)[None])
+
+    deferred = run()
+    assert not epilogues
+    monkeypatch.setattr(plan_mod, "_defer_plan", lambda *a, **k: None)
+    completed = run()
+    assert len(epilogues) == 2  # gate/up's and down's
+    assert torch.equal(deferred, completed)
+    for linear in linears.values():
+        linear.slots = [None] * 2
+        linear.num_filled = 0
+    assert not torch.allclose(run(), completed)  # the adapters had an effect: the test would see a lost delta

@@ -44,21 +44,19 @@ def calls(monkeypatch):
     """Records the number of projections of every op call `ScuteLinear`/`LinearGroup` make, and shrink launches."""
     record = {"ops": [], "shrink": 0}
 
-    def grouped(x, weights, *args, **kw):
-        record["ops"].append(len(weights))
-        return op(x, weights, *args, **kw)
-
-    def alone(*args, **kw):
-        record["ops"].append(1)
-        return op_one(*args, **kw)
+    def counted(op):
+        def call(x, weights, *args, **kw):
+            record["ops"].append(len(weights))
+            return op(x, weights, *args, **kw)
+        return call
 
     def counted_shrink(*args, **kw):
         record["shrink"] += 1
         return shrink_(*args, **kw)
 
-    op, op_one, shrink_ = linear_mod.scute_linears_triton, linear_mod.scute_linear_triton, triton_ops.shrink_
-    monkeypatch.setattr(linear_mod, "scute_linears_triton", grouped)
-    monkeypatch.setattr(linear_mod, "scute_linear_triton", alone)
+    shrink_ = triton_ops.shrink_
+    for name in ("scute_linears_triton", "scute_linears_deferred"):  # the model's forwards call both
+        monkeypatch.setattr(linear_mod, name, counted(getattr(linear_mod, name)))
     monkeypatch.setattr(triton_ops, "shrink_", counted_shrink)
     return record
 

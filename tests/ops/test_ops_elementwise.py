@@ -35,17 +35,26 @@ def test_rms_norm(monkeypatch, dtype, rows, cols):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
+def _delta(delta: str | None, shape, dtype, g) -> torch.Tensor | None:
+    """A deferred delta (`scute.ops.elementwise.plus`) in the output's dtype or in float32, or none."""
+    if delta is None:
+        return None
+    return (0.3 * torch.randn(shape, generator=g)).to(DEVICE, dtype if delta == "same" else torch.float32)
+
+
+@pytest.mark.parametrize("delta", [None, "same", "float32"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,cols", [(1, 64), (5, 4096)])
-def test_add_rms_norm(monkeypatch, dtype, rows, cols):
+def test_add_rms_norm(monkeypatch, dtype, rows, cols, delta):
     g = torch.Generator().manual_seed(rows + cols)
     x = torch.randn(rows, cols + 16, generator=g).to(DEVICE, dtype)[:, 8:8 + cols]  # a strided view
     residual = (4 * torch.randn(rows, cols, generator=g)).to(DEVICE, dtype)
     w = (1 + 0.3 * torch.randn(cols, generator=g)).to(DEVICE, dtype)
+    dx = _delta(delta, (rows, cols), dtype, g)
     seen = spy_launches(monkeypatch, ew._kernels(), "add_rms_norm_kernel")
-    got, total = ew.add_rms_norm(x, residual, w, 1e-5)
+    got, total = ew.add_rms_norm(x, residual, w, 1e-5, dx)
     assert seen and got.dtype == total.dtype == dtype
-    want, want_total = ew.add_rms_norm_ref(x, residual, w, 1e-5)
+    want, want_total = ew.add_rms_norm_ref(x, residual, w, 1e-5, dx)
     torch.testing.assert_close(total, want_total, rtol=0, atol=0)  # one rounding of the sum, as PyTorch's add
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
@@ -74,14 +83,33 @@ def test_rope_in_place_is_the_reference(monkeypatch, dtype, tokens, heads, kv_he
     assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)  # v untouched
 
 
+@pytest.mark.parametrize("delta", [None, "same", "float32", "gate only"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,cols", [(1, 40), (6, 1500)])
-def test_silu_mul(monkeypatch, dtype, rows, cols):
+def test_silu_mul(monkeypatch, dtype, rows, cols, delta):
     g = torch.Generator().manual_seed(cols)
     gate_up = (3 * torch.randn(rows, 2 * cols, generator=g)).to(DEVICE, dtype)
     gate, up = gate_up[:, :cols], gate_up[:, cols:]
+    d_gate = _delta(None if delta is None else "same", (rows, cols), dtype, g)
+    d_up = None if delta == "gate only" else _delta(delta, (rows, cols), dtype, g)
     seen = spy_launches(monkeypatch, ew._kernels(), "silu_mul_kernel")
-    got = ew.silu_mul(gate, up)
+    got = ew.silu_mul(gate, up, d_gate, d_up)
     assert seen
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(got, ew.silu_mul_ref(gate, up), rtol=tol, atol=tol)
+    torch.testing.assert_close(got, ew.silu_mul_ref(gate, up, d_gate, d_up), rtol=tol, atol=tol)
+    if delta is not None:  # the delta counts: without it the result differs
+        assert not torch.allclose(got, ew.silu_mul_ref(gate, up), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("delta", ["same", "float32"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_add(monkeypatch, dtype, delta):
+    """HF's second residual add with the down projection's deferred delta: each sum rounded as PyTorch's."""
+    g = torch.Generator().manual_seed(3)
+    residual, x = ((4 * torch.randn(1, 7, 300, generator=g)).to(DEVICE, dtype) for _ in range(2))
+    dx = _delta(delta, (7, 300), dtype, g)
+    seen = spy_launches(monkeypatch, ew._kernels(), "residual_add_kernel")
+    got = ew.residual_add(residual, x, dx)
+    assert seen and got.shape == x.shape
+    assert torch.equal(got, residual + ew.plus(x, dx))
+    assert not torch.equal(got, residual + x)

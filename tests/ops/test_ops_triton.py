@@ -26,9 +26,11 @@ from scute.ops import (  # noqa: E402
     SlotPool,
     build_lora_meta,
     scute_linear_ref,
+    scute_linears_deferred,
     scute_linears_triton,
     triton_ops,  # noqa: E402
 )
+from scute.ops.elementwise import plus  # noqa: E402
 from scute.ops.meta import BLOCK_M, LoraMeta, max_tiles  # noqa: E402
 from scute.ops.pool import F_RANK  # noqa: E402
 from scute.ops.reference import input_transform_ref  # noqa: E402
@@ -128,9 +130,6 @@ def test_long_tiles(block_m):
 def test_long_steps_get_long_tiles(monkeypatch):
     """The forward context builds a step's metadata with the tile height the launch configuration gives its
     length."""
-    from scute.model.context import ForwardContext
-    from scute.ops import launch
-
     monkeypatch.setattr(launch, "CONFIG", dataclasses.replace(launch.CONFIG, long_step_tokens=40, long_tile_tokens=32))
     group = torch.arange(4, dtype=torch.int32, device=DEVICE)
     for num_tokens, block_m in ((39, BLOCK_M), (40, 32)):
@@ -535,6 +534,49 @@ def test_fold(case, folds, monkeypatch):
     assert bool(epilogues) != folds
     for y, w, b, slots in zip(ys, ws, bs, per_proj):
         check(y, x, w, b, slots, ts, FP32_TOL)
+
+
+@pytest.mark.parametrize("case, adds, zero", [("lora", (True, True, True), False),
+                                              ("k_unadapted", (True, False, True), False),
+                                              ("k_partly", (True, True, True), True),
+                                              ("base_token", (True, True, True), True),
+                                              ("dora", None, None), ("long", None, None)])
+def test_deferred(case, adds, zero, monkeypatch):
+    """A decode-sized step of plain LoRA slots called deferred returns each output before its delta and the
+    delta (no epilogue); completed (`plus`), they are bit-identical to the call's outputs. Rows without a delta
+    (a slot without k, a base token) get zeros; a DoRA slot, or a step long enough to fold, defers nothing."""
+    set_config(monkeypatch, fold_min_tokens=32 if case == "long" else 512)
+    gen = torch.Generator().manual_seed(6)
+    outs = (48, 16, 16)
+    kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
+    ws = [(torch.randn(o, IN, generator=gen) / IN ** 0.5).to(DEVICE) for o in outs]
+    per_proj = [[random_slots("dora" if case == "dora" and s == 2 else "lora", IN, o, rank=r, **kw)
+                 for s, r in enumerate((4, 16, 8))] for o in outs]
+    if case == "k_unadapted":
+        per_proj[1] = [None] * 3
+    if case == "k_partly":
+        per_proj[1][0] = None
+    ts = torch.randint(0, 3, (40,), generator=gen)
+    ts[:3] = torch.tensor([0, 1, 2])
+    if case == "base_token":
+        ts[5] = -1
+    ts, x = ts.to(DEVICE), torch.randn(40, IN, generator=gen).to(DEVICE)
+    pool = SlotPool(IN, outs, 3, DEVICE, torch.float32)
+    pool.update(per_proj)
+    meta, active = build_lora_meta(ts, pool.slot_group), set(ts.tolist())
+    passes = triton_ops.call_plan(x, pool, meta, active, consumer_adds=True)
+    assert (passes.defer is not None) == (adds is not None)
+    if adds is not None:
+        assert passes.defer == (adds, zero) and passes.epilogue is None
+    epilogues = []
+    monkeypatch.setattr(triton_ops, "epilogue_", lambda *a, **k: epilogues.append(1) or epilogue_(*a, **k))
+    zs, ds = scute_linears_deferred(x, ws, [None] * 3, pool, meta, active_slots=active)
+    assert bool(epilogues) == (adds is None and case != "long")
+    assert [d is not None for d in ds] == list(adds or (False,) * 3)
+    ys = scute_linears_triton(x, ws, [None] * 3, pool, meta, active_slots=active)
+    for y, z, d, w, slots in zip(ys, zs, ds, ws, per_proj):
+        assert torch.equal(plus(z, d), y)
+        check(y, x, w, None, slots, ts, FP32_TOL)
 
 
 def test_scute_linear_module(monkeypatch):

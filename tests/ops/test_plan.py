@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 
-from scute.ops import SlotPool, build_lora_meta, scute_linears_triton, triton_ops  # noqa: E402
+from scute.ops import SlotPool, build_lora_meta, scute_linears_deferred, scute_linears_triton, triton_ops  # noqa: E402
 from scute.ops import input_transform as input_transform_mod, launch, lora_delta  # noqa: E402
 from scute.ops.cost import layer_call_bytes  # noqa: E402
 from scute.ops.groups import pool_facts  # noqa: E402
@@ -59,13 +59,17 @@ def _spy(monkeypatch) -> tuple[list[tuple[str, tuple]], list[str]]:
     monkeypatch.setattr(F, "linear", lambda *a, **kw: products.append("linear") or linear(*a, **kw))
     monkeypatch.setattr(torch, "mm", lambda *a, **kw: products.append("mm") or mm(*a, **kw))
     monkeypatch.setattr(torch.Tensor, "addmm_", lambda *a, **kw: products.append("addmm") or addmm_(*a, **kw))
+    zero_ = torch.Tensor.zero_
+    monkeypatch.setattr(torch.Tensor, "zero_", lambda *a, **kw: products.append("zero") or zero_(*a, **kw))
     return launched, products
 
 
 def _check_call(monkeypatch, kind: str, num_tokens: int, merged: bool = False, all_slots: bool = False,
-                tokens: list[int] | None = None, fold: bool = False) -> None:
+                tokens: list[int] | None = None, fold: bool = False, defers: bool | None = None) -> None:
     """One call's launches against its plan, and the plan's count against the byte model's (`tokens`: the
-    tokens' slots, else drawn uniformly)."""
+    tokens' slots, else drawn uniformly; `defers` not None: a `scute_linears_deferred` call that defers its deltas
+    or not, which the byte model does not price)."""
+    deferred = defers is not None
     gen = torch.Generator().manual_seed(num_tokens)
     outs, slots = _pool_slots(kind, gen)
     pool = SlotPool(IN, outs, len(slots[0]), DEVICE, torch.float32)
@@ -79,18 +83,18 @@ def _check_call(monkeypatch, kind: str, num_tokens: int, merged: bool = False, a
     bs = [None] * len(outs)
     meta = build_lora_meta(ts, pool.slot_group)
     active = None if all_slots else set(tokens)
-    passes = triton_ops.call_plan(x, pool, meta, active, merged)
-    assert (passes.fold is not None) == fold
+    passes = triton_ops.call_plan(x, pool, meta, active, merged, consumer_adds=deferred)
+    assert (passes.fold is not None) == fold and (passes.defer is not None) == bool(defers)
     launched, products = _spy(monkeypatch)
-    scute_linears_triton(x, ws, bs, pool, meta, active_slots=active,
-                         merged=(torch.cat(ws), None) if merged else None)
+    call = scute_linears_deferred if deferred else scute_linears_triton
+    call(x, ws, bs, pool, meta, active_slots=active, merged=(torch.cat(ws), None) if merged else None)
     config = launch.CONFIG  # the test's (undone below with the spies); the byte model plans under it too
     monkeypatch.undo()
     assert launched == list(passes.kernel_launches())
     assert len(launched) + len(products) == passes.launches()
     assert products.count("linear") + products.count("addmm") == passes.gemms
     assert products.count("addmm") == (sum(passes.fold.adds) if fold else 0)
-    if not all_slots:
+    if not all_slots and not deferred:
         saved, launch.CONFIG = launch.CONFIG, config
         try:
             assert layer_call_bytes(slots, IN, outs, tokens, 4, merged=merged).launches == passes.launches()
@@ -122,6 +126,15 @@ def test_fold_launches(merged, monkeypatch):
     for tokens, fold in (([0, 1, 2] * 11, True), ([0, 1, 2] * 10 + [-1, 0, 1], False)):
         monkeypatch.setattr(launch, "CONFIG", dataclasses.replace(launch.CONFIG, fold_min_tokens=16))
         _check_call(monkeypatch, "lora", 33, merged=merged, tokens=tokens, fold=fold)
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_deferred_launches(merged, monkeypatch):
+    """A decode-sized step of plain LoRA slots called deferred launches no epilogue; with a base token among
+    them its deltas are zero-filled first (one fill per projection); a DoRA slot among them keeps the epilogue."""
+    for tokens in ([0, 1, 2] * 3, [0, 1, -1, 2]):
+        _check_call(monkeypatch, "lora", len(tokens), merged=merged, tokens=tokens, defers=True)
+    _check_call(monkeypatch, "qkv", 7, merged=merged, defers=False)
 
 
 def test_base_tokens_alone(monkeypatch):
