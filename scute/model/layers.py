@@ -9,8 +9,8 @@ engine's attention function is called directly (the engine always routes attenti
 layer's first residual add runs inside the post-attention RMSNorm's kernel. The layer's second residual add
 stays: the next layer's input norm is called by the model's own loop, which passes one tensor between layers.
 
-Inside the decoder layer, o, gate/up and down are called deferred (`project_deferred`): on a decode step of plain
-LoRA adapters their deltas come back beside their base outputs, and the kernel that consumes each output adds
+Inside the decoder layer, o, gate/up and down are called deferred (`project_deferred`): on a one-token decode step
+of a plain LoRA adapter their deltas come back beside their base outputs, and the kernel that consumes each output adds
 them (the add + RMSNorm, the SiLU·mul, the residual add), with the epilogue's rounding: the same tokens, three
 launches fewer a layer. q/k/v keep their epilogue (their consumers are the rotary embedding and the KV store).
 """

@@ -3,16 +3,16 @@ SiLU·mul, residual add.
 
 The ones that consume an adapted projection's output (add + RMSNorm after o, SiLU·mul after gate/up, the residual
 add after down) take its deferred delta too (`scute.ops.scute_linears_deferred`): they complete the output
-(``z + d`` in float32, rounded once, as the epilogue would) as they load it, so a decode step of plain LoRA
-adapters launches no epilogue for those projections.
+(``z + d`` in float32, rounded once, as the epilogue would) as they load it, so a one-token decode step of a
+plain LoRA adapter launches no epilogue for those projections.
 
 In eager PyTorch each is a chain of small kernels (HF's RMSNorm: 6, 7 with the residual add before it; rotary
 embedding of q and k: 10; SiLU·mul: 2); inside a decode CUDA graph a small kernel still costs a few
-microseconds, so on a 32-layer model they add about 18 x 32 launches per step. Each op here is one Triton kernel on CUDA and the reference math elsewhere. All
-three round where the PyTorch chain rounds (every intermediate the chain stores in the input dtype is rounded to
-it here too); the GPU compiler may contract a product into a sum, RMSNorm sums in another order than
-`torch.mean` and SiLU's exponential is Triton's: results within an ulp of the chain's, the same in the eager and
-the graphed step (both run these kernels).
+microseconds, so on a 32-layer model they add about 18 x 32 launches per step. Each op here is one Triton kernel
+on CUDA and the reference math elsewhere. They round where the PyTorch chain rounds (every intermediate the
+chain stores in the input dtype is rounded to it here too); the GPU compiler may contract a product into a sum,
+RMSNorm sums in another order than `torch.mean` and SiLU's exponential is Triton's: results within an ulp of the
+chain's, the same in the eager and the graphed step (both run these kernels).
 """
 
 from __future__ import annotations

@@ -74,6 +74,12 @@ class LaunchConfig:
     # is nearly free, where the pass reads d and reads and writes z. Below it (decode steps, which graphs
     # capture) the deltas run beside the GEMMs, off the chain, which the fold would put them on.
     fold_min_tokens: int = 512
+    # the deferral: a call of this many tokens or fewer whose step's slots are all plain low-rank deltas, called
+    # by a consumer that adds them, returns them beside its outputs instead of launching an epilogue. At one token
+    # the epilogue's launch is the chain (lora at 1 request: 5.30 -> 4.97 ms a step on the H200); at 16 and 64
+    # the deferred step was 3-5 % slower (its graphs also zero-filled the deltas' rows for padding: a one-token
+    # bucket has none)
+    defer_max_tokens: int = 1
 
 
 CONFIG = LaunchConfig()

@@ -82,8 +82,9 @@ class FoldPlan(NamedTuple):
 
 class DeferPlan(NamedTuple):
     """The deferral: each projection's deltas left for its output's consumer to add (``z + d`` in float32,
-    rounded once: what the epilogue computes for a plain low-rank slot), with no epilogue pass. For a step below
-    `fold_min_tokens` tokens whose adapter tokens' slots are all plain low-rank deltas (`PoolFacts.plain_mask`),
+    rounded once: what the epilogue computes for a plain low-rank slot), with no epilogue pass. For a step of
+    `defer_max_tokens` tokens or fewer (one) whose adapter tokens' slots are all plain low-rank deltas
+    (`PoolFacts.plain_mask`),
     when the caller adds them (`scute_linears_deferred`): the deltas run beside the GEMMs as before, and the
     epilogue's launch leaves the chain. Rows without a delta (base tokens; a slot without A in a projection) hold
     zeros (`zero`) unless there are none."""
@@ -152,7 +153,7 @@ def plan(facts: PoolFacts, num_tokens: int, in_features: int, num_tiles: int, de
     kinds = step_kinds(facts.kind_masks, active_slots)
     inputs = InputPlan(windowed(num_tokens, facts.block_b)) if kinds.input_transform else None
     fold = _fold_plan(facts, kinds, num_tokens, active_slots)
-    defer = _defer_plan(facts, kinds, num_tokens, active_slots) if consumer_adds else None
+    defer = _defer_plan(facts, kinds, num_tokens, active_slots) if consumer_adds and fold is None else None
     merged_gemm = merged and inputs is None and fold is None
     shared = lowrank = epilogue = None
     if kinds.expand:
@@ -180,14 +181,17 @@ def _fold_plan(facts: PoolFacts, kinds: StepKinds, num_tokens: int,
 
 def _defer_plan(facts: PoolFacts, kinds: StepKinds, num_tokens: int,
                 active_slots: Collection[int] | None) -> DeferPlan | None:
-    """The deferral (`DeferPlan`), if the step's slots are known and allow it."""
-    if active_slots is None or num_tokens >= config().fold_min_tokens or not kinds.lowrank or kinds.shared:
+    """The deferral (`DeferPlan`), if the step's slots are known and allow it. A one-token call with a low-rank
+    pass has an adapter token (a graph's slots list −1 for padding rows, which a one-token bucket has none of):
+    its rows need zeros only where its slot has no A."""
+    if active_slots is None or num_tokens > config().defer_max_tokens or not kinds.lowrank or kinds.shared:
         return None
     mask = active_mask(active_slots)
     if mask & ~facts.plain_mask:
         return None
     partial = any(mask & m not in (0, mask) for m in facts.lowrank_masks)
-    return DeferPlan(tuple(mask & m != 0 for m in facts.lowrank_masks), -1 in active_slots or partial)
+    base_rows = -1 in active_slots and num_tokens > 1
+    return DeferPlan(tuple(mask & m != 0 for m in facts.lowrank_masks), base_rows or partial)
 
 
 def _lowrank_plan(facts: PoolFacts, num_tokens: int, in_features: int, num_tiles: int, half_n: int | None,

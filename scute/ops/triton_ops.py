@@ -11,9 +11,9 @@ One call serves ``P`` projections sharing the input ``x`` (``P = 1`` for a `Scut
     z_p ← o ⊙ z_p + o2 ⊙ rot_g(z_p) + c + v ⊙ d_p    in place, after GEMM p and the deltas    (`epilogue.py`)
 
 A long step (prefill) whose slots are all plain low-rank deltas folds the last two lines into one: the GEMM adds
-d_p itself (``d_p.addmm_(x, W_pᵀ)``, the delta as cuBLAS's C), with no epilogue pass (`FoldPlan`). A shorter one
-(decode) called through `scute_linears_deferred` returns z_p and d_p instead, for the consumer of each output to
-add d_p in its own kernel (`DeferPlan`): the epilogue's launch leaves the step's chain.
+d_p itself (``d_p.addmm_(x, W_pᵀ)``, the delta as cuBLAS's C), with no epilogue pass (`FoldPlan`). A
+one-token one (decode at one request) called through `scute_linears_deferred` returns z_p and d_p instead, for
+the consumer of each output to add d_p in its own kernel (`DeferPlan`): the epilogue's launch leaves the chain.
 
 The call computes its `Plan` (`plan.py`) once and reads every launch parameter from it. Each pass is a `ScuteOp`
 (a `torch.library` custom op with a fake, so `torch.compile` traces through; a plain call elsewhere) launching
@@ -70,7 +70,7 @@ def scute_linears_deferred(x: Tensor, weights: Sequence[Tensor], biases: Sequenc
 
     Semantics: (zs, ds) with ``plus(zs[p], ds[p]) = scute_linears_triton(x, ...)[p]`` (`scute.ops.elementwise.plus`:
     ``z + d`` in float32, rounded to z's dtype; z itself where ds[p] is None). The deltas are deferred when the call
-    is decode-sized (below `fold_min_tokens`) and every adapter token's slot is a plain low-rank delta; else every
+    has `defer_max_tokens` tokens or fewer (one) and every adapter token's slot is a plain low-rank delta; else every
     ds[p] is None and zs are complete. Shapes: as in `scute_linears_triton`; ds[p] [T, out_p] contiguous, in
     `SlotPool.delta_dtype`.
     """

@@ -7,6 +7,7 @@ the add and the norm fails here."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -70,7 +71,8 @@ def test_decoder_layer_forward_is_transformers(monkeypatch, family):
 def test_deferred_deltas_land_in_their_consumers(monkeypatch):
     """A decoder layer whose MLP holds plain LoRA slots, base tokens among the step's: gate/up's and down's deltas
     come back deferred and the SiLU·mul and the residual add complete them, with the bits the epilogues give (the
-    same layer with deferral off), launching no epilogue."""
+    same layer with deferral off), launching no epilogue. (Deferral is allowed up to 8 tokens here: by default
+    one, where it pays.)"""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -80,6 +82,9 @@ def test_deferred_deltas_land_in_their_consumers(monkeypatch):
     from scute.ops.epilogue import epilogue_
     from scute.ops.testing import random_slots
 
+    from scute.ops import launch
+
+    monkeypatch.setattr(launch, "CONFIG", dataclasses.replace(launch.CONFIG, defer_max_tokens=8))
     config = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                          num_hidden_layers=1)
     torch.manual_seed(0)

@@ -544,8 +544,9 @@ def test_fold(case, folds, monkeypatch):
 def test_deferred(case, adds, zero, monkeypatch):
     """A decode-sized step of plain LoRA slots called deferred returns each output before its delta and the
     delta (no epilogue); completed (`plus`), they are bit-identical to the call's outputs. Rows without a delta
-    (a slot without k, a base token) get zeros; a DoRA slot, or a step long enough to fold, defers nothing."""
-    set_config(monkeypatch, fold_min_tokens=32 if case == "long" else 512)
+    (a slot without k, a base token) get zeros; a DoRA slot, or a step long enough to fold, defers nothing. (The
+    configuration defers up to 64 tokens here: by default only one, where it pays.)"""
+    set_config(monkeypatch, fold_min_tokens=32 if case == "long" else 512, defer_max_tokens=64)
     gen = torch.Generator().manual_seed(6)
     outs = (48, 16, 16)
     kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)

@@ -130,11 +130,15 @@ def test_fold_launches(merged, monkeypatch):
 
 @pytest.mark.parametrize("merged", [False, True])
 def test_deferred_launches(merged, monkeypatch):
-    """A decode-sized step of plain LoRA slots called deferred launches no epilogue; with a base token among
-    them its deltas are zero-filled first (one fill per projection); a DoRA slot among them keeps the epilogue."""
+    """A one-token step of a plain LoRA slot called deferred launches no epilogue; so do longer ones where the
+    configuration allows (here 16 tokens), their deltas zero-filled first with a base token among them (one fill
+    per projection); a step with other slots keeps the epilogue, and so does one longer than allowed."""
+    _check_call(monkeypatch, "lora", 1, merged=merged, tokens=[1], defers=True)
+    _check_call(monkeypatch, "lora", 2, merged=merged, tokens=[0, 1], defers=False)
     for tokens in ([0, 1, 2] * 3, [0, 1, -1, 2]):
+        monkeypatch.setattr(launch, "CONFIG", dataclasses.replace(launch.CONFIG, defer_max_tokens=16))
         _check_call(monkeypatch, "lora", len(tokens), merged=merged, tokens=tokens, defers=True)
-    _check_call(monkeypatch, "qkv", 7, merged=merged, defers=False)
+    _check_call(monkeypatch, "qkv", 1, merged=merged, tokens=[3], defers=False)
 
 
 def test_base_tokens_alone(monkeypatch):
@@ -174,3 +178,18 @@ def _multi_even_for_one(grid):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))
+
+
+def test_one_token_deferral_fills_no_zeros(monkeypatch):
+    """A graph's slots list −1 for padding rows; a one-token call with a low-rank pass has none (its token is the
+    adapter's), so its deltas need no zero fill; two tokens with −1 among the slots do."""
+    from scute.ops.plan import plan
+
+    gen = torch.Generator().manual_seed(0)
+    outs, slots = _pool_slots("lora", gen)
+    facts = pool_facts(slots, outs)
+    one = plan(facts, 1, IN, 1, DEVICE, {-1, 0, 1, 2}, consumer_adds=True)
+    assert one.defer is not None and not one.defer.zero and one.epilogue is None
+    monkeypatch.setattr(launch, "CONFIG", dataclasses.replace(launch.CONFIG, defer_max_tokens=16))
+    two = plan(facts, 2, IN, 2, DEVICE, {-1, 0, 1, 2}, consumer_adds=True)
+    assert two.defer is not None and two.defer.zero
