@@ -249,11 +249,18 @@ def main() -> None:
     p.add_argument("--peft-tokens", type=int, default=8)
     p.add_argument("--static", action="store_true")
     p.add_argument("--root", default="/tmp/scute-bench-engine")
+    p.add_argument("--launch", action="append", default=[], metavar="FIELD=INT",
+                   help="override a LaunchConfig field (scute/ops/launch.py), e.g. defer_max_tokens=0")
     p.add_argument("--out", default="engine.json")
     args = p.parse_args()
+    from dataclasses import replace
+
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from scute import Engine
+    from scute.ops import launch
+
+    launch.CONFIG = replace(launch.CONFIG, **{k: int(v) for k, v in (a.split("=") for a in args.launch)})
 
     bw, flops = copy_bandwidth(), matmul_rate()
     print(f"device: {torch.cuda.get_device_name()}; copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} "

@@ -187,9 +187,9 @@ def _defer_plan(facts: PoolFacts, kinds: StepKinds, num_tokens: int,
     if active_slots is None or num_tokens > config().defer_max_tokens or not kinds.lowrank or kinds.shared:
         return None
     mask = active_mask(active_slots)
-    if mask & ~facts.plain_mask:
-        return None
-    partial = any(mask & m not in (0, mask) for m in facts.lowrank_masks)
+    if mask & ~facts.plain_mask & (facts.kind_masks.input_transform | facts.kind_masks.expand):
+        return None  # a slot with more than a plain delta (a slot with nothing here, e.g. empty, does not count)
+    partial = any(mask & m not in (0, mask) for m in facts.lowrank_masks)  # a token without A here: zeros
     base_rows = -1 in active_slots and num_tokens > 1
     return DeferPlan(tuple(mask & m != 0 for m in facts.lowrank_masks), base_rows or partial)
 

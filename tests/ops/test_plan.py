@@ -190,6 +190,12 @@ def test_one_token_deferral_fills_no_zeros(monkeypatch):
     facts = pool_facts(slots, outs)
     one = plan(facts, 1, IN, 1, DEVICE, {-1, 0, 1, 2}, consumer_adds=True)
     assert one.defer is not None and not one.defer.zero and one.epilogue is None
+    # a graph's slots also list the empty slot 3: it does not stop the deferral, but its token would have no
+    # delta here, so the deltas are zero-filled; a slot of another method among them stops it
+    empty = plan(facts, 1, IN, 1, DEVICE, {-1, 0, 1, 2, 3}, consumer_adds=True)
+    assert empty.defer is not None and empty.defer.zero
+    mixed = pool_facts(*reversed(_pool_slots("mixed", gen)))
+    assert plan(mixed, 1, IN, 1, DEVICE, {-1, 0, 7}, consumer_adds=True).defer is None
     monkeypatch.setattr(launch, "CONFIG", dataclasses.replace(launch.CONFIG, defer_max_tokens=16))
     two = plan(facts, 2, IN, 2, DEVICE, {-1, 0, 1, 2}, consumer_adds=True)
     assert two.defer is not None and two.defer.zero
