@@ -497,18 +497,15 @@ def test_step_runs_the_passes_of_its_slots(tokens, active, passes, monkeypatch):
     check(y, x, w, b, slots, ts, FP32_TOL)
 
 
-@pytest.mark.parametrize("case, folds", [("lora", True), ("k_unadapted", True), ("bias", True),
-                                         ("k_partly", False), ("base_token", False), ("dora", False)])
-def test_fold(case, folds, monkeypatch):
-    """A long step of plain LoRA slots adds its deltas in the GEMMs (no epilogue), exactly: every projection where
-    every token has a delta, the plain GEMM where none has (k unadapted), a bias too; a step that cannot fold
-    (one slot without k, a base token, a DoRA slot) takes the epilogue."""
-    set_config(monkeypatch, fold_min_tokens=16)
-    gen = torch.Generator().manual_seed(5)
+def _three_projections(case: str, seed: int):
+    """A q/k/v-like pool (48, 16, 16 outputs) of three LoRA slots of ranks 4, 16, 8 over 40 tokens using all three:
+    `case` "k_unadapted" (no slot adapts k), "k_partly" (slot 0 does not), "base_token" (one token of slot −1),
+    "dora" (slot 2 DoRA); returns the generator, weights, slots, token slots, x, pool, metadata and the step's
+    slots."""
+    gen = torch.Generator().manual_seed(seed)
     outs = (48, 16, 16)
     kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
     ws = [(torch.randn(o, IN, generator=gen) / IN ** 0.5).to(DEVICE) for o in outs]
-    bs = [torch.randn(o, generator=gen).to(DEVICE) if case == "bias" and p == 0 else None for p, o in enumerate(outs)]
     per_proj = [[random_slots("dora" if case == "dora" and s == 2 else "lora", IN, o, rank=r, **kw)
                  for s, r in enumerate((4, 16, 8))] for o in outs]
     if case == "k_unadapted":
@@ -516,13 +513,25 @@ def test_fold(case, folds, monkeypatch):
     if case == "k_partly":
         per_proj[1][0] = None
     ts = torch.randint(0, 3, (40,), generator=gen)
+    ts[:3] = torch.tensor([0, 1, 2])
     if case == "base_token":
         ts[5] = -1
     ts, x = ts.to(DEVICE), torch.randn(40, IN, generator=gen).to(DEVICE)
     pool = SlotPool(IN, outs, 3, DEVICE, torch.float32)
     pool.update(per_proj)
-    meta = build_lora_meta(ts, pool.slot_group)
-    active = set(ts.tolist())
+    return gen, ws, per_proj, ts, x, pool, build_lora_meta(ts, pool.slot_group), set(ts.tolist())
+
+
+@pytest.mark.parametrize("case, folds", [("lora", True), ("k_unadapted", True), ("bias", True),
+                                         ("k_partly", False), ("base_token", False), ("dora", False)])
+def test_fold(case, folds, monkeypatch):
+    """A long step of plain LoRA slots adds its deltas in the GEMMs (no epilogue), exactly: every projection where
+    every token has a delta, the plain GEMM where none has (k unadapted), a bias too; a step that cannot fold
+    (one slot without k, a base token, a DoRA slot) takes the epilogue."""
+    set_config(monkeypatch, fold_min_tokens=16)
+    gen, ws, per_proj, ts, x, pool, meta, active = _three_projections(case, 5)
+    bs = [torch.randn(w.shape[0], generator=gen).to(DEVICE) if case == "bias" and p == 0 else None
+          for p, w in enumerate(ws)]
     passes = triton_ops.call_plan(x, pool, meta, active)
     assert (passes.fold is not None) == folds and (passes.epilogue is None) == folds
     if folds:
@@ -547,24 +556,7 @@ def test_deferred(case, adds, zero, monkeypatch):
     (a slot without k, a base token) get zeros; a DoRA slot, or a step long enough to fold, defers nothing. (The
     configuration defers up to 64 tokens here: by default only one, where it pays.)"""
     set_config(monkeypatch, fold_min_tokens=32 if case == "long" else 512, defer_max_tokens=64)
-    gen = torch.Generator().manual_seed(6)
-    outs = (48, 16, 16)
-    kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
-    ws = [(torch.randn(o, IN, generator=gen) / IN ** 0.5).to(DEVICE) for o in outs]
-    per_proj = [[random_slots("dora" if case == "dora" and s == 2 else "lora", IN, o, rank=r, **kw)
-                 for s, r in enumerate((4, 16, 8))] for o in outs]
-    if case == "k_unadapted":
-        per_proj[1] = [None] * 3
-    if case == "k_partly":
-        per_proj[1][0] = None
-    ts = torch.randint(0, 3, (40,), generator=gen)
-    ts[:3] = torch.tensor([0, 1, 2])
-    if case == "base_token":
-        ts[5] = -1
-    ts, x = ts.to(DEVICE), torch.randn(40, IN, generator=gen).to(DEVICE)
-    pool = SlotPool(IN, outs, 3, DEVICE, torch.float32)
-    pool.update(per_proj)
-    meta, active = build_lora_meta(ts, pool.slot_group), set(ts.tolist())
+    _, ws, per_proj, ts, x, pool, meta, active = _three_projections(case, 6)
     passes = triton_ops.call_plan(x, pool, meta, active, consumer_adds=True)
     assert (passes.defer is not None) == (adds is not None)
     if adds is not None:
