@@ -105,6 +105,43 @@ def pool_facts(slots: Sequence[Sequence[Slots | None]], out_features: Sequence[i
                      tuple(sum(1 << s for s, f in enumerate(facts) if f.lowrank_in[p]) for p in range(len(slots))))
 
 
+def pool_facts_slot(prev: PoolFacts, slots: Sequence[Sequence[Slots | None]], s: int, memo: list) -> PoolFacts:
+    """`pool_facts(slots, prev.out_features, memo)` when only slot `s` changed since `prev` was computed with
+    `memo`: without a pass over the other slots when the change cannot move another slot's group or one of the
+    pool's extremes (`_changed_alone`), else the full computation. A placement among a thousand adapters then
+    costs a pool the facts of one slot."""
+    column = [row[s] for row in slots]
+    hit = memo[s] if len(memo) == len(slots[0]) else None
+    new = slot_facts(column)
+    facts = None if hit is None else _changed_alone(prev, hit[2], new, s)
+    if facts is None:
+        return pool_facts(slots, prev.out_features, memo)
+    memo[s] = (tuple(map(id, column)), column, new)
+    return facts
+
+
+def _changed_alone(prev: PoolFacts, old: SlotFacts, new: SlotFacts, s: int) -> PoolFacts | None:
+    """`prev` with slot s's facts `old` replaced by `new`, or None where that needs the other slots: either is in
+    a group of shared matrices (the groups may move), has an OFT block (the block extremes), or held the largest
+    rank or the only float32 delta that the new one drops."""
+    if old.share_key is not None or new.share_key is not None or old.blocks or new.blocks:
+        return None
+    top = max(new.ranks, default=0)
+    if (old.ranks and max(old.ranks) >= prev.max_rank > top) or (old.exact_delta and not new.exact_delta):
+        return None
+    bit = 1 << s
+
+    def put(mask: int, on: bool) -> int:
+        return mask | bit if on else mask & ~bit
+
+    k = prev.kind_masks  # slot s is its own group, outside the shared one, before and after
+    kinds = StepKinds(put(k.input_transform, new.transform), k.shared & ~bit, put(k.lowrank, new.lowrank),
+                      put(k.expand, new.expand))
+    return prev._replace(kind_masks=kinds, max_rank=max(prev.max_rank, top), exact_delta=prev.exact_delta or
+                         new.exact_delta, plain_mask=put(prev.plain_mask, new.plain),
+                         lowrank_masks=tuple(put(m, on) for m, on in zip(prev.lowrank_masks, new.lowrank_in)))
+
+
 def shared_a_of(column: Sequence[Slots | None]) -> tuple[int, ...]:
     """Each projection's index among the distinct A's (by storage, in order) of one slot's `column`, −1 where it
     has none (VeRA's q, k and v share one)."""

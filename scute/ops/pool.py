@@ -35,7 +35,7 @@ from collections.abc import Collection, Sequence
 import torch
 from torch import Tensor
 
-from scute.ops.groups import PoolFacts, StepKinds, storage_key, pool_facts, shared_a_of, step_kinds
+from scute.ops.groups import PoolFacts, StepKinds, pool_facts, pool_facts_slot, shared_a_of, step_kinds, storage_key
 from scute.ops.slots import Slots
 
 # Table fields (int64 each). Group fields (A, B, ranks, h offsets) are read at the group's representative slot,
@@ -169,7 +169,7 @@ class SlotPool:
         shared group's m when it joins that group (another VeRA adapter of the same matrices) — and only its old
         device copies dropped: placing an adapter then costs a pool host work that does not grow with the adapters
         it holds (but for light passes over them). Any other change of the grouping runs `update`."""
-        facts = pool_facts(slots, self.out_features, self._facts_memo)
+        facts = pool_facts_slot(self.facts, slots, s, self._facts_memo)
         old, new, shared = self.facts.groups, facts.groups, self.shared_group
         others_old, others_new = old[:s] + old[s + 1:], new[:s] + new[s + 1:]
         if facts.shared_group != shared or s == shared or others_old != others_new or s in others_old \

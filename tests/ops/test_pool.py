@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from scute.ops import groups
 from scute.ops.pool import SlotPool
 from scute.ops.slots import Slots
 
@@ -85,10 +86,10 @@ def _decoded(pool: SlotPool) -> list:
     return out
 
 
-def test_update_slot_equals_a_rebuild():
+def test_update_slot_equals_a_rebuild(monkeypatch):
     """Placing adapters slot by slot (`update_slot`: only the slot's rows for a slot of its own, a rebuild when the
-    grouping changes) gives the table, facts and device copies a pool built from the same slots at once has; an
-    evicted adapter's copies are dropped."""
+    grouping changes; the pool's facts from the slot's alone where they can be) gives the table, facts and device
+    copies a pool built from the same slots at once has; an evicted adapter's copies are dropped."""
     from scute.ops.testing import random_slots
 
     g = torch.Generator().manual_seed(0)
@@ -106,8 +107,10 @@ def test_update_slot_equals_a_rebuild():
     pool.update(slots)
     rebuilds, update = [], pool.update
     pool.update = lambda slots: rebuilds.append(1) or update(slots)
-    order, joined = torch.randint(0, len(makers), (40,), generator=g).tolist(), 0
-    for step, (s, m) in enumerate(zip(torch.randint(0, 5, (40,), generator=g).tolist(), order)):
+    alone, changed_alone = [], groups._changed_alone  # the facts from the changed slot's alone
+    monkeypatch.setattr(groups, "_changed_alone", lambda *a: alone.append(changed_alone(*a)) or alone[-1])
+    order, joined = torch.randint(0, len(makers), (80,), generator=g).tolist(), 0
+    for step, (s, m) in enumerate(zip(torch.randint(0, 5, (80,), generator=g).tolist(), order)):
         for p in range(2):
             slots[p][s] = makers[m]() if (p + step) % 3 else None  # projections adapted or not
         before = len(rebuilds)
@@ -121,8 +124,9 @@ def test_update_slot_equals_a_rebuild():
         assert torch.equal(pool.slot_group, fresh.slot_group), where
         assert len(pool._cache) == len(fresh._cache), where
         assert torch.equal(pool.shared_m, fresh.shared_m) and torch.equal(pool.shared_a, fresh.shared_a), where
-    assert 0 < len(rebuilds) < 20 and joined, "the slot's rows alone ran (a VeRA slot joining the shared group too)"
+    assert 0 < len(rebuilds) < 40 and joined, "the slot's rows alone ran (a VeRA slot joining the shared group too)"
     assert len(rebuilds) >= 1, "and a rebuild, for a change of the grouping"
+    assert sum(f is not None for f in alone) >= 10, "the facts from the changed slot's alone, often"
 
 
 def test_placing_an_adapter_updates_each_pool_once(monkeypatch):
