@@ -112,33 +112,45 @@ def pool_facts_slot(prev: PoolFacts, slots: Sequence[Sequence[Slots | None]], s:
     costs a pool the facts of one slot."""
     column = [row[s] for row in slots]
     hit = memo[s] if len(memo) == len(slots[0]) else None
+    rep = prev.shared_group
+    rep_facts = memo[rep][2] if hit is not None and rep >= 0 and memo[rep] is not None else None
     new = slot_facts(column)
-    facts = None if hit is None else _changed_alone(prev, hit[2], new, s)
+    facts = None if hit is None else _changed_alone(prev, hit[2], new, s, rep_facts)
     if facts is None:
         return pool_facts(slots, prev.out_features, memo)
     memo[s] = (tuple(map(id, column)), column, new)
     return facts
 
 
-def _changed_alone(prev: PoolFacts, old: SlotFacts, new: SlotFacts, s: int) -> PoolFacts | None:
-    """`prev` with slot s's facts `old` replaced by `new`, or None where that needs the other slots: either is in
-    a group of shared matrices (the groups may move), has an OFT block (the block extremes), or held the largest
-    rank or the only float32 delta that the new one drops."""
-    if old.share_key is not None or new.share_key is not None or old.blocks or new.blocks:
+def _changed_alone(prev: PoolFacts, old: SlotFacts, new: SlotFacts, s: int,
+                   rep_facts: SlotFacts | None) -> PoolFacts | None:
+    """`prev` with slot s's facts `old` replaced by `new` (`rep_facts`: the shared group's representative's), or
+    None where that needs the other slots: s joins, leaves or starts a group of shared matrices other than as a
+    member of the shared group after its representative (other slots' groups, or which group is shared, may move),
+    either has an OFT block (the block extremes), or it held the largest rank or the only float32 delta."""
+    shared = prev.shared_group
+    joins = new.share_key is not None and rep_facts is not None and new.share_key == rep_facts.share_key and s > shared
+    if old.blocks or new.blocks or (new.share_key is not None and not joins):
         return None
-    top = max(new.ranks, default=0)
-    if (old.ranks and max(old.ranks) >= prev.max_rank > top) or (old.exact_delta and not new.exact_delta):
+    if old.share_key is not None and not (joins and old.share_key == new.share_key):
+        return None
+    top = 0 if joins else max(new.ranks, default=0)  # the shared group's rank is not the table's
+    own = old.ranks if old.share_key is None else ()
+    if (own and max(own) >= prev.max_rank > top) or (old.exact_delta and not new.exact_delta):
         return None
     bit = 1 << s
 
     def put(mask: int, on: bool) -> int:
         return mask | bit if on else mask & ~bit
 
-    k = prev.kind_masks  # slot s is its own group, outside the shared one, before and after
-    kinds = StepKinds(put(k.input_transform, new.transform), k.shared & ~bit, put(k.lowrank, new.lowrank),
-                      put(k.expand, new.expand))
-    return prev._replace(kind_masks=kinds, max_rank=max(prev.max_rank, top), exact_delta=prev.exact_delta or
-                         new.exact_delta, plain_mask=put(prev.plain_mask, new.plain),
+    k = prev.kind_masks
+    kinds = StepKinds(put(k.input_transform, new.transform), put(k.shared, joins and rep_facts.lowrank),
+                      put(k.lowrank, not joins and new.lowrank), put(k.expand, new.expand))
+    groups = prev.groups if prev.groups[s] == (shared if joins else s) else \
+        prev.groups[:s] + (shared if joins else s,) + prev.groups[s + 1:]
+    return prev._replace(groups=groups, kind_masks=kinds, max_rank=max(prev.max_rank, top),
+                         exact_delta=prev.exact_delta or new.exact_delta,
+                         plain_mask=put(prev.plain_mask, new.plain and not joins),
                          lowrank_masks=tuple(put(m, on) for m, on in zip(prev.lowrank_masks, new.lowrank_in)))
 
 
