@@ -5,8 +5,8 @@ Requests arrive as a gamma process (vLLM's `bench serve` convention: shape = bur
 1 = Poisson), each picking one of N adapters (``uniform``, or ``zipf`` with exponent 1), ``--prompt`` random tokens,
 ``--new-tokens`` generated (greedy, ``ignore_eos``), driven through `Engine.add_request` / `Engine.step` in real
 time. A rate is *sustained* when the p90 time per output token stays within ``--slo`` times the unloaded one (one
-request alone) and the queue does not grow (the last request starts within ``--max-queue-s`` of its arrival).
-For each (method, N, popularity, variant) the highest sustained rate is found by doubling from ``--start-rate``,
+request alone) and the queue does not grow (every request starts within ``--max-queue-s`` of its arrival: a run
+stops, its requests aborted, as soon as one has waited longer, so an overloaded rate costs seconds). For each (method, N, popularity, variant) the highest sustained rate is found by doubling from ``--start-rate``,
 then bisecting; every run's TTFT and TPOT percentiles are recorded. Before each (variant, N), one request per
 adapter the device slots hold warms them (a server's steady state), then one request alone gives the unloaded
 TPOT.
@@ -72,13 +72,19 @@ def run_load(engine, paths: list[str], rate: float, args, seed: int) -> dict:
         arrivals.append(t)
     specs = [paths[pick(args.popularity, len(paths), rng, i)] for i in range(len(arrivals))]
     prompts = [torch.randint(0, vocab, (args.prompt,), generator=g).tolist() for _ in arrivals]
-    first, last, started, nxt = {}, {}, {}, 0
+    first, last, started, nxt, waited = {}, {}, {}, 0, 0.0
     start = time.perf_counter()
     while nxt < len(arrivals) or engine.has_unfinished_requests():
         now = time.perf_counter() - start
         while nxt < len(arrivals) and arrivals[nxt] <= now:
             engine.add_request(f"r{seed}-{nxt}", prompts[nxt], sp, specs[nxt])
             nxt += 1
+        waited = max((now - arrivals[i] for i in range(nxt) if i not in started), default=0.0)
+        if waited > args.max_queue_s:  # the queue grows: this rate is not sustained, stop the run here
+            engine.abort_request([f"r{seed}-{i}" for i in range(nxt) if i not in last])
+            while engine.has_unfinished_requests():
+                engine.step()  # reports the aborted requests
+            break
         if not engine.has_unfinished_requests():
             time.sleep(min(0.01, max(0.0, arrivals[nxt] - now)) if nxt < len(arrivals) else 0)
             continue
@@ -94,9 +100,9 @@ def run_load(engine, paths: list[str], rate: float, args, seed: int) -> dict:
                 last[i] = stamp
     ttft = [first[i] - arrivals[i] for i in first]
     tpot = [(last[i] - first[i]) / (args.new_tokens - 1) for i in last if args.new_tokens > 1]
-    queue = [started[i] - arrivals[i] for i in started]
+    queue = [started[i] - arrivals[i] for i in started] + [waited]
     duration = max(last.values()) if last else 0.0
-    return dict(rate=rate, requests=len(arrivals), duration_s=duration,
+    return dict(rate=rate, requests=len(arrivals), aborted=waited > args.max_queue_s, duration_s=duration,
                 throughput_req_s=len(last) / duration if duration else None,
                 output_tok_s=len(last) * args.new_tokens / duration if duration else None,
                 ttft_p50=percentile(ttft, 50), ttft_p90=percentile(ttft, 90), ttft_p99=percentile(ttft, 99),
@@ -105,7 +111,8 @@ def run_load(engine, paths: list[str], rate: float, args, seed: int) -> dict:
 
 
 def sustained(run: dict, unloaded_tpot: float, args) -> bool:
-    return run["tpot_p90"] <= args.slo * unloaded_tpot and run["max_queue_s"] <= args.max_queue_s
+    return not run["aborted"] and run["tpot_p90"] <= args.slo * unloaded_tpot and \
+        run["max_queue_s"] <= args.max_queue_s
 
 
 def max_rate(engine, paths: list[str], args, unloaded_tpot: float) -> tuple[float, list[dict]]:
@@ -115,8 +122,9 @@ def max_rate(engine, paths: list[str], args, unloaded_tpot: float) -> tuple[floa
         run = run_load(engine, paths, rate, args, seed=len(runs))
         run["sustained"] = sustained(run, unloaded_tpot, args)
         runs.append(run)
-        print(f"    rate {rate:8.2f}/s: tpot p90 {1e3 * run['tpot_p90']:.1f} ms, queue {run['max_queue_s']:.2f} s, "
-              f"{'ok' if run['sustained'] else 'over'}", flush=True)
+        tpot = "-" if run["tpot_p90"] is None else f"{1e3 * run['tpot_p90']:.1f} ms"
+        print(f"    rate {rate:8.2f}/s: tpot p90 {tpot}, queue {run['max_queue_s']:.2f} s, "
+              f"{'ok' if run['sustained'] else 'over (stopped early)' if run['aborted'] else 'over'}", flush=True)
         good, bad, rate = (rate, None, 2 * rate) if run["sustained"] else (good, rate, rate)
     for _ in range(args.bisect if bad is not None else 0):
         rate = (good + bad) / 2 if good else bad / 2

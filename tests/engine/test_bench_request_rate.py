@@ -23,3 +23,17 @@ def test_request_rate_bench_runs_and_records_rows(tmp_path):
         assert run["requests"] == 6 and run["ttft_p50"] <= run["ttft_p90"] <= run["ttft_p99"]
     native, lora = saved["rows"]
     assert native["conversion_error"] is None and 0 < lora["conversion_error"] < 1  # IA3 is not rank 4
+
+
+def test_an_overloaded_run_stops_early(tmp_path):
+    """A rate whose queue outgrows --max-queue-s stops its run at once (its requests aborted) and is not
+    sustained; the search then reports no sustained rate."""
+    bench_request_rate = bench_module("bench_request_rate")
+    result = bench_request_rate.main([
+        "--tiny", "--methods", "ia3", "--adapters", "2", "--ranks", "4", "--convert", "0", "--requests", "40",
+        "--prompt", "8", "--new-tokens", "4", "--start-rate", "100000", "--max-rate", "100000", "--bisect", "0",
+        "--max-queue-s", "0.000001", "--root", str(tmp_path / "adapters"), "--out", str(tmp_path / "rate.json")])
+    for row in result["rows"]:
+        (run,) = row["runs"]
+        assert run["aborted"] and not run["sustained"] and row["max_rate"] == 0
+        assert run["max_queue_s"] > 0.000001
