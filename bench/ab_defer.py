@@ -29,6 +29,8 @@ CASES = (("base", 1), ("lora", 1), ("lora", 16), ("lora", 64))
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--on", type=int, default=None, help="defer_max_tokens of the deferred rounds (default: the "
+                   "configuration's; 511 defers every call below fold_min_tokens, as bench/results/ab_defer_h200.log)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--root", default="/tmp/scute-ab-defer")
@@ -53,7 +55,7 @@ def main() -> None:
     clock.run(prompts(64), B.case_specs("lora", 64, paths, 64), 2)  # every slot holds one of the adapters
     default, rows = launch.CONFIG, []
     for rnd in range(args.rounds):
-        for defer in (default.defer_max_tokens, 0):
+        for defer in (default.defer_max_tokens if args.on is None else args.on, 0):
             launch.CONFIG = dataclasses.replace(default, defer_max_tokens=defer)
             engine.runner.graphs.graphs.clear()  # captured again under this configuration
             engine.runner.graphs.pool = torch.cuda.graph_pool_handle()

@@ -249,18 +249,13 @@ def main() -> None:
     p.add_argument("--peft-tokens", type=int, default=8)
     p.add_argument("--static", action="store_true")
     p.add_argument("--root", default="/tmp/scute-bench-engine")
-    p.add_argument("--launch", action="append", default=[], metavar="FIELD=INT",
-                   help="override a LaunchConfig field (scute/ops/launch.py), e.g. defer_max_tokens=0")
+    add_launch_option(p)
     p.add_argument("--out", default="engine.json")
     args = p.parse_args()
-    from dataclasses import replace
-
+    apply_launch(args.launch)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from scute import Engine
-    from scute.ops import launch
-
-    launch.CONFIG = replace(launch.CONFIG, **{k: int(v) for k, v in (a.split("=") for a in args.launch)})
 
     bw, flops = copy_bandwidth(), matmul_rate()
     print(f"device: {torch.cuda.get_device_name()}; copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} "
@@ -344,6 +339,21 @@ def main() -> None:
         with open(args.out, "w") as f:  # after each baseline, as after each row
             json.dump(result, f, indent=1)
     print_table(result)
+
+
+def add_launch_option(parser: argparse.ArgumentParser) -> None:
+    """``--launch FIELD=INT`` (repeatable): a `LaunchConfig` field overridden for the run (`apply_launch`)."""
+    parser.add_argument("--launch", action="append", default=[], metavar="FIELD=INT",
+                        help="override a LaunchConfig field (scute/ops/launch.py), e.g. defer_max_tokens=0")
+
+
+def apply_launch(overrides: list[str]) -> None:
+    """Run under the launch configuration with these ``FIELD=INT`` overrides."""
+    from dataclasses import replace
+
+    from scute.ops import launch
+
+    launch.CONFIG = replace(launch.CONFIG, **{k: int(v) for k, v in (a.split("=") for a in overrides)})
 
 
 def case_specs(case: str, batch: int, paths: dict, num_adapters: int) -> list:

@@ -63,15 +63,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--root", default="/tmp/scute-profile-decode")
-    p.add_argument("--launch", action="append", default=[], metavar="FIELD=INT",
-                   help="override a LaunchConfig field (scute/ops/launch.py), e.g. half_n=32")
+    B.add_launch_option(p)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    from dataclasses import replace
-
+    B.apply_launch(args.launch)
     from scute.ops import launch
 
-    launch.CONFIG = replace(launch.CONFIG, **{k: int(v) for k, v in (a.split("=") for a in args.launch)})
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from scute import Engine, SamplingParams

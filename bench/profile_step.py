@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import dataclasses
 import io
 import os
 import pstats
@@ -58,16 +57,10 @@ def main() -> None:
     p.add_argument("--top", type=int, default=35)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--root", default="/tmp/scute-profile-step")
-    p.add_argument("--fold-min-tokens", type=int, default=None, help="the launch configuration's fold_min_tokens "
-                   "(a step this long or longer of plain LoRA tokens folds its deltas into the GEMMs; default: "
-                   "the configuration's; a larger value than the step keeps the epilogue pass)")
+    B.add_launch_option(p)  # e.g. fold_min_tokens=1000000000: a prefill step keeps the epilogue pass
     args = p.parse_args()
+    B.apply_launch(args.launch)
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from scute.ops import launch
-
-    if args.fold_min_tokens is not None:
-        launch.CONFIG = dataclasses.replace(launch.CONFIG, fold_min_tokens=args.fold_min_tokens)
 
     from scute import Engine, SamplingParams
 

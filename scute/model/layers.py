@@ -83,7 +83,7 @@ def attention_forward(self, hidden_states: Tensor, position_embeddings: tuple[Te
 def attention_deferred(attn: nn.Module, hidden_states: Tensor, **kwargs) -> tuple[Tensor, Tensor | None]:
     """The attention's output before o's deferred delta, and the delta (`project_deferred`); `kwargs` as HF's
     decoder layer passes them. An attention whose forward is not `attention_forward` gives its complete output."""
-    if getattr(attn.forward, "__func__", None) is not attention_forward:
+    if not _runs(attn, attention_forward):
         return attn(hidden_states=hidden_states, **kwargs)[0], None
     return _attention(attn, hidden_states, kwargs["position_embeddings"])
 
@@ -114,9 +114,14 @@ def mlp_forward(self, x: Tensor) -> Tensor:
 def mlp_deferred(mlp: nn.Module, x: Tensor) -> tuple[Tensor, Tensor | None]:
     """The MLP's output before down's deferred delta, and the delta; gate/up's deltas go to the SiLU·mul. An MLP
     whose forward is not `mlp_forward` (another activation) gives its complete output."""
-    if getattr(mlp.forward, "__func__", None) is not mlp_forward:
+    if not _runs(mlp, mlp_forward):
         return mlp(x), None
     flat = x.reshape(-1, x.shape[-1])
     (gate, up), (d_gate, d_up) = project_deferred(flat, mlp.gate_proj, mlp.up_proj)
     (z,), (d,) = project_deferred(silu_mul(gate, up, d_gate, d_up), mlp.down_proj)
     return z.view(*x.shape[:-1], -1), d
+
+
+def _runs(module: nn.Module, forward) -> bool:
+    """Whether `fuse_layers` gave `module` this forward."""
+    return getattr(module.forward, "__func__", None) is forward

@@ -76,9 +76,9 @@ class LaunchConfig:
     fold_min_tokens: int = 512
     # the deferral: a call of this many tokens or fewer whose step's slots are all plain low-rank deltas, called
     # by a consumer that adds them, returns them beside its outputs instead of launching an epilogue. At one token
-    # the epilogue's launch is the chain (lora at 1 request: 5.30 -> 4.97 ms a step on the H200); at 16 and 64
-    # the deferred step was 3-5 % slower (its graphs also zero-filled the deltas' rows for padding: a one-token
-    # bucket has none)
+    # the epilogue's launch is the chain (lora at 1 request: 4.97 ms a step deferred, 5.30 not, on the H200:
+    # bench/results/ab_defer_h200.log); at 16 and 64 requests deferring is 3-5 % slower (there a graph's deltas
+    # are zero-filled for padding rows, which a one-token bucket has none of)
     defer_max_tokens: int = 1
 
 

@@ -168,15 +168,11 @@ def plan(facts: PoolFacts, num_tokens: int, in_features: int, num_tiles: int, de
 
 def _fold_plan(facts: PoolFacts, kinds: StepKinds, num_tokens: int,
                active_slots: Collection[int] | None) -> FoldPlan | None:
-    """The fold (`FoldPlan`), if the step's slots are known and allow it (a slot of the shared group, whose
-    products write d apart, does not)."""
-    if active_slots is None or -1 in active_slots or num_tokens < config().fold_min_tokens or not kinds.lowrank \
-            or kinds.shared:
+    """The fold (`FoldPlan`), if the step's slots are known and allow it: plain deltas only, every row written."""
+    if num_tokens < config().fold_min_tokens or (active_slots is not None and -1 in active_slots):
         return None
-    mask = active_mask(active_slots)
-    if mask & ~facts.plain_mask or any(mask & m not in (0, mask) for m in facts.lowrank_masks):
-        return None
-    return FoldPlan(tuple(mask & m != 0 for m in facts.lowrank_masks))
+    plain = _plain_deltas(facts, kinds, active_slots)
+    return None if plain is None or plain[1] else FoldPlan(plain[0])
 
 
 def _defer_plan(facts: PoolFacts, kinds: StepKinds, num_tokens: int,
@@ -184,14 +180,27 @@ def _defer_plan(facts: PoolFacts, kinds: StepKinds, num_tokens: int,
     """The deferral (`DeferPlan`), if the step's slots are known and allow it. A one-token call with a low-rank
     pass has an adapter token (a graph's slots list −1 for padding rows, which a one-token bucket has none of):
     its rows need zeros only where its slot has no A."""
-    if active_slots is None or num_tokens > config().defer_max_tokens or not kinds.lowrank or kinds.shared:
+    plain = _plain_deltas(facts, kinds, active_slots) if num_tokens <= config().defer_max_tokens else None
+    if plain is None:
+        return None
+    adds, partial = plain
+    return DeferPlan(adds, partial or (-1 in active_slots and num_tokens > 1))
+
+
+def _plain_deltas(facts: PoolFacts, kinds: StepKinds,
+                  active_slots: Collection[int] | None) -> tuple[tuple[bool, ...], bool] | None:
+    """Where a step's deltas land when every slot of the step with something in this pool is a plain low-rank
+    delta (a slot of the shared group, whose products write d apart, is not; a slot with nothing here, e.g. an
+    empty one among a graph's, does not count): each projection's has-deltas, and whether some slot of the step
+    has no A in a projection that has deltas (its tokens' rows there are not written). None: another step, or its
+    slots unknown."""
+    if active_slots is None or not kinds.lowrank or kinds.shared:
         return None
     mask = active_mask(active_slots)
     if mask & ~facts.plain_mask & (facts.kind_masks.input_transform | facts.kind_masks.expand):
-        return None  # a slot with more than a plain delta (a slot with nothing here, e.g. empty, does not count)
-    partial = any(mask & m not in (0, mask) for m in facts.lowrank_masks)  # a token without A here: zeros
-    base_rows = -1 in active_slots and num_tokens > 1
-    return DeferPlan(tuple(mask & m != 0 for m in facts.lowrank_masks), base_rows or partial)
+        return None
+    return (tuple(mask & m != 0 for m in facts.lowrank_masks),
+            any(mask & m not in (0, mask) for m in facts.lowrank_masks))
 
 
 def _lowrank_plan(facts: PoolFacts, num_tokens: int, in_features: int, num_tiles: int, half_n: int | None,
