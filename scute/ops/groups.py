@@ -111,15 +111,15 @@ def pool_facts_slot(prev: PoolFacts, slots: Sequence[Sequence[Slots | None]], s:
     pool's extremes (`_changed_alone`), else the full computation. A placement among a thousand adapters then
     costs a pool the facts of one slot."""
     column = [row[s] for row in slots]
-    hit = memo[s] if len(memo) == len(slots[0]) else None
+    keep = len(memo) == len(slots[0])
+    hit = memo[s] if keep else None
     rep = prev.shared_group
     rep_facts = memo[rep][2] if hit is not None and rep >= 0 and memo[rep] is not None else None
     new = slot_facts(column)
     facts = None if hit is None else _changed_alone(prev, hit[2], new, s, rep_facts)
-    if facts is None:
-        return pool_facts(slots, prev.out_features, memo)
-    memo[s] = (tuple(map(id, column)), column, new)
-    return facts
+    if keep:
+        memo[s] = (tuple(map(id, column)), column, new)  # the full computation below reuses it
+    return pool_facts(slots, prev.out_features, memo) if facts is None else facts
 
 
 def _changed_alone(prev: PoolFacts, old: SlotFacts, new: SlotFacts, s: int,
