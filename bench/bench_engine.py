@@ -70,8 +70,9 @@ def randomized(name: str, x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     return (0.01 * noise).to(x.dtype)
 
 
-def make_adapters(model, method: str, count: int, root: str) -> list[str]:
-    """`count` adapter folders of `method` for `model`: one PEFT save, then copies with fresh random tensors."""
+def make_adapters(model, method: str, count: int, root: str, seed: int = 0) -> list[str]:
+    """`count` adapter folders of `method` for `model`: one PEFT save, then copies with fresh random tensors
+    (adapter i's drawn with seed ``1000 * MIX.index(method) + seed + i``)."""
     from peft import get_peft_model
     from safetensors.torch import load_file, save_file
 
@@ -82,7 +83,7 @@ def make_adapters(model, method: str, count: int, root: str) -> list[str]:
     tensors = load_file(os.path.join(first, "adapter_model.safetensors"))
     paths = []
     for i in range(count):
-        g = torch.Generator().manual_seed(1000 * MIX.index(method) + i)
+        g = torch.Generator().manual_seed(1000 * MIX.index(method) + seed + i)
         folder = os.path.join(root, f"{method}-{i}")
         os.makedirs(folder, exist_ok=True)
         if i:

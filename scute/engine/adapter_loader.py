@@ -8,11 +8,16 @@ behind a step; `move` records an event behind the copies and waits for it, and t
 too before it reads the tensors (`Staged.use`), which also records them on that stream so that their memory is
 not handed out again before the stream is done with them. On the CPU a move is plain: `Adapter.to` returns the
 tensors themselves.
+
+The loader's Python (validation, conversion) shares the interpreter lock with the step loop. While a job runs,
+the interpreter's thread switch interval is `switch_interval` (Python's default, 5 ms, would let a load keep the
+lock that long while the step loop waits to launch its next step), then restored.
 """
 
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -44,6 +49,8 @@ class Staged:
 
 
 class AdapterLoader:
+    switch_interval: float | None = 2e-4  # seconds, while a job runs (module docstring); None: left as it is
+
     def __init__(self, device: torch.device, dtype: torch.dtype | None = None) -> None:
         self.device, self.dtype = device, dtype  # dtype: the device slots' matrices (vectors stay float32)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -117,6 +124,9 @@ class AdapterLoader:
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         while True:
             future, fn, args = self._jobs.get()
+            interval = sys.getswitchinterval()
+            if self.switch_interval is not None:
+                sys.setswitchinterval(self.switch_interval)
             try:
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
                     result = fn(*args)
@@ -124,6 +134,8 @@ class AdapterLoader:
                 future.set_exception(e)
             else:
                 future.set_result(result)
+            finally:
+                sys.setswitchinterval(interval)
             with self._cond:
                 self._pending -= 1
                 self._finished += 1

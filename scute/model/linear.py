@@ -71,10 +71,10 @@ class ScuteLinear(nn.Module):
                 f"slots for a {slots.in_features}->{slots.out_features} layer do not fit "
                 f"{self.in_features}->{self.out_features}"
             )
-        self.num_filled += (slots is not None) - (self.slots[index] is not None)
+        filled = self.num_filled + (slots is not None) - (self.slots[index] is not None)
         self.slots[index] = slots if slots is None or slots.scale == 1.0 else slots.folded()
-        self.version += 1
-        self.stack = None
+        # plain attributes, set past `nn.Module.__setattr__` (its checks cost more than the rest of a placement)
+        vars(self).update(num_filled=filled, version=self.version + 1, stack=None)
         if self.pool is not None:
             self.pool.update_slot([self.slots], index)
 

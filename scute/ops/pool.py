@@ -144,21 +144,22 @@ class SlotPool:
         if len(slots) != self.num_proj or any(len(row) != self.num_slots for row in slots):
             raise ValueError(f"pool needs {self.num_proj} lists of {self.num_slots} slots")
         keep: dict[tuple, tuple[Tensor, Tensor]] = {}
-        host = torch.zeros(self.num_proj, self.num_slots, NUM_FIELDS, dtype=torch.int64)
         facts = pool_facts(slots, self.out_features, self._facts_memo)
         groups, shared = list(facts.groups), facts.shared_group
         self._slot_keys = [set() for _ in range(self.num_slots)]  # the keys of the copies each slot uses
         self._widths = [0] * self.num_slots  # each group's rank rows of h, at its representative
+        columns = []
         for s in range(self.num_slots):
-            self._widths[s] = self._fill_column(host[:, s], slots, s, groups[s], shared, keep, self._slot_keys[s])
+            rows, self._widths[s] = self._fill_column(slots, s, groups[s], shared, keep, self._slot_keys[s])
+            columns.append(rows)
         if shared < 0:
             self._clear_shared()
         else:
             self._fill_shared(slots, [s for s, g in enumerate(groups) if g == shared], shared)
         self._cache = keep
         self._key_refs = Counter(key for keys in self._slot_keys for key in keys)
-        self.table.copy_(host)
-        self.slot_group.copy_(torch.tensor(groups, dtype=torch.int32))
+        write(self.table, torch.tensor(columns, dtype=torch.int64).transpose(0, 1).contiguous())
+        write(self.slot_group, torch.tensor(groups, dtype=torch.int32))
         self._set_facts(facts)
 
     @torch.inference_mode(False)
@@ -178,16 +179,14 @@ class SlotPool:
         column, group = [row[s] for row in slots], new[s]
         keep: dict[tuple, tuple[Tensor, Tensor]] = {}
         mine: set[tuple] = set()
-        host = torch.zeros(self.num_proj, NUM_FIELDS, dtype=torch.int64)
-        self._widths[s] = self._fill_column(host, slots, s, group, shared, keep, mine)
+        rows, self._widths[s] = self._fill_column(slots, s, group, shared, keep, mine)
         if shared >= 0:  # its row of the shared group's m: its own if it is a member, else ones
-            m = torch.ones(self.num_proj, self.shared_m.shape[-1])
+            self.shared_m[:, s].fill_(1.0)
             for p, sl in enumerate(column):
                 if group == shared and sl is not None and sl.m is not None:
-                    m[p] = sl.m.float().cpu()
-            self.shared_m[:, s].copy_(m)
+                    self.shared_m[p, s].copy_(sl.m)
         if old[s] != group:
-            self.slot_group[s:s + 1].copy_(torch.tensor([group], dtype=torch.int32))
+            write(self.slot_group[s:s + 1], torch.tensor([group], dtype=torch.int32))
         self._key_refs.update(mine)
         self._key_refs.subtract(self._slot_keys[s])
         for key in self._slot_keys[s] - mine:
@@ -196,7 +195,7 @@ class SlotPool:
                 self._cache.pop(key, None)
         self._cache.update(keep)
         self._slot_keys[s] = mine
-        self.table[:, s].copy_(host)
+        write(self.table[:, s], torch.tensor(rows, dtype=torch.int64))
         self._set_facts(facts)
 
     def _set_facts(self, facts: PoolFacts) -> None:
@@ -230,26 +229,30 @@ class SlotPool:
             self.shared_b = [_refill(old, placeholder if sl is None or sl.B is None else sl.B, self.device, self.dtype)
                              for old, sl in zip(olds, column)]
             self._shared_src = (src, column)  # the column keeps the sources alive: their keys stay theirs
-        m = torch.ones(self.num_proj, self.num_slots, rank)
-        for p, row in enumerate(slots):
-            for s in members:
-                if row[s] is not None and row[s].m is not None:
-                    m[p, s] = row[s].m.float().cpu()
+        m = torch.ones(self.num_proj, self.num_slots, rank, device=self.device)
+        for p, row in enumerate(slots):  # the members' m, gathered where they are (the device, when served)
+            have = [s for s in members if row[s] is not None and row[s].m is not None]
+            if have:
+                m[p].index_copy_(0, torch.tensor(have, device=self.device),
+                                 torch.stack([row[s].m.to(self.device, torch.float32) for s in have]))
         self.shared_m = _refill(self.shared_m, m, self.device, torch.float32)
         self.shared_group = group
 
-    def _fill_column(self, rows: Tensor, slots: Sequence[Sequence[Slots | None]], s: int, group: int, shared: int,
-                     keep: dict, mine: set) -> int:
-        """Slot s's rows [P, NUM_FIELDS]: its own fields; its group's low-rank fields if it represents a group
-        outside the shared one (returns the group's h width, else 0); HAS_LR where its group has a low-rank part."""
+    def _fill_column(self, slots: Sequence[Sequence[Slots | None]], s: int, group: int, shared: int, keep: dict,
+                     mine: set) -> tuple[list[list[int]], int]:
+        """Slot s's rows [P][NUM_FIELDS]: its own fields; its group's low-rank fields if it represents a group
+        outside the shared one; HAS_LR where its group has a low-rank part. Returns them and the group's h width
+        (0 unless s represents a group). Built as Python lists: a placement writes one tensor, not each field."""
+        rows = [[0] * NUM_FIELDS for _ in range(self.num_proj)]
         for p, row in enumerate(slots):
             if row[s] is not None:
                 self._fill_slot(rows[p], row[s], keep, mine)
             if row[group] is not None and row[group].A is not None:
-                rows[p, F_FLAGS] |= HAS_LR
-        return self._fill_group(rows, [row[s] for row in slots], keep, mine) if group == s != shared else 0
+                rows[p][F_FLAGS] |= HAS_LR
+        width = self._fill_group(rows, [row[s] for row in slots], keep, mine) if group == s != shared else 0
+        return rows, width
 
-    def _fill_slot(self, row: Tensor, sl: Slots, keep: dict, mine: set) -> None:
+    def _fill_slot(self, row: list[int], sl: Slots, keep: dict, mine: set) -> None:
         if sl.scale != 1.0:
             raise ValueError("the slot pool needs folded slots (scale 1): call Slots.folded() first")
         flags, row[F_ROT] = 0, sl.rot_group
@@ -263,26 +266,39 @@ class SlotPool:
             flags |= HAS_TB
         row[F_FLAGS] = flags
 
-    def _fill_group(self, rows: Tensor, column: list[Slots | None], keep: dict, mine: set) -> int:
-        """Low-rank fields of one group (rows [P, NUM_FIELDS] at the representative); returns its h width."""
+    def _fill_group(self, rows: list[list[int]], column: list[Slots | None], keep: dict, mine: set) -> int:
+        """Low-rank fields of one group (rows [P][NUM_FIELDS] at the representative); returns its h width."""
         width, seen = 0, {}
         for p, sl in enumerate(column):
             if sl is None or sl.A is None:
                 continue
-            r, a_key = sl.A.shape[0], storage_key(sl.A, "mat")
+            row, r, a_key = rows[p], sl.A.shape[0], storage_key(sl.A, "mat")
             b = self._dev(sl.B, "matB", keep, mine)
-            rows[p, F_B], rows[p, F_BLD], rows[p, F_RANK] = b.data_ptr(), b.shape[1], r
+            row[F_B], row[F_BLD], row[F_RANK] = b.data_ptr(), b.shape[1], r
             if a_key in seen:  # the same A as an earlier projection (VeRA's shared A): multiply once
-                rows[p, F_BHOFF] = seen[a_key]
+                row[F_BHOFF] = seen[a_key]
                 continue
-            rows[p, F_A], rows[p, F_ARANK] = self._dev(sl.A, "mat", keep, mine).data_ptr(), r
-            rows[p, F_AHOFF] = rows[p, F_BHOFF] = seen[a_key] = width
+            row[F_A], row[F_ARANK] = self._dev(sl.A, "mat", keep, mine).data_ptr(), r
+            row[F_AHOFF] = row[F_BHOFF] = seen[a_key] = width
             width += r
         return width
+
+
+def write(dst: Tensor, src: Tensor) -> None:
+    """``dst.copy_(src)`` from the host without waiting for the device: on CUDA from pinned memory, queued on
+    the current stream behind the step in flight (which keeps the old contents until it ends) while the host goes
+    on; a pageable copy would wait for that step first."""
+    if dst.is_cuda:
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
 
 
 def _refill(old: Tensor | None, new: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
     """`new` in `old`'s memory when the shapes match (a captured graph keeps reading there), else a new copy."""
     if old is not None and old.shape == new.shape:
-        return old.copy_(new)
+        if new.device == old.device:
+            return old.copy_(new)
+        write(old, new.to(old.dtype))
+        return old
     return new.to(device=device, dtype=dtype).contiguous()

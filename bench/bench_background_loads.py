@@ -1,0 +1,159 @@
+"""The decode step while cold adapters load in the background: its time with loads against its time without.
+
+One Llama-3-8B-shaped `LlamaForCausalLM` (random bf16 weights; ``--layers`` fewer for a quick look) served by
+``Engine(model, device="cuda", dtype="bfloat16")`` with CUDA graphs; ``--batch`` requests over as many distinct
+LoRA r16 adapters decode ``--prompt`` + many tokens (greedy, ``ignore_eos``). Adapter folders as in
+`bench_engine.make_adapters` (PEFT saves, every tensor re-randomized); ``--cold`` further folders of the
+``--methods`` in turn, never read before the loading phase.
+
+Quiet phase: the wall time of ``--steps`` decode steps (`Engine.step`) with nothing loading. Loading phase: every
+``--interval`` seconds one cold adapter is asked for as a request's arrival asks for it (`AdapterManager.prefetch`
+with a stand-in waiting request: the loader thread reads, converts and copies it to the device); once it is
+staged (`ready`) it is given a free slot (`acquire`, then `release`: the next step places it, between steps, as a
+request's admission would) — so every loading-phase step is a decode step of the same requests, and the steps
+that place an adapter are among them. Both phases alternate ``--rounds`` times. Reports the quiet median, the
+loading phase's median / p90 / p99 / max, p99 over the quiet median, the placement steps' median, and each load's
+latency (asked → placed). The ratios: p99 over the quiet median, and (the figure) p99 of each loading step's time
+over the quiet steps' linear fit in their KV tokens at its own (the context grows as the phases run, and a decode
+step with it). ``--switch-interval`` sets `AdapterLoader.switch_interval` (``default`` keeps it).
+
+Run on a GPU: ``PYTHONPATH=. python3 bench/bench_background_loads.py --out background_loads.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_engine as B  # noqa: E402
+from bench_request_rate import percentile  # noqa: E402
+
+
+def timed_step(engine) -> tuple[float, int]:
+    """One step's wall time, and the KV tokens its requests attend over (a decode step's time grows with them)."""
+    kv = sum(r.num_tokens for r in engine.scheduler.running)
+    t = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - t, kv
+
+
+def loading_phase(engine, cold: list[str], args) -> dict:
+    """Steps while one cold adapter is asked for every --interval seconds, until every one is placed."""
+    from scute import SamplingParams
+    from scute.engine.request import Request
+
+    manager, sp = engine.adapters, SamplingParams(max_tokens=1)
+    waiting, asked, latency, steps, placing = [], {}, [], [], []
+    start, todo = time.perf_counter(), list(cold)
+    while todo or waiting:
+        now = time.perf_counter() - start
+        if todo and now >= args.interval * len(asked):
+            path = todo.pop(0)
+            req = Request(f"cold-{len(asked)}", None, [1], sp, manager.lookup(path), None, -len(asked) - 1)
+            asked[req] = now
+            manager.prefetch(req)
+            waiting.append(req)
+        ready = [r for r in waiting if manager.ready(r)]
+        for req in ready:  # a slot now; the step below places it
+            waiting.remove(req)
+            manager.acquire(req.adapter)
+            manager.release(req.adapter)
+            latency.append(time.perf_counter() - start - asked[req])
+        steps.append(timed_step(engine))
+        placing.append(bool(ready))
+        if time.perf_counter() - start > 60:
+            raise RuntimeError(f"loads did not finish in 60 s ({len(waiting)} waiting)")
+    return dict(steps=steps, placing=placing, latency=latency)
+
+
+def relative(steps: list[tuple[float, int]], fit: tuple[float, float]) -> list[float]:
+    """Each step's wall time over the quiet steps' fit at its KV tokens."""
+    slope, intercept = fit
+    return [wall / (intercept + slope * kv) for wall, kv in steps]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--cold", type=int, default=20, help="cold adapters loaded per round")
+    p.add_argument("--methods", default="lora", help="the cold adapters' methods, in turn (of bench_engine.MIX)")
+    p.add_argument("--interval", type=float, default=0.1, help="seconds between two asked loads")
+    p.add_argument("--steps", type=int, default=150, help="decode steps of a quiet phase")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--switch-interval", default="default")
+    p.add_argument("--root", default="/tmp/scute-bench-background")
+    p.add_argument("--out", default="background_loads.json")
+    args = p.parse_args()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from scute import Engine, SamplingParams
+    from scute.engine.adapter_loader import AdapterLoader
+
+    if args.switch_interval != "default":
+        AdapterLoader.switch_interval = None if args.switch_interval == "none" else float(args.switch_interval)
+    cfg = LlamaConfig(**{**B.LLAMA3_8B, "num_hidden_layers": args.layers})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16).eval()
+    running = B.make_adapters(model, "lora", args.batch, os.path.join(args.root, "running"))
+    methods = args.methods.split(",")
+    count = args.cold * args.rounds
+    per = {m: B.make_adapters(model, m, -(-count // len(methods)), os.path.join(args.root, "cold"), seed=500)
+           for m in methods}
+    cold = [per[methods[i % len(methods)]][i // len(methods)] for i in range(count)]
+    new_tokens = 64 + args.rounds * (args.steps + 400)
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    engine = Engine(model, device="cuda", dtype="bfloat16", max_adapters=args.batch + count, max_num_seqs=args.batch,
+                    max_model_len=args.prompt + new_tokens + 16, max_adapter_rank=256, max_cpu_adapters=2 * count,
+                    kv_cache_memory_bytes=int(1.2 * args.batch * (args.prompt + new_tokens + 16) * kv))
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    for i, path in enumerate(running):
+        engine.add_request(f"run-{i}", torch.randint(0, cfg.vocab_size, (args.prompt,), generator=g).tolist(), sp, path)
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running) \
+            or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(50):  # graphs captured, kernels compiled
+        engine.step()
+    rounds = []
+    for r in range(args.rounds):
+        quiet = [timed_step(engine) for _ in range(args.steps)]
+        rounds.append(dict(quiet=quiet, **loading_phase(engine, cold[r * args.cold:(r + 1) * args.cold], args)))
+        assert all(len(q.output_token_ids) < new_tokens for q in engine.scheduler.running), "raise new_tokens"
+    quiet = [s for x in rounds for s in x["quiet"]]
+    loading = [s for x in rounds for s in x["steps"]]
+    placing = [s for x in rounds for s, pl in zip(x["steps"], x["placing"]) if pl]
+    latency = [t for x in rounds for t in x["latency"]]
+    fit = statistics.linear_regression([kv for _, kv in quiet], [w for w, _ in quiet])
+    rel, rel_quiet = relative(loading, fit), relative(quiet, fit)
+    walls, med = [w for w, _ in loading], statistics.median(w for w, _ in quiet)
+    result = dict(
+        device=torch.cuda.get_device_name(), torch=torch.__version__, command=" ".join(sys.argv), layers=args.layers,
+        batch=args.batch, methods=methods, interval_s=args.interval, loads=len(latency),
+        switch_interval=AdapterLoader.switch_interval,
+        quiet_median_ms=1e3 * med, quiet_p99_ms=1e3 * percentile([w for w, _ in quiet], 99),
+        loading_median_ms=1e3 * statistics.median(walls), loading_p90_ms=1e3 * percentile(walls, 90),
+        loading_p99_ms=1e3 * percentile(walls, 99), loading_max_ms=1e3 * max(walls),
+        p99_over_quiet_median=percentile(walls, 99) / med,
+        p99_over_quiet_fit=percentile(rel, 99), quiet_p99_over_quiet_fit=percentile(rel_quiet, 99),
+        loading_steps=len(walls), placement_steps=len(placing),
+        placement_median_ms=1e3 * statistics.median(w for w, _ in placing) if placing else None,
+        load_latency_median_ms=1e3 * statistics.median(latency), load_latency_max_ms=1e3 * max(latency),
+        rounds=[{k: [[round(1e3 * w, 3), kv] for w, kv in v] if k in ("quiet", "steps") else
+                 [round(1e3 * t, 2) for t in v] if k == "latency" else v for k, v in x.items()} for x in rounds])
+    print(json.dumps({k: v for k, v in result.items() if k != "rounds"}, indent=1))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
