@@ -1,7 +1,7 @@
 """The decode step while cold adapters load in the background: its time with loads against its time without.
 
 One Llama-3-8B-shaped `LlamaForCausalLM` (random bf16 weights; ``--layers`` fewer for a quick look) served by
-``Engine(model, device="cuda", dtype="bfloat16")`` with CUDA graphs; ``--batch`` requests over as many distinct
+``Engine(model, device=device, dtype=str(dtype).split(".")[1])`` with CUDA graphs; ``--batch`` requests over as many distinct
 LoRA r16 adapters decode ``--prompt`` + many tokens (greedy, ``ignore_eos``). Adapter folders as in
 `bench_engine.make_adapters` (PEFT saves, every tensor re-randomized); ``--cold`` further folders of the
 ``--methods`` in turn, never read before the loading phase.
@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_engine as B  # noqa: E402
-from bench_request_rate import percentile  # noqa: E402
+from bench_request_rate import TINY, percentile  # noqa: E402
 
 
 def timed_step(engine) -> tuple[float, int]:
@@ -68,8 +68,8 @@ def loading_phase(engine, cold: list[str], args) -> dict:
             latency.append(time.perf_counter() - start - asked[req])
         steps.append(timed_step(engine))
         placing.append(bool(ready))
-        if time.perf_counter() - start > 60:
-            raise RuntimeError(f"loads did not finish in 60 s ({len(waiting)} waiting)")
+        if len(steps) > args.max_loading_steps:
+            raise RuntimeError(f"loads did not finish in {len(steps)} steps ({len(waiting) + len(todo)} to go)")
     return dict(steps=steps, placing=placing, latency=latency)
 
 
@@ -87,8 +87,11 @@ def main() -> None:
     p.add_argument("--interval", type=float, default=0.1, help="seconds between two asked loads")
     p.add_argument("--steps", type=int, default=150, help="decode steps of a quiet phase")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--max-loading-steps", type=int, default=400, help="steps a loading phase may take (sizes the "
+                   "requests' lengths)")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (the test)")
     p.add_argument("--switch-interval", default="default")
     p.add_argument("--root", default="/tmp/scute-bench-background")
     p.add_argument("--out", default="background_loads.json")
@@ -100,19 +103,21 @@ def main() -> None:
 
     if args.switch_interval != "default":
         AdapterLoader.switch_interval = None if args.switch_interval == "none" else float(args.switch_interval)
-    cfg = LlamaConfig(**{**B.LLAMA3_8B, "num_hidden_layers": args.layers})
+    device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
+    cfg = LlamaConfig(**{**(TINY if args.tiny else B.LLAMA3_8B), "num_hidden_layers": args.layers,
+                          "max_position_embeddings": 8192})
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16).eval()
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(cfg, torch_dtype=dtype).eval()
     running = B.make_adapters(model, "lora", args.batch, os.path.join(args.root, "running"))
     methods = args.methods.split(",")
     count = args.cold * args.rounds
     per = {m: B.make_adapters(model, m, -(-count // len(methods)), os.path.join(args.root, "cold"), seed=500)
            for m in methods}
     cold = [per[methods[i % len(methods)]][i // len(methods)] for i in range(count)]
-    new_tokens = 64 + args.rounds * (args.steps + 400)
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
-    engine = Engine(model, device="cuda", dtype="bfloat16", max_adapters=args.batch + count, max_num_seqs=args.batch,
+    new_tokens = 64 + args.rounds * (args.steps + args.max_loading_steps)
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * dtype.itemsize
+    engine = Engine(model, device=device, dtype=str(dtype).split(".")[1], max_adapters=args.batch + count, max_num_seqs=args.batch,
                     max_model_len=args.prompt + new_tokens + 16, max_adapter_rank=256, max_cpu_adapters=2 * count,
                     kv_cache_memory_bytes=int(1.2 * args.batch * (args.prompt + new_tokens + 16) * kv))
     g = torch.Generator().manual_seed(0)
@@ -124,10 +129,15 @@ def main() -> None:
         engine.step()
     for _ in range(50):  # graphs captured, kernels compiled
         engine.step()
+    print(f"{args.batch} requests decoding; {count} cold adapters of {methods}", flush=True)
     rounds = []
     for r in range(args.rounds):
         quiet = [timed_step(engine) for _ in range(args.steps)]
         rounds.append(dict(quiet=quiet, **loading_phase(engine, cold[r * args.cold:(r + 1) * args.cold], args)))
+        x = rounds[-1]
+        print(f"  round {r}: quiet median {1e3 * statistics.median(w for w, _ in quiet):.2f} ms, loading median "
+              f"{1e3 * statistics.median(w for w, _ in x['steps']):.2f} / max {1e3 * max(w for w, _ in x['steps']):.2f} "
+              f"ms over {len(x['steps'])} steps", flush=True)
         assert all(len(q.output_token_ids) < new_tokens for q in engine.scheduler.running), "raise new_tokens"
     quiet = [s for x in rounds for s in x["quiet"]]
     loading = [s for x in rounds for s in x["steps"]]
@@ -137,7 +147,7 @@ def main() -> None:
     rel, rel_quiet = relative(loading, fit), relative(quiet, fit)
     walls, med = [w for w, _ in loading], statistics.median(w for w, _ in quiet)
     result = dict(
-        device=torch.cuda.get_device_name(), torch=torch.__version__, command=" ".join(sys.argv), layers=args.layers,
+        device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__, command=" ".join(sys.argv), layers=args.layers,
         batch=args.batch, methods=methods, interval_s=args.interval, loads=len(latency),
         switch_interval=AdapterLoader.switch_interval,
         quiet_median_ms=1e3 * med, quiet_p99_ms=1e3 * percentile([w for w, _ in quiet], 99),

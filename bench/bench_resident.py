@@ -1,7 +1,7 @@
 """Thousands of adapters resident: a decode step over a few of them, with the rest of the slots empty and full.
 
 One Llama-3-8B-shaped `LlamaForCausalLM` (random bf16 weights; ``--layers`` fewer for a quick look) served by
-``Engine(model, device="cuda", dtype="bfloat16", max_adapters=2 * --per-method)`` with CUDA graphs. One IA3 and
+``Engine(model, device=device, dtype=str(dtype).split(".")[1], max_adapters=2 * --per-method)`` with CUDA graphs. One IA3 and
 one VeRA r256 adapter made by PEFT ``save_pretrained`` on all seven projections (`bench_engine.make_adapters`),
 loaded once; ``--per-method`` distinct adapters of each are that adapter with every per-adapter tensor scaled by
 its own factor (VeRA's shared projections stay shared, as in PEFT; the adapters reach the device through the
@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_engine as B  # noqa: E402
+from bench_request_rate import TINY  # noqa: E402
 
 
 def copies(adapter, count: int) -> list:
@@ -51,6 +52,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (the test)")
     p.add_argument("--root", default="/tmp/scute-bench-resident")
     p.add_argument("--out", default="resident.json")
     args = p.parse_args()
@@ -58,14 +60,15 @@ def main() -> None:
 
     from scute import Engine, SamplingParams
 
-    cfg = LlamaConfig(**{**B.LLAMA3_8B, "num_hidden_layers": args.layers})
+    device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
+    cfg = LlamaConfig(**{**(TINY if args.tiny else B.LLAMA3_8B), "num_hidden_layers": args.layers})
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16).eval()
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(cfg, torch_dtype=dtype).eval()
     folders = {m: B.make_adapters(model, m, 1, args.root)[0] for m in ("ia3", "vera")}
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * dtype.itemsize
     length = args.prompt + args.new_tokens + 16
-    engine = Engine(model, device="cuda", dtype="bfloat16", max_adapters=2 * args.per_method, max_num_seqs=args.batch,
+    engine = Engine(model, device=device, dtype=str(dtype).split(".")[1], max_adapters=2 * args.per_method, max_num_seqs=args.batch,
                     max_model_len=length, max_adapter_rank=256, adapter_memory_bytes=40 * 2**30,
                     kv_cache_memory_bytes=int(1.2 * args.batch * length * kv))
     t = time.perf_counter()
@@ -82,7 +85,7 @@ def main() -> None:
         prompts = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=g).tolist() for _ in specs]
         row = clock.run(prompts, specs, args.new_tokens)
         row["resident"] = sum(s is not None for s in engine.adapters._slots)
-        print(f"  {row['resident']:5d} resident: decode {row['decode_ms']:.3f} ms/step", flush=True)
+        print(f"  {row['resident']:5d} resident: decode {row['decode_ms']} ms/step over {row['decode_steps']} steps", flush=True)
         return row
 
     rows = [measured()]
@@ -90,13 +93,15 @@ def main() -> None:
     everything = [a for m in ("ia3", "vera") for a in pool[m]]
     sp = SamplingParams(max_tokens=1)
     for start in range(0, len(everything), args.batch):
+        if start % 512 == 0:
+            print(f"  fill: {start} placed, {time.perf_counter() - t:.1f} s", flush=True)
         engine.generate([[1, 2, 3]] * len(everything[start:start + args.batch]), sp, everything[start:start + args.batch],
                         use_tqdm=False)
     fill = time.perf_counter() - t
     print(f"fill: {len(everything)} adapters in {fill:.1f} s ({1e3 * fill / len(everything):.1f} ms each)", flush=True)
     rows += [measured() for _ in range(args.repeats)]
     full = min(r["decode_ms"] for r in rows[1:])
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, command=" ".join(sys.argv),
+    result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__, command=" ".join(sys.argv),
                   layers=args.layers, batch=args.batch, per_method=args.per_method,
                   adapter_memory_held_gib=engine.adapters.memory.held.bytes / 2**30,
                   fill_ms_per_adapter=1e3 * fill / len(everything), rows=rows,

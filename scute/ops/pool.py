@@ -82,6 +82,7 @@ class SlotPool:
         self._key_refs: Counter[tuple] = Counter()  # how many slots use each copy
         self._widths = [0] * num_slots
         self._facts_memo: list = [None] * num_slots  # each slot's `SlotFacts` and the column it came from
+        self._joined = 0  # slots in another slot's group (group_key is None without any)
         self.group_key: tuple[int, ...] | None = None
         self.h_width = 1
         self.exact_delta = False
@@ -160,6 +161,8 @@ class SlotPool:
         self._key_refs = Counter(key for keys in self._slot_keys for key in keys)
         write(self.table, torch.tensor(columns, dtype=torch.int64).transpose(0, 1).contiguous())
         write(self.slot_group, torch.tensor(groups, dtype=torch.int32))
+        self.h_width = max(max(self._widths), 1)
+        self._joined = sum(g != s for s, g in enumerate(groups))
         self._set_facts(facts)
 
     @torch.inference_mode(False)
@@ -170,22 +173,24 @@ class SlotPool:
         shared group's m when it joins that group (another VeRA adapter of the same matrices) — and only its old
         device copies dropped: placing an adapter then costs a pool host work that does not grow with the adapters
         it holds (but for light passes over them). Any other change of the grouping runs `update`."""
-        facts = pool_facts_slot(self.facts, slots, s, self._facts_memo)
+        facts, alone = pool_facts_slot(self.facts, slots, s, self._facts_memo)
         old, new, shared = self.facts.groups, facts.groups, self.shared_group
-        others_old, others_new = old[:s] + old[s + 1:], new[:s] + new[s + 1:]
-        if facts.shared_group != shared or s == shared or others_old != others_new or s in others_old \
-                or s in others_new:
+        if not alone and (facts.shared_group != shared or s == shared or old[:s] + old[s + 1:] != new[:s] + new[s + 1:]
+                          or s in old[:s] + old[s + 1:] or s in new[:s] + new[s + 1:]):
             return self.update(slots)
         column, group = [row[s] for row in slots], new[s]
         keep: dict[tuple, tuple[Tensor, Tensor]] = {}
         mine: set[tuple] = set()
-        rows, self._widths[s] = self._fill_column(slots, s, group, shared, keep, mine)
+        rows, width = self._fill_column(slots, s, group, shared, keep, mine)
+        was, self._widths[s] = self._widths[s], width
+        self.h_width = max(self.h_width, width) if width >= was or was < self.h_width else max(max(self._widths), 1)
         if shared >= 0:  # its row of the shared group's m: its own if it is a member, else ones
             self.shared_m[:, s].fill_(1.0)
             for p, sl in enumerate(column):
                 if group == shared and sl is not None and sl.m is not None:
                     self.shared_m[p, s].copy_(sl.m)
         if old[s] != group:
+            self._joined += (group != s) - (old[s] != s)
             write(self.slot_group[s:s + 1], torch.tensor([group], dtype=torch.int32))
         self._key_refs.update(mine)
         self._key_refs.subtract(self._slot_keys[s])
@@ -199,9 +204,7 @@ class SlotPool:
         self._set_facts(facts)
 
     def _set_facts(self, facts: PoolFacts) -> None:
-        groups = list(facts.groups)
-        self.group_key = None if groups == list(range(self.num_slots)) else tuple(groups)
-        self.h_width = max(max(self._widths), 1)
+        self.group_key = None if self._joined == 0 else facts.groups
         self.facts = facts
         self.exact_delta, self.block_b, self.min_block = facts.exact_delta, facts.block_b, facts.min_block
         self.max_rank, self.kind_masks = facts.max_rank, facts.kind_masks
