@@ -8,6 +8,7 @@ from torch import nn
 
 from scute.adapters import Adapter
 from scute.model.linear import LinearGroup, ScuteLinear
+from scute.ops.table_writes import TableWrites
 
 # vLLM's packed_modules_mapping: sibling projections that read one input, served by one op call.
 PACKED_MODULES_MAPPING = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -45,11 +46,12 @@ def place_adapter(linears: dict[str, ScuteLinear], index: int, adapter: Adapter 
     if missing := set(layers) - set(linears):
         raise ValueError(f"adapter {adapter.name!r} adapts {min(missing)}, which is not a ScuteLinear here")
     names = {id(linear): name for name, linear in linears.items()}
-    groups = {}
+    groups, writes = {}, TableWrites()  # every pool's device rows in one copy to the device
     for name, linear in linears.items():
         if linear.group is None or any(id(m) not in names for m in linear.group.members):
-            linear.set_slot(index, layers.get(name))
+            linear.set_slot(index, layers.get(name), writes)
         else:  # each group once, its pool updated once for all its members
             groups[id(linear.group)] = linear.group
     for group in groups.values():
-        group.set_slot(index, [layers.get(names[id(m)]) for m in group.members])
+        group.set_slot(index, [layers.get(names[id(m)]) for m in group.members], writes)
+    writes.flush()

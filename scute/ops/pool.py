@@ -37,6 +37,7 @@ from torch import Tensor
 
 from scute.ops.groups import PoolFacts, StepKinds, pool_facts, pool_facts_slot, shared_a_of, step_kinds, storage_key
 from scute.ops.slots import Slots
+from scute.ops.table_writes import TableWrites, refill
 
 # Table fields (int64 each). Group fields (A, B, ranks, h offsets) are read at the group's representative slot,
 # slot fields (flags, F_ROT, vectors, T) at the slot.
@@ -140,8 +141,9 @@ class SlotPool:
 
     # ------------------------------------------------------------------ building
     @torch.inference_mode(False)
-    def update(self, slots: Sequence[Sequence[Slots | None]]) -> None:
-        """Rebuild the table from ``slots[p][s]`` (folded: scale 1) and copy it into place."""
+    def update(self, slots: Sequence[Sequence[Slots | None]], writes: TableWrites | None = None) -> None:
+        """Rebuild the table from ``slots[p][s]`` (folded: scale 1) and copy it into place (through `writes`,
+        flushed by the caller, if given; else now)."""
         if len(slots) != self.num_proj or any(len(row) != self.num_slots for row in slots):
             raise ValueError(f"pool needs {self.num_proj} lists of {self.num_slots} slots")
         keep: dict[tuple, tuple[Tensor, Tensor]] = {}
@@ -159,28 +161,32 @@ class SlotPool:
             self._fill_shared(slots, [s for s, g in enumerate(groups) if g == shared], shared)
         self._cache = keep
         self._key_refs = Counter(key for keys in self._slot_keys for key in keys)
-        write(self.table, torch.tensor(columns, dtype=torch.int64).transpose(0, 1).contiguous())
-        write(self.slot_group, torch.tensor(groups, dtype=torch.int32))
+        out = TableWrites() if writes is None else writes
+        out.add(self.table, torch.tensor(columns, dtype=torch.int64).transpose(0, 1).contiguous())
+        out.add(self.slot_group, torch.tensor(groups, dtype=torch.int64))
+        if writes is None:
+            out.flush()
         self.h_width = max(max(self._widths), 1)
         self._joined = sum(g != s for s, g in enumerate(groups))
         self._set_facts(facts)
 
     @torch.inference_mode(False)
-    def update_slot(self, slots: Sequence[Sequence[Slots | None]], s: int) -> None:
+    def update_slot(self, slots: Sequence[Sequence[Slots | None]], s: int, writes: TableWrites | None = None) -> None:
         """`update` after a change of slot `s` alone (``slots`` holds every slot, `s` already changed). When no other
         slot's group changes with it (`s` represents no other slot, before or after, and the shared group keeps its
         representative), only slot `s`'s rows are rebuilt and copied — its own group's fields, or its row of the
         shared group's m when it joins that group (another VeRA adapter of the same matrices) — and only its old
         device copies dropped: placing an adapter then costs a pool host work that does not grow with the adapters
-        it holds (but for light passes over them). Any other change of the grouping runs `update`."""
+        it holds. Any other change of the grouping runs `update`. `writes` as there."""
         facts, alone = pool_facts_slot(self.facts, slots, s, self._facts_memo)
         old, new, shared = self.facts.groups, facts.groups, self.shared_group
         if not alone and (facts.shared_group != shared or s == shared or old[:s] + old[s + 1:] != new[:s] + new[s + 1:]
                           or s in old[:s] + old[s + 1:] or s in new[:s] + new[s + 1:]):
-            return self.update(slots)
+            return self.update(slots, writes)
         column, group = [row[s] for row in slots], new[s]
         keep: dict[tuple, tuple[Tensor, Tensor]] = {}
         mine: set[tuple] = set()
+        out = TableWrites() if writes is None else writes
         rows, width = self._fill_column(slots, s, group, shared, keep, mine)
         was, self._widths[s] = self._widths[s], width
         self.h_width = max(self.h_width, width) if width >= was or was < self.h_width else max(max(self._widths), 1)
@@ -191,7 +197,7 @@ class SlotPool:
                     self.shared_m[p, s].copy_(sl.m)
         if old[s] != group:
             self._joined += (group != s) - (old[s] != s)
-            write(self.slot_group[s:s + 1], torch.tensor([group], dtype=torch.int32))
+            out.add(self.slot_group[s:s + 1], torch.tensor([group], dtype=torch.int64))
         self._key_refs.update(mine)
         self._key_refs.subtract(self._slot_keys[s])
         for key in self._slot_keys[s] - mine:
@@ -200,7 +206,9 @@ class SlotPool:
                 self._cache.pop(key, None)
         self._cache.update(keep)
         self._slot_keys[s] = mine
-        write(self.table[:, s], torch.tensor(rows, dtype=torch.int64))
+        out.add(self.table[:, s], torch.tensor(rows, dtype=torch.int64))
+        if writes is None:
+            out.flush()
         self._set_facts(facts)
 
     def _set_facts(self, facts: PoolFacts) -> None:
@@ -225,11 +233,11 @@ class SlotPool:
         src = tuple(a_keys) + tuple(None if sl is None or sl.B is None else storage_key(sl.B, "mat")
                                     for sl in column)
         if self._shared_src[:1] != (src,):
-            self.shared_a = _refill(self.shared_a, torch.stack(list(a_src.values())), self.device, self.dtype)
+            self.shared_a = refill(self.shared_a, torch.stack(list(a_src.values())), self.device, self.dtype)
             # A buffer per projection, even where two B views coincide (VeRA's k and v: 0.5 MB a layer at Llama-3-8B
             # sizes): each is refilled in place, so a graph never reads a buffer another projection took over.
             placeholder, olds = torch.zeros(1, rank, dtype=self.dtype), self.shared_b or [None] * self.num_proj
-            self.shared_b = [_refill(old, placeholder if sl is None or sl.B is None else sl.B, self.device, self.dtype)
+            self.shared_b = [refill(old, placeholder if sl is None or sl.B is None else sl.B, self.device, self.dtype)
                              for old, sl in zip(olds, column)]
             self._shared_src = (src, column)  # the column keeps the sources alive: their keys stay theirs
         m = torch.ones(self.num_proj, self.num_slots, rank, device=self.device)
@@ -238,7 +246,7 @@ class SlotPool:
             if have:
                 m[p].index_copy_(0, torch.tensor(have, device=self.device),
                                  torch.stack([row[s].m.to(self.device, torch.float32) for s in have]))
-        self.shared_m = _refill(self.shared_m, m, self.device, torch.float32)
+        self.shared_m = refill(self.shared_m, m, self.device, torch.float32)
         self.shared_group = group
 
     def _fill_column(self, slots: Sequence[Sequence[Slots | None]], s: int, group: int, shared: int, keep: dict,
@@ -285,23 +293,3 @@ class SlotPool:
             row[F_AHOFF] = row[F_BHOFF] = seen[a_key] = width
             width += r
         return width
-
-
-def write(dst: Tensor, src: Tensor) -> None:
-    """``dst.copy_(src)`` from the host without waiting for the device: on CUDA from pinned memory, queued on
-    the current stream behind the step in flight (which keeps the old contents until it ends) while the host goes
-    on; a pageable copy would wait for that step first."""
-    if dst.is_cuda:
-        dst.copy_(src.pin_memory(), non_blocking=True)
-    else:
-        dst.copy_(src)
-
-
-def _refill(old: Tensor | None, new: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """`new` in `old`'s memory when the shapes match (a captured graph keeps reading there), else a new copy."""
-    if old is not None and old.shape == new.shape:
-        if new.device == old.device:
-            return old.copy_(new)
-        write(old, new.to(old.dtype))
-        return old
-    return new.to(device=device, dtype=dtype).contiguous()
