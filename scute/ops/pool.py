@@ -37,7 +37,7 @@ from torch import Tensor
 
 from scute.ops.groups import PoolFacts, StepKinds, pool_facts, pool_facts_slot, shared_a_of, step_kinds, storage_key
 from scute.ops.slots import Slots
-from scute.ops.table_writes import TableWrites, refill
+from scute.ops.table_writes import TableWrites, refill, write
 
 # Table fields (int64 each). Group fields (A, B, ranks, h offsets) are read at the group's representative slot,
 # slot fields (flags, F_ROT, vectors, T) at the slot.
@@ -130,7 +130,9 @@ class SlotPool:
         mine.add(key)
         hit = keep.get(key) or self._cache.get(key)  # keep first: a storage met twice in one update is copied once
         if hit is None:
-            y = x.to(device=self.device, dtype=torch.float32 if kind == "vec" else self.dtype).contiguous()
+            dtype = torch.float32 if kind == "vec" else self.dtype
+            y = x if x.device == self.device and x.dtype == dtype and x.is_contiguous() else \
+                x.to(device=self.device, dtype=dtype).contiguous()  # no call into torch when it is as served
             if kind == "matB" and y.shape[1] % 8:
                 y = torch.nn.functional.pad(y, (0, -y.shape[1] % 8))
             if y.data_ptr() % 16:  # the kernels are promised 16-byte aligned starts (vectorised loads)
@@ -141,9 +143,8 @@ class SlotPool:
 
     # ------------------------------------------------------------------ building
     @torch.inference_mode(False)
-    def update(self, slots: Sequence[Sequence[Slots | None]], writes: TableWrites | None = None) -> None:
-        """Rebuild the table from ``slots[p][s]`` (folded: scale 1) and copy it into place (through `writes`,
-        flushed by the caller, if given; else now)."""
+    def update(self, slots: Sequence[Sequence[Slots | None]]) -> None:
+        """Rebuild the table from ``slots[p][s]`` (folded: scale 1) and copy it into place."""
         if len(slots) != self.num_proj or any(len(row) != self.num_slots for row in slots):
             raise ValueError(f"pool needs {self.num_proj} lists of {self.num_slots} slots")
         keep: dict[tuple, tuple[Tensor, Tensor]] = {}
@@ -161,11 +162,8 @@ class SlotPool:
             self._fill_shared(slots, [s for s, g in enumerate(groups) if g == shared], shared)
         self._cache = keep
         self._key_refs = Counter(key for keys in self._slot_keys for key in keys)
-        out = TableWrites() if writes is None else writes
-        out.add(self.table, torch.tensor(columns, dtype=torch.int64).transpose(0, 1).contiguous())
-        out.add(self.slot_group, torch.tensor(groups, dtype=torch.int64))
-        if writes is None:
-            out.flush()
+        write(self.table, torch.tensor(columns, dtype=torch.int64).transpose(0, 1).contiguous())
+        write(self.slot_group, torch.tensor(groups, dtype=torch.int32))
         self.h_width = max(max(self._widths), 1)
         self._joined = sum(g != s for s, g in enumerate(groups))
         self._set_facts(facts)
@@ -177,12 +175,13 @@ class SlotPool:
         representative), only slot `s`'s rows are rebuilt and copied — its own group's fields, or its row of the
         shared group's m when it joins that group (another VeRA adapter of the same matrices) — and only its old
         device copies dropped: placing an adapter then costs a pool host work that does not grow with the adapters
-        it holds. Any other change of the grouping runs `update`. `writes` as there."""
+        it holds. Any other change of the grouping runs `update`. The slot's rows go to the device through
+        `writes` (flushed by the caller) if given, else now."""
         facts, alone = pool_facts_slot(self.facts, slots, s, self._facts_memo)
         old, new, shared = self.facts.groups, facts.groups, self.shared_group
         if not alone and (facts.shared_group != shared or s == shared or old[:s] + old[s + 1:] != new[:s] + new[s + 1:]
                           or s in old[:s] + old[s + 1:] or s in new[:s] + new[s + 1:]):
-            return self.update(slots, writes)
+            return self.update(slots)
         column, group = [row[s] for row in slots], new[s]
         keep: dict[tuple, tuple[Tensor, Tensor]] = {}
         mine: set[tuple] = set()
@@ -197,7 +196,7 @@ class SlotPool:
                     self.shared_m[p, s].copy_(sl.m)
         if old[s] != group:
             self._joined += (group != s) - (old[s] != s)
-            out.add(self.slot_group[s:s + 1], torch.tensor([group], dtype=torch.int64))
+            write(self.slot_group[s:s + 1], torch.tensor([group], dtype=torch.int32))
         self._key_refs.update(mine)
         self._key_refs.subtract(self._slot_keys[s])
         for key in self._slot_keys[s] - mine:
@@ -206,7 +205,8 @@ class SlotPool:
                 self._cache.pop(key, None)
         self._cache.update(keep)
         self._slot_keys[s] = mine
-        out.add(self.table[:, s], torch.tensor(rows, dtype=torch.int64))
+        for p, row in enumerate(rows):
+            out.add(self.table, (p, s), row)
         if writes is None:
             out.flush()
         self._set_facts(facts)

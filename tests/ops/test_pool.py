@@ -150,3 +150,44 @@ def test_placing_an_adapter_updates_each_pool_once(monkeypatch):
     fresh = SlotPool(8, (6, 6, 6), 3, "cpu", torch.float32)
     fresh.update([m.slots for m in members])
     assert _decoded(group.pool) == _decoded(fresh)
+
+
+def test_placing_a_served_slot_calls_torch_for_metadata_only():
+    """A placement runs on the step loop while the adapter loader thread runs Python: every call into torch that
+    computes (a no-op `.to()` included) hands the loader the interpreter lock, and the step loop waits a switch
+    interval to get it back (hundreds of such calls a placement stalled a decode step by 400 ms). Setting a slot
+    whose tensors are as the pool serves them (matrices in its dtype, ranks a multiple of 8, vectors in float32)
+    asks torch for metadata only; its rows wait in `TableWrites` until the flush."""
+    from torch.overrides import TorchFunctionMode
+
+    from scute.ops.table_writes import TableWrites
+
+    class Calls(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.add(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+
+    def served(r: int) -> Slots:
+        return Slots(8, 6, A=torch.randn(r, 8, generator=g), B=torch.randn(6, r, generator=g),
+                     v=torch.rand(6, generator=g), o=torch.rand(6, generator=g))
+
+    pool = SlotPool(8, (6, 6), 4, "cpu", torch.float32)
+    slots = [[served(8), None, None, None], [served(16), None, None, None]]
+    pool.update(slots)
+    slots[0][2], slots[1][2] = served(16), served(8)
+    writes, before = TableWrites(), pool.table.clone()
+    with Calls() as calls:
+        pool.update_slot(slots, 2, writes)
+    assert calls.names <= {"__get__", "data_ptr", "is_contiguous", "storage_offset", "stride", "untyped_storage"}, \
+        calls.names
+    assert torch.equal(pool.table, before) and len(writes.rows) == 2
+    writes.flush()
+    fresh = SlotPool(8, (6, 6), 4, "cpu", torch.float32)
+    fresh.update(slots)
+    assert _decoded(pool) == _decoded(fresh)

@@ -1,0 +1,59 @@
+"""`scute.ops.table_writes`: rows of device tables written from the host in one copy and one launch. The kernel in
+Triton's interpreter on the CPU (`tests/interpreter.py`), on the GPU there; `TableWrites` on the GPU against the
+same rows written one by one (on the CPU, `TableWrites` writes each row by itself)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.interpreter import DEVICE, interpreter_module, spy_launches, use_interpreter
+
+FRESH_PROCESS = use_interpreter()  # before triton is imported (tests/interpreter.py)
+pytest.importorskip("triton")
+
+from scute.ops import table_writes as tw  # noqa: E402
+from scute.ops.kernels import scatter  # noqa: E402
+
+_in_interpreter_process, test_in_a_fresh_interpreter_process = interpreter_module(__file__, FRESH_PROCESS)
+
+
+def _tables(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.randint(-9, 9, (3, 5, 18), generator=g).to(DEVICE),  # a pool's table [P, slots, fields]
+            torch.randint(-9, 9, (4, 7), generator=g).to(DEVICE))
+
+
+def test_scatter_rows_stores_each_row_at_its_address(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    table, other = _tables(g)
+    want_table, want_other = table.clone(), other.clone()
+    rows = [(table, (0, 2)), (table, (2, 2)), (other, (3,)), (table, (1, 4))]
+    addresses, offsets, values = [], [0], []
+    for t, index in rows:
+        row = torch.randint(100, 200, (t.shape[-1],), generator=g).tolist()
+        addresses.append(t.data_ptr() + 8 * sum(i * st for i, st in zip(index, t.stride())))
+        values += row
+        offsets.append(len(values))
+        (want_table if t is table else want_other)[index] = torch.tensor(row, device=DEVICE)
+    seen = spy_launches(monkeypatch, scatter, "scatter_rows_kernel")
+    tw.scatter_rows(torch.tensor(addresses + offsets + values, dtype=torch.int64, device=DEVICE), len(rows), 18)
+    assert seen == [("scatter_rows_kernel", (4,))]
+    assert torch.equal(table, want_table) and torch.equal(other, want_other)  # those rows, nothing else
+
+
+def test_table_writes_flush_once_as_rows_written_one_by_one(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    table, other = _tables(g)
+    want_table, want_other = table.clone(), other.clone()
+    writes = tw.TableWrites()
+    for t, want, index in [(table, want_table, (1, 3)), (other, want_other, (0,)), (table, want_table, (2, 0))]:
+        row = torch.randint(100, 200, (t.shape[-1],), generator=g).tolist()
+        writes.add(t, index, row)
+        want[index] = torch.tensor(row, device=DEVICE)
+    assert not torch.equal(table, want_table), "nothing written before the flush"
+    seen = spy_launches(monkeypatch, scatter, "scatter_rows_kernel")
+    writes.flush()
+    assert len(seen) == (DEVICE == "cuda"), "one launch on the GPU; on the CPU each row by itself"
+    assert torch.equal(table, want_table) and torch.equal(other, want_other)
+    with pytest.raises(ValueError, match="whole rows"):
+        writes.add(table, (0, 0), [1, 2])
