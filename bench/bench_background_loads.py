@@ -79,7 +79,7 @@ def relative(steps: list[tuple[float, int]], fit: tuple[float, float]) -> list[f
     return [wall / (intercept + slope * kv) for wall, kv in steps]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--cold", type=int, default=20, help="cold adapters loaded per round")
@@ -95,7 +95,7 @@ def main() -> None:
     p.add_argument("--switch-interval", default="default")
     p.add_argument("--root", default="/tmp/scute-bench-background")
     p.add_argument("--out", default="background_loads.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from scute import Engine, SamplingParams
@@ -139,6 +139,8 @@ def main() -> None:
               f"{1e3 * statistics.median(w for w, _ in x['steps']):.2f} / max {1e3 * max(w for w, _ in x['steps']):.2f} "
               f"ms over {len(x['steps'])} steps", flush=True)
         assert all(len(q.output_token_ids) < new_tokens for q in engine.scheduler.running), "raise new_tokens"
+    resident = set(engine.adapters._slots)
+    placed = sum(engine.adapters.get_by_path(path).identity in resident for path in cold)
     quiet = [s for x in rounds for s in x["quiet"]]
     loading = [s for x in rounds for s in x["steps"]]
     placing = [s for x in rounds for s, pl in zip(x["steps"], x["placing"]) if pl]
@@ -148,7 +150,7 @@ def main() -> None:
     walls, med = [w for w, _ in loading], statistics.median(w for w, _ in quiet)
     result = dict(
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__, command=" ".join(sys.argv), layers=args.layers,
-        batch=args.batch, methods=methods, interval_s=args.interval, loads=len(latency),
+        batch=args.batch, methods=methods, interval_s=args.interval, loads=len(latency), placed=placed,
         switch_interval=AdapterLoader.switch_interval,
         quiet_median_ms=1e3 * med, quiet_p99_ms=1e3 * percentile([w for w, _ in quiet], 99),
         loading_median_ms=1e3 * statistics.median(walls), loading_p90_ms=1e3 * percentile(walls, 90),
@@ -163,6 +165,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "rounds"}, indent=1))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+    return result
 
 
 if __name__ == "__main__":

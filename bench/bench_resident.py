@@ -44,7 +44,7 @@ def copies(adapter, count: int) -> list:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--per-method", type=int, default=1024)
     p.add_argument("--batch", type=int, default=64)
@@ -55,7 +55,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (the test)")
     p.add_argument("--root", default="/tmp/scute-bench-resident")
     p.add_argument("--out", default="resident.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from scute import Engine, SamplingParams
@@ -110,6 +110,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+    return result
 
 
 if __name__ == "__main__":

@@ -1,0 +1,31 @@
+"""`bench/bench_background_loads.py` and `bench/bench_resident.py` end to end on the CPU with a tiny model: the
+loads asked for during decoding all land in slots, the slots fill, and the JSON the GPU runs record."""
+
+from __future__ import annotations
+
+import json
+
+from tests.helpers import bench_module
+
+
+def test_background_loads_bench_places_every_cold_adapter(tmp_path):
+    bench = bench_module("bench_background_loads")
+    out = tmp_path / "bg.json"
+    result = bench.main(["--tiny", "--layers", "2", "--batch", "3", "--cold", "2", "--rounds", "2", "--steps", "5",
+                         "--prompt", "8", "--interval", "0.02", "--max-loading-steps", "300",
+                         "--root", str(tmp_path / "adapters"), "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["loads"] == saved["placed"] == 4  # asked, staged, given a slot and placed: every one
+    assert 1 <= result["placement_steps"] <= 4 and result["loading_steps"] >= result["placement_steps"]
+    assert [len(r["quiet"]) for r in saved["rounds"]] == [5, 5]
+    assert result["quiet_median_ms"] > 0 and result["p99_over_quiet_median"] > 0
+
+
+def test_resident_bench_fills_every_slot(tmp_path):
+    bench = bench_module("bench_resident")
+    out = tmp_path / "resident.json"
+    result = bench.main(["--tiny", "--layers", "2", "--per-method", "12", "--batch", "4", "--new-tokens", "6",
+                         "--prompt", "8", "--repeats", "1", "--root", str(tmp_path / "adapters"), "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert [r["resident"] for r in saved["rows"]] == [4, 24]
+    assert all(r["decode_steps"] > 0 for r in result["rows"]) and result["ratio_full_over_few"] > 0
