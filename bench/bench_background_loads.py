@@ -1,7 +1,7 @@
 """The decode step while cold adapters load in the background: its time with loads against its time without.
 
 One Llama-3-8B-shaped `LlamaForCausalLM` (random bf16 weights; ``--layers`` fewer for a quick look) served by
-``Engine(model, device=device, dtype=str(dtype).split(".")[1])`` with CUDA graphs; ``--batch`` requests over as many distinct
+``Engine(model, device="cuda", dtype="bfloat16")`` with CUDA graphs; ``--batch`` requests over as many distinct
 LoRA r16 adapters decode ``--prompt`` + many tokens (greedy, ``ignore_eos``). Adapter folders as in
 `bench_engine.make_adapters` (PEFT saves, every tensor re-randomized); ``--cold`` further folders of the
 ``--methods`` in turn, never read before the loading phase.
@@ -116,10 +116,12 @@ def main(argv: list[str] | None = None) -> dict:
            for m in methods}
     cold = [per[methods[i % len(methods)]][i // len(methods)] for i in range(count)]
     new_tokens = 64 + args.rounds * (args.steps + args.max_loading_steps)
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * dtype.itemsize
-    engine = Engine(model, device=device, dtype=str(dtype).split(".")[1], max_adapters=args.batch + count, max_num_seqs=args.batch,
-                    max_model_len=args.prompt + new_tokens + 16, max_adapter_rank=256, max_cpu_adapters=2 * count,
-                    kv_cache_memory_bytes=int(1.2 * args.batch * (args.prompt + new_tokens + 16) * kv))
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * dtype.itemsize  # bytes per token
+    length = args.prompt + new_tokens + 16
+    engine = Engine(model, device=device, dtype=str(dtype).split(".")[1], max_adapters=args.batch + count,
+                    max_num_seqs=args.batch, max_model_len=length, max_adapter_rank=256, max_cpu_adapters=2 * count,
+                    kv_cache_memory_bytes=int(1.2 * args.batch * length * kv))
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for i, path in enumerate(running):
@@ -136,7 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
         rounds.append(dict(quiet=quiet, **loading_phase(engine, cold[r * args.cold:(r + 1) * args.cold], args)))
         x = rounds[-1]
         print(f"  round {r}: quiet median {1e3 * statistics.median(w for w, _ in quiet):.2f} ms, loading median "
-              f"{1e3 * statistics.median(w for w, _ in x['steps']):.2f} / max {1e3 * max(w for w, _ in x['steps']):.2f} "
+              f"{1e3 * statistics.median(w for w, _ in x['steps']):.2f} / max "
+              f"{1e3 * max(w for w, _ in x['steps']):.2f} "
               f"ms over {len(x['steps'])} steps", flush=True)
         assert all(len(q.output_token_ids) < new_tokens for q in engine.scheduler.running), "raise new_tokens"
     resident = set(engine.adapters._slots)
@@ -149,7 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
     rel, rel_quiet = relative(loading, fit), relative(quiet, fit)
     walls, med = [w for w, _ in loading], statistics.median(w for w, _ in quiet)
     result = dict(
-        device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__, command=" ".join(sys.argv), layers=args.layers,
+        device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
+        command=" ".join(sys.argv), layers=args.layers,
         batch=args.batch, methods=methods, interval_s=args.interval, loads=len(latency), placed=placed,
         switch_interval=AdapterLoader.switch_interval,
         quiet_median_ms=1e3 * med, quiet_p99_ms=1e3 * percentile([w for w, _ in quiet], 99),

@@ -1,7 +1,7 @@
 """Thousands of adapters resident: a decode step over a few of them, with the rest of the slots empty and full.
 
 One Llama-3-8B-shaped `LlamaForCausalLM` (random bf16 weights; ``--layers`` fewer for a quick look) served by
-``Engine(model, device=device, dtype=str(dtype).split(".")[1], max_adapters=2 * --per-method)`` with CUDA graphs. One IA3 and
+``Engine(model, device="cuda", dtype="bfloat16", max_adapters=2 * --per-method)`` with CUDA graphs. One IA3 and
 one VeRA r256 adapter made by PEFT ``save_pretrained`` on all seven projections (`bench_engine.make_adapters`),
 loaded once; ``--per-method`` distinct adapters of each are that adapter with every per-adapter tensor scaled by
 its own factor (VeRA's shared projections stay shared, as in PEFT; the adapters reach the device through the
@@ -12,6 +12,7 @@ adapters), ``--prompt`` random tokens, ``--new-tokens`` generated greedily; deco
 of the steps in which every request decodes (`bench_engine.StepClock`). First with only those adapters resident,
 then after one request per adapter has placed all 2 x ``--per-method`` (the fill's time per adapter reported),
 then the measured step again ``--repeats`` times. The figure: the full engine's decode step over the first's.
+Also recorded: how many adapters of each method the adapter budget holds (`Engine.adapter_capacity`).
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/bench_resident.py --out resident.json``.
 """
@@ -66,14 +67,17 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.device(device):
         model = LlamaForCausalLM._from_config(cfg, torch_dtype=dtype).eval()
     folders = {m: B.make_adapters(model, m, 1, args.root)[0] for m in ("ia3", "vera")}
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * dtype.itemsize
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * dtype.itemsize  # bytes per token
     length = args.prompt + args.new_tokens + 16
-    engine = Engine(model, device=device, dtype=str(dtype).split(".")[1], max_adapters=2 * args.per_method, max_num_seqs=args.batch,
-                    max_model_len=length, max_adapter_rank=256, adapter_memory_bytes=40 * 2**30,
-                    kv_cache_memory_bytes=int(1.2 * args.batch * length * kv))
+    engine = Engine(model, device=device, dtype=str(dtype).split(".")[1], max_adapters=2 * args.per_method,
+                    max_num_seqs=args.batch, max_model_len=length, max_adapter_rank=256,
+                    adapter_memory_bytes=40 * 2**30, kv_cache_memory_bytes=int(1.2 * args.batch * length * kv))
     t = time.perf_counter()
     pool = {m: copies(engine.adapters.get_by_path(f), args.per_method) for m, f in folders.items()}
     print(f"{2 * args.per_method} adapters made in {time.perf_counter() - t:.1f} s", flush=True)
+    capacity = {m: engine.adapter_capacity(pool[m][0]) for m in pool}  # how many of each the budget holds alone
+    print(f"adapters the {engine.adapters.memory.budget / 2**30:.0f} GiB budget holds: {capacity}", flush=True)
     half = args.batch // 2
     specs = pool["ia3"][:half] + pool["vera"][:args.batch - half]
     clock = B.StepClock(engine)
@@ -85,7 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
         prompts = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=g).tolist() for _ in specs]
         row = clock.run(prompts, specs, args.new_tokens)
         row["resident"] = sum(s is not None for s in engine.adapters._slots)
-        print(f"  {row['resident']:5d} resident: decode {row['decode_ms']} ms/step over {row['decode_steps']} steps", flush=True)
+        print(f"  {row['resident']:5d} resident: decode {row['decode_ms']} ms/step over {row['decode_steps']} steps",
+              flush=True)
         return row
 
     rows = [measured()]
@@ -95,14 +100,15 @@ def main(argv: list[str] | None = None) -> dict:
     for start in range(0, len(everything), args.batch):
         if start % 512 == 0:
             print(f"  fill: {start} placed, {time.perf_counter() - t:.1f} s", flush=True)
-        engine.generate([[1, 2, 3]] * len(everything[start:start + args.batch]), sp, everything[start:start + args.batch],
-                        use_tqdm=False)
+        chunk = everything[start:start + args.batch]
+        engine.generate([[1, 2, 3]] * len(chunk), sp, chunk, use_tqdm=False)
     fill = time.perf_counter() - t
     print(f"fill: {len(everything)} adapters in {fill:.1f} s ({1e3 * fill / len(everything):.1f} ms each)", flush=True)
     rows += [measured() for _ in range(args.repeats)]
     full = min(r["decode_ms"] for r in rows[1:])
-    result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__, command=" ".join(sys.argv),
-                  layers=args.layers, batch=args.batch, per_method=args.per_method,
+    result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
+                  command=" ".join(sys.argv),
+                  layers=args.layers, batch=args.batch, per_method=args.per_method, capacity=capacity,
                   adapter_memory_held_gib=engine.adapters.memory.held.bytes / 2**30,
                   fill_ms_per_adapter=1e3 * fill / len(everything), rows=rows,
                   ratio_full_over_few=full / rows[0]["decode_ms"],

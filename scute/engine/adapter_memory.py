@@ -153,6 +153,14 @@ class AdapterMemory:
             return True
         return beside.bytes + beside.extra(self.storages(adapter)) <= self.budget
 
+    def capacity(self, adapter: Adapter, slots: int) -> int:
+        """How many distinct adapters of `adapter`'s size fit at once, at most `slots`: the budget less the
+        storages they would share (VeRA's pair: once for all), over the bytes each holds alone."""
+        if self.budget is None:
+            return slots
+        storages = self.storages(adapter)
+        return max(0, min(slots, (self.budget - sum(storages.shared.values())) // max(storages.own, 1)))
+
     def used(self) -> int:
         """The bytes of the adapters in the slots, shared storages once."""
         return self.held.bytes

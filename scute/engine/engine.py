@@ -81,6 +81,13 @@ class Engine:
     def unload_adapter(self, name: str) -> None:
         self.adapters.unload(name)
 
+    def adapter_capacity(self, adapter: str | os.PathLike | Adapter) -> int:
+        """How many adapters like `adapter` (a `load_adapter` name, a PEFT folder: read here unless cached, an
+        `Adapter`) the device slots hold at once (`AdapterMemory.capacity`, at most `max_adapters`)."""
+        if not isinstance(adapter, Adapter):
+            adapter = self.adapters.named.get(os.fspath(adapter)) or self.adapters.get_by_path(adapter)
+        return self.adapters.memory.capacity(adapter, self.config.max_adapters)
+
     def _resolve_adapter(self, spec: AdapterSpec) -> tuple[Adapter | None, str | None]:
         if spec is None:
             return None, None
@@ -113,7 +120,8 @@ class Engine:
             adapter_obj, adapter_name = self._resolve_adapter(adapter)
         except (AdapterError, OSError, ValueError, TypeError) as e:
             token_ids, error = ([] if isinstance(prompt, str) else list(prompt)), f"{type(e).__name__}: {e}"
-            adapter_name = adapter_name or _spec_name(adapter)
+            adapter_name = adapter_name or (os.fspath(adapter) if isinstance(adapter, (str, os.PathLike))
+                                            else getattr(adapter, "name", None))
         req = Request(request_id, text, token_ids, sp, adapter_obj, adapter_name, next(self._arrivals))
         req.eos_token_ids = self.eos_token_ids
         self.requests[request_id] = req
@@ -290,11 +298,3 @@ class Engine:
                 rate = (self.stats["generated_tokens"] - generated) / max(time.perf_counter() - start, 1e-9)
                 bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
         return [results[rid] for rid in ids]
-
-
-def _spec_name(spec: AdapterSpec) -> str | None:
-    if spec is None:
-        return None
-    if isinstance(spec, (AdapterRequest, Adapter)):
-        return spec.name
-    return os.fspath(spec)

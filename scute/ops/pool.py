@@ -53,7 +53,7 @@ _VECTORS = (("o", F_O, HAS_O), ("o2", F_O2, HAS_O2), ("c", F_C, HAS_C), ("v", F_
 class SlotPool:
     """Device tables of the adapters of ``P`` projections (one input, ``out_features[p]`` outputs each).
 
-    Attributes set by `update`: ``table`` (device, int64 [P, num_slots, NUM_FIELDS]), ``slot_group`` (device int32
+    Attributes set by `update`: ``table`` (device, int64 [P, num_slots, NUM_FIELDS]), ``slot_group`` (device int64
     [num_slots]: each slot's group representative), ``group_key`` (host tuple of the same, None when every slot is
     its own group), ``h_width`` (rank rows of ``h`` per token), ``exact_delta`` (some slot adds its low-rank delta
     to a base output it also scales, rotates or shifts: see `delta_dtype`), ``block_b`` / ``min_block``
@@ -77,7 +77,7 @@ class SlotPool:
         self.num_slots, self.device, self.dtype = num_slots, torch.device(device), dtype
         self.num_proj = len(self.out_features)
         self.table = torch.zeros(self.num_proj, num_slots, NUM_FIELDS, dtype=torch.int64, device=self.device)
-        self.slot_group = torch.arange(num_slots, dtype=torch.int32, device=self.device)
+        self.slot_group = torch.arange(num_slots, dtype=torch.int64, device=self.device)
         self._cache: dict[tuple, tuple[Tensor, Tensor]] = {}
         self._slot_keys: list[set[tuple]] = [set() for _ in range(num_slots)]
         self._key_refs: Counter[tuple] = Counter()  # how many slots use each copy
@@ -163,7 +163,7 @@ class SlotPool:
         self._cache = keep
         self._key_refs = Counter(key for keys in self._slot_keys for key in keys)
         write(self.table, torch.tensor(columns, dtype=torch.int64).transpose(0, 1).contiguous())
-        write(self.slot_group, torch.tensor(groups, dtype=torch.int32))
+        write(self.slot_group, torch.tensor(groups, dtype=torch.int64))
         self.h_width = max(max(self._widths), 1)
         self._joined = sum(g != s for s, g in enumerate(groups))
         self._set_facts(facts)
@@ -190,13 +190,12 @@ class SlotPool:
         was, self._widths[s] = self._widths[s], width
         self.h_width = max(self.h_width, width) if width >= was or was < self.h_width else max(max(self._widths), 1)
         if shared >= 0:  # its row of the shared group's m: its own if it is a member, else ones
-            self.shared_m[:, s].fill_(1.0)
             for p, sl in enumerate(column):
-                if group == shared and sl is not None and sl.m is not None:
-                    self.shared_m[p, s].copy_(sl.m)
+                member = group == shared and sl is not None and sl.m is not None
+                out.copy(self.shared_m, (p, s), sl.m if member else None)
         if old[s] != group:
             self._joined += (group != s) - (old[s] != s)
-            write(self.slot_group[s:s + 1], torch.tensor([group], dtype=torch.int32))
+            out.add(self.slot_group, (s,), [group])
         self._key_refs.update(mine)
         self._key_refs.subtract(self._slot_keys[s])
         for key in self._slot_keys[s] - mine:

@@ -13,34 +13,61 @@ from torch import Tensor
 
 
 class TableWrites:
-    """Rows of int64 device tables written from the host together (`flush`): one pinned buffer, one copy to the
-    device queued on the current stream behind the step in flight (which keeps reading the old contents; the host
-    goes on), and one kernel that stores each row where it belongs (`scatter_rows`). Three calls into torch for a
-    placement's hundreds of rows: each call lets the loader thread take the interpreter lock, and the step loop
+    """Rows of device tables written from the host together (`flush`): one pinned buffer, one copy to the device
+    queued on the current stream behind the step in flight (which keeps reading the old contents; the host goes
+    on), and a kernel per kind of row that stores each where it belongs: rows of int64 values from the host
+    (`scatter_rows`), rows of float32 copied on the device or set to ones (`copy_rows`). A few calls into torch for
+    a placement's hundreds of rows: each call lets the loader thread take the interpreter lock, and the step loop
     waits to get it back. On the CPU each row is written by itself."""
 
     def __init__(self) -> None:
         self.rows: list[tuple[Tensor, tuple[int, ...], list[int]]] = []
+        self.copies: list[tuple[Tensor, tuple[int, ...], Tensor | None]] = []
 
     def add(self, table: Tensor, index: tuple[int, ...], values: list[int]) -> None:
-        """Write `values` into ``table[index]`` at the flush: a row along the table's last, contiguous dimension."""
-        if table.dtype != torch.int64 or table.stride(-1) != 1 or len(values) != table.shape[-1]:
-            raise ValueError("TableWrites writes whole rows of contiguous int64 tables")
+        """Write `values` at the flush along the last, contiguous dimension of an int64 table: as the row
+        ``table[index]`` (an index of all but the last dimension), or from the element ``table[index]`` on."""
+        first = index[-1] if len(index) == table.dim() else 0
+        if table.dtype != torch.int64 or table.stride(-1) != 1 or first + len(values) > table.shape[-1] or (
+                len(index) < table.dim() and len(values) != table.shape[-1]):
+            raise ValueError("TableWrites writes rows of contiguous int64 tables, within a row")
         self.rows.append((table, index, values))
 
+    def copy(self, table: Tensor, index: tuple[int, ...], src: Tensor | None) -> None:
+        """Copy `src` (a vector on the table's device, float32 as served; None: ones) into the float32 row
+        ``table[index]`` at the flush."""
+        if table.dtype != torch.float32 or table.stride(-1) != 1 or (src is not None and src.shape != table.shape[-1:]):
+            raise ValueError("TableWrites copies vectors into whole rows of contiguous float32 tables")
+        self.copies.append((table, index, src))
+
     def flush(self) -> None:
-        rows, self.rows = self.rows, []
-        if not rows or not rows[0][0].is_cuda:
+        rows, copies, self.rows, self.copies = self.rows, self.copies, [], []
+        device = next((t.device for t, _, _ in rows + copies), None)
+        if device is None or device.type != "cuda":
             for table, index, values in rows:
-                table[index] = torch.tensor(values, dtype=torch.int64)
+                row, first = (index[:-1], index[-1]) if len(index) == table.dim() else (index, 0)
+                table[row][first:first + len(values)] = torch.tensor(values, dtype=torch.int64)
+            for table, index, src in copies:
+                table[index] = 1.0 if src is None else src
             return
-        addresses, offsets, values = [], [0], []
-        for table, index, row in rows:
-            addresses.append(table.data_ptr() + 8 * sum(i * st for i, st in zip(index, table.stride())))
+        addresses, offsets, values = [_address(t, i) for t, i, _ in rows], [0], []
+        for _, _, row in rows:
             values += row
             offsets.append(len(values))
-        buf = torch.tensor(addresses + offsets + values, dtype=torch.int64, pin_memory=True)
-        scatter_rows(buf.to(rows[0][0].device, non_blocking=True), len(rows), max(len(r) for _, _, r in rows))
+        head = addresses + offsets + values if rows else []
+        sources = [x if x is None or (x.dtype == torch.float32 and x.is_contiguous()) else x.float().contiguous()
+                   for _, _, x in copies]  # kept until the copy is queued (stream order keeps the memory theirs)
+        tail = [_address(t, i) for t, i, _ in copies] + [0 if x is None else x.data_ptr() for x in sources] + \
+            [t.shape[-1] for t, _, _ in copies]
+        buf = torch.tensor(head + tail, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+        if rows:
+            scatter_rows(buf[:len(head)], len(rows), max(len(r) for _, _, r in rows))
+        if copies:
+            copy_rows(buf[len(head):], len(copies), max(t.shape[-1] for t, _, _ in copies))
+
+
+def _address(table: Tensor, index: tuple[int, ...]) -> int:
+    return table.data_ptr() + table.element_size() * sum(i * st for i, st in zip(index, table.stride()))
 
 
 def scatter_rows(buf: Tensor, n_rows: int, width: int) -> None:
@@ -52,6 +79,17 @@ def scatter_rows(buf: Tensor, n_rows: int, width: int) -> None:
     from scute.ops.kernels import scatter  # lazy: triton.jit reads TRITON_INTERPRET when decorating
 
     scatter.scatter_rows_kernel[(n_rows,)](buf, n_rows, BLOCK=1 << max(width - 1, 0).bit_length())
+
+
+def copy_rows(buf: Tensor, n_rows: int, width: int) -> None:
+    """Copy float32 rows from address to address on the device, or set them to ones, in one launch.
+
+    Semantics: ``buf = [destinations (n_rows) | sources (n_rows) | lengths (n_rows)]`` (int64, on the device);
+    ``lengths[i]`` (at most `width`) float32 elements from source i are stored from destination i on, or ones
+    where source i is 0. Addresses are `Tensor.data_ptr` values of live tensors the caller keeps."""
+    from scute.ops.kernels import scatter  # lazy: triton.jit reads TRITON_INTERPRET when decorating
+
+    scatter.copy_rows_kernel[(n_rows,)](buf, n_rows, BLOCK=min(1 << max(width - 1, 0).bit_length(), 1024))
 
 
 def write(dst: Tensor, src: Tensor) -> None:

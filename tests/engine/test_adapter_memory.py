@@ -123,3 +123,25 @@ def test_default_budget(oracle):
     assert default_budget(linears, 1 << 20, torch.bfloat16, 1 << 30) == int(DEFAULT_SHARE * (1 << 30))  # capped
     with pytest.raises(ValueError, match="adapter_memory_bytes"):
         EngineConfig(device="cpu", adapter_memory_bytes=0)
+
+
+def test_capacity_counts_shared_storages_once(oracle):
+    """`Engine.adapter_capacity`: how many adapters like one fit the budget at once, the storages they share
+    (VeRA's pair) counted once, at most max_adapters; without a budget, max_adapters. Each count is then held."""
+    lora, vera = (adapter_storages(oracle.engine().adapters.load(oracle.paths[m]), 4) for m in ("lora", "vera"))
+    pair = sum(vera.shared.values())
+    assert lora.shared == {} and pair > 0
+    assert oracle.engine(max_adapters=50, adapter_memory_bytes=7 * lora.own + 3).adapter_capacity(
+        oracle.paths["lora"]) == 7
+    assert oracle.engine(max_adapters=5, adapter_memory_bytes=7 * lora.own).adapter_capacity(oracle.paths["lora"]) == 5
+    assert oracle.engine(max_adapters=50).adapter_capacity(oracle.paths["lora"]) == 50  # the CPU: no budget
+    budget = pair + 9 * vera.own + 5
+    engine = oracle.engine(max_adapters=50, adapter_memory_bytes=budget)
+    assert engine.adapter_capacity(oracle.paths["vera"]) == 9 > budget // vera.total
+    memory, first = AdapterMemory(budget, torch.float32), engine.adapters.get_by_path(oracle.paths["vera"])
+    for i in range(engine.adapter_capacity(first)):  # that many distinct VeRA adapters, held together, fit
+        copy = engine.adapters.load(oracle.paths["vera"], name=f"v{i}")
+        copy.identity = f"v{i}"
+        assert memory.fits(copy, memory.held)
+        memory.hold(copy)
+    assert not memory.fits(first, memory.held)

@@ -177,17 +177,27 @@ def test_placing_a_served_slot_calls_torch_for_metadata_only():
         return Slots(8, 6, A=torch.randn(r, 8, generator=g), B=torch.randn(6, r, generator=g),
                      v=torch.rand(6, generator=g), o=torch.rand(6, generator=g))
 
-    pool = SlotPool(8, (6, 6), 4, "cpu", torch.float32)
-    slots = [[served(8), None, None, None], [served(16), None, None, None]]
-    pool.update(slots)
-    slots[0][2], slots[1][2] = served(16), served(8)
-    writes, before = TableWrites(), pool.table.clone()
-    with Calls() as calls:
-        pool.update_slot(slots, 2, writes)
-    assert calls.names <= {"__get__", "data_ptr", "is_contiguous", "storage_offset", "stride", "untyped_storage"}, \
-        calls.names
-    assert torch.equal(pool.table, before) and len(writes.rows) == 2
-    writes.flush()
-    fresh = SlotPool(8, (6, 6), 4, "cpu", torch.float32)
-    fresh.update(slots)
-    assert _decoded(pool) == _decoded(fresh)
+    pair = [(torch.randn(8, 8, generator=g), torch.randn(6, 8, generator=g)) for _ in range(2)]
+
+    def vera(p: int) -> Slots:  # a member of a group sharing VeRA's matrices: its m is the pool's shared_m row
+        return Slots(8, 6, A=pair[p][0], B=pair[p][1], m=torch.randn(8, generator=g), v=torch.rand(6, generator=g),
+                     shared=frozenset({"A", "B"}))
+
+    for placed in ([served(16), served(8)], [vera(0), vera(1)]):
+        pool = SlotPool(8, (6, 6), 5, "cpu", torch.float32)
+        slots = [[served(8), vera(0), vera(0), None, None], [served(16), vera(1), vera(1), None, None]]
+        pool.update(slots)
+        slots[0][3], slots[1][3] = placed
+        writes, before, m = TableWrites(), pool.table.clone(), pool.shared_m.clone()
+        with Calls() as calls:
+            pool.update_slot(slots, 3, writes)
+        assert calls.names <= {"__get__", "data_ptr", "dim", "is_contiguous", "storage_offset", "stride",
+                               "untyped_storage"}, calls.names
+        assert torch.equal(pool.table, before) and torch.equal(pool.shared_m, m)
+        joins = placed[0].shared == {"A", "B"}  # its group is the shared one: its entry of slot_group too
+        assert len(writes.rows) == 2 + joins and len(writes.copies) == 2  # and its rows of the shared group's m
+        writes.flush()
+        fresh = SlotPool(8, (6, 6), 5, "cpu", torch.float32)
+        fresh.update(slots)
+        assert _decoded(pool) == _decoded(fresh) and torch.equal(pool.shared_m, fresh.shared_m)
+        assert torch.equal(pool.slot_group, fresh.slot_group) and int(pool.slot_group[3]) == (1 if joins else 3)

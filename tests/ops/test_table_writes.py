@@ -55,5 +55,42 @@ def test_table_writes_flush_once_as_rows_written_one_by_one(monkeypatch):
     writes.flush()
     assert len(seen) == (DEVICE == "cuda"), "one launch on the GPU; on the CPU each row by itself"
     assert torch.equal(table, want_table) and torch.equal(other, want_other)
+    with pytest.raises(ValueError, match="rows of contiguous int64 tables"):
+        writes.add(table, (0, 0), [1, 2])  # part of a row, from its start
+
+
+def test_copy_rows_copies_each_source_or_sets_ones(monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    table, long = torch.randn(3, 5, 12, generator=g).to(DEVICE), torch.randn(2, 1500, generator=g).to(DEVICE)
+    want_table, want_long = table.clone(), long.clone()
+    sources = [torch.randn(12, generator=g).to(DEVICE), None, torch.randn(1500, generator=g).to(DEVICE)]
+    rows = [(table, (0, 3), sources[0]), (table, (2, 1), None), (long, (1,), sources[2])]
+    for t, index, src in rows:
+        (want_table if t is table else want_long)[index] = 1.0 if src is None else src
+    n = len(rows)
+    buf = [t.data_ptr() + 4 * sum(i * st for i, st in zip(index, t.stride())) for t, index, _ in rows]
+    buf += [0 if src is None else src.data_ptr() for _, _, src in rows] + [t.shape[-1] for t, _, _ in rows]
+    seen = spy_launches(monkeypatch, scatter, "copy_rows_kernel")
+    tw.copy_rows(torch.tensor(buf, dtype=torch.int64, device=DEVICE), n, 1500)  # 1500: more than one block
+    assert seen == [("copy_rows_kernel", (3,))]
+    assert torch.equal(table, want_table) and torch.equal(long, want_long)
+
+
+def test_table_writes_copies_vectors_at_the_flush(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    ints, floats = torch.zeros(2, 4, 18, dtype=torch.int64, device=DEVICE), torch.zeros(2, 4, 8, device=DEVICE)
+    m = torch.randn(8, generator=g).to(DEVICE)
+    writes = tw.TableWrites()
+    writes.add(ints, (1, 2), list(range(18)))
+    writes.add(ints, (0, 3, 5), [7, 8])  # from an element on
+    writes.copy(floats, (0, 2), m)
+    writes.copy(floats, (1, 2), None)
+    assert not floats.any(), "nothing written before the flush"
+    seen = spy_launches(monkeypatch, scatter, "scatter_rows_kernel", "copy_rows_kernel")
+    writes.flush()
+    assert len(seen) == (2 if DEVICE == "cuda" else 0)
+    assert ints[1, 2].tolist() == list(range(18)) and ints[0, 3].tolist() == [0] * 5 + [7, 8] + [0] * 11
+    assert int(ints.count_nonzero()) == 17 + 2 and torch.equal(floats[0, 2], m)
+    assert torch.equal(floats[1, 2], torch.ones(8, device=DEVICE)) and not floats[:, :2].any()
     with pytest.raises(ValueError, match="whole rows"):
-        writes.add(table, (0, 0), [1, 2])
+        writes.copy(floats, (0, 0), torch.ones(3, device=DEVICE))
