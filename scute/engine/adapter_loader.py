@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,7 @@ class Staged:
 
     adapter: Adapter
     event: torch.cuda.Event | None  # behind the copies (CUDA), None on the CPU
+    prepared: dict = field(default_factory=dict)  # its rows in the slot pools, computed here (`prepare_adapter`)
 
     def use(self) -> Adapter:
         """The adapter, safe to read on the current stream (call on the thread that runs the steps)."""
@@ -51,8 +52,11 @@ class Staged:
 class AdapterLoader:
     switch_interval: float | None = 2e-4  # seconds, while a job runs (module docstring); None: left as it is
 
-    def __init__(self, device: torch.device, dtype: torch.dtype | None = None) -> None:
-        self.device, self.dtype = device, dtype  # dtype: the device slots' matrices (vectors stay float32)
+    def __init__(self, device: torch.device, dtype: torch.dtype | None = None,
+                 prepare: Callable[[Adapter], dict] | None = None) -> None:
+        """`dtype`: the device slots' matrices (vectors stay float32); `prepare`: an adapter's rows in the slot
+        pools, computed as it is staged so that its placement on the step loop only applies them."""
+        self.device, self.dtype, self.prepare = device, dtype, prepare
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._cond = threading.Condition()
@@ -96,13 +100,15 @@ class AdapterLoader:
         return self.stage(self.to_device(adapter, memo))
 
     def stage(self, moved: Adapter) -> Staged:
-        """An adapter on the device, once the work queued for it on this thread's stream is done."""
+        """An adapter on the device, once the work queued for it on this thread's stream is done, with its rows
+        in the slot pools (`prepare`)."""
+        prepared = {} if self.prepare is None else self.prepare(moved)
         if self.device.type != "cuda":
-            return Staged(moved, None)
+            return Staged(moved, None, prepared)
         event = torch.cuda.Event()
         event.record()  # on the loader's side stream, the current one of this thread
         event.synchronize()  # also lands the host copies queued before it (the CPU tier's, `AdapterManager`)
-        return Staged(moved, event)
+        return Staged(moved, event, prepared)
 
     @property
     def busy(self) -> bool:

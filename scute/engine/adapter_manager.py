@@ -37,7 +37,7 @@ from scute.adapters.adapter import SharedMemo
 from scute.engine.adapter_loader import AdapterLoader, Staged
 from scute.engine.adapter_memory import AdapterMemory
 from scute.engine.request import Request, RequestStatus
-from scute.model.hf import place_adapter
+from scute.model.hf import place_adapter, prepare_adapter
 from scute.model.linear import ScuteLinear
 
 MAX_PREFETCH = 4  # adapter loads in progress or staged on the device (waiting for a slot), at most
@@ -81,7 +81,7 @@ class AdapterManager:
         self._unused: OrderedDict[str, None] = OrderedDict()  # placed, unused identities, LRU first
         self._moved: SharedMemo = {}  # shared matrices on the device, one copy for every adapter (loader thread)
         self.dtype = next((m.weight.dtype for m in linears.values()), torch.float32)  # the device slots' matrices
-        self.loader = AdapterLoader(device, self.dtype)
+        self.loader = AdapterLoader(device, self.dtype, prepare=lambda adapter: prepare_adapter(linears, adapter))
         self.memory = AdapterMemory(memory_bytes, self.dtype)
         self._loads: dict[tuple, _Load] = {}  # ("path", folder, signature) or ("move", identity) -> its load
         self._queue: list[tuple[int, int, tuple]] = []  # heap of (arrival of a waiting request, seq, load key)
@@ -248,7 +248,7 @@ class AdapterManager:
     def place(self) -> None:
         """Put the adapters `acquire` gave slots to into them (the engine: after `schedule`, before the step)."""
         for slot, staged in self._placements:
-            place_adapter(self.linears, slot, None if staged is None else staged.use())
+            place_adapter(self.linears, slot, *((None, None) if staged is None else (staged.use(), staged.prepared)))
         self._placements.clear()
 
     # ------------------------------------------------------------------ device slots

@@ -8,7 +8,8 @@ from torch import nn
 
 from scute.adapters import Adapter
 from scute.model.linear import LinearGroup, ScuteLinear
-from scute.ops.table_writes import TableWrites
+from scute.ops.pool import Placement, SlotPool
+from scute.ops.pool_rows import PreparedColumn, prepare_column
 
 # vLLM's packed_modules_mapping: sibling projections that read one input, served by one op call.
 PACKED_MODULES_MAPPING = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -39,19 +40,51 @@ def swap_linears(model: nn.Module, max_adapters: int,
     return swapped
 
 
-def place_adapter(linears: dict[str, ScuteLinear], index: int, adapter: Adapter | None) -> None:
-    """Put `adapter`'s slots in slot `index` of every layer (layers it does not adapt get None);
-    None empties the slot."""
+def place_adapter(linears: dict[str, ScuteLinear], index: int, adapter: Adapter | None,
+                  prepared: dict[SlotPool, PreparedColumn] | None = None) -> None:
+    """Put `adapter`'s slots in slot `index` of every layer (layers it does not adapt get None); None empties the
+    slot. `prepared`: its rows computed ahead for the pools (`prepare_adapter`), taken where they still apply."""
     layers = {} if adapter is None else adapter.layers
     if missing := set(layers) - set(linears):
         raise ValueError(f"adapter {adapter.name!r} adapts {min(missing)}, which is not a ScuteLinear here")
-    names = {id(linear): name for name, linear in linears.items()}
-    groups, writes = {}, TableWrites()  # every pool's device rows in one copy to the device
-    for name, linear in linears.items():
-        if linear.group is None or any(id(m) not in names for m in linear.group.members):
-            linear.set_slot(index, layers.get(name), writes)
+    placement = Placement(prepared)  # every pool's device rows in one copy to the device
+    for linear, group, names in _pools(linears):
+        if group is None:
+            linear.set_slot(index, layers.get(names[0]), placement)
         else:  # each group once, its pool updated once for all its members
-            groups[id(linear.group)] = linear.group
-    for group in groups.values():
-        group.set_slot(index, [layers.get(names[id(m)]) for m in group.members], writes)
-    writes.flush()
+            group.set_slot(index, [layers.get(n) for n in names], placement)
+    placement.writes.flush()
+
+
+def prepare_adapter(linears: dict[str, ScuteLinear], adapter: Adapter) -> dict[SlotPool, PreparedColumn]:
+    """`adapter`'s rows in the pools that exist now, computed from the adapter alone (`prepare_column`; the
+    adapter loader's thread calls it as it stages a copy, so that the placement on the step loop only applies
+    them). Pools built or replaced later are placed as usual."""
+    prepared = {}
+
+    def add(pool: SlotPool | None, column: list) -> None:
+        if pool is not None and (ready := prepare_column(pool, column)) is not None:
+            prepared[pool] = ready
+
+    for linear, group, names in _pools(linears):
+        if group is None:  # its own pool (a group it belongs to without all its members here is left alone)
+            add(linear.pool, [adapter.layers.get(names[0])])
+        else:
+            add(group.pool, [adapter.layers.get(n) for n in names])
+            for member, name in zip(group.members, names):
+                add(member.pool, [adapter.layers.get(name)])
+    return prepared
+
+
+def _pools(linears: dict[str, ScuteLinear]):
+    """(linear, its group or None, the names of the group's members or its own) for each layer that owns a pool
+    update: a group once (at its first member), a layer outside a complete group alone."""
+    names = {id(linear): name for name, linear in linears.items()}
+    seen = set()
+    for name, linear in linears.items():
+        group = linear.group
+        if group is None or any(id(m) not in names for m in group.members):
+            yield linear, None, [name]
+        elif id(group) not in seen:
+            seen.add(id(group))
+            yield linear, group, [names[id(m)] for m in group.members]

@@ -20,7 +20,7 @@ from scute.ops import (
     triton_enabled,
 )
 from scute.ops.cpu import LowRankStack, scute_linear_cpu
-from scute.ops.table_writes import TableWrites
+from scute.ops.pool import Placement
 from scute.ops.reference import acc_dtype
 
 MAX_GROUP = 3  # projections per op call: the delta and epilogue kernels serve at most 3
@@ -56,15 +56,15 @@ class ScuteLinear(nn.Module):
         self.version = 0  # counts set_slot calls: whoever caches what the slots imply (CUDA graphs) compares it
         self.shard = None  # tensor parallelism: this rank's `scute.model.tp.Shard` of the layer, set by the loader
 
-    def set_slot(self, index: int, slots: Slots | None, writes: TableWrites | None = None) -> None:
+    def set_slot(self, index: int, slots: Slots | None, placement: Placement | None = None) -> None:
         """Put an adapter's slots in slot `index` (None empties it); on a sharded layer, slots of the full layer,
-        of which this rank keeps its share. The pools that read this layer follow (its own, its group's), their
-        device rows through `writes` if given (`SlotPool.update_slot`)."""
-        self.assign(index, slots, writes)
+        of which this rank keeps its share. The pools that read this layer follow (its own, its group's), within
+        `placement` if given (`SlotPool.update_slot`)."""
+        self.assign(index, slots, placement)
         if self.group is not None:
-            self.group.update_pool(index, writes)
+            self.group.update_pool(index, placement)
 
-    def assign(self, index: int, slots: Slots | None, writes: TableWrites | None = None) -> None:
+    def assign(self, index: int, slots: Slots | None, placement: Placement | None = None) -> None:
         """`set_slot` but for the group's pool, which `LinearGroup.set_slot` updates once for all members."""
         if slots is not None and self.shard is not None:
             slots = self.shard.slots(slots)
@@ -78,7 +78,7 @@ class ScuteLinear(nn.Module):
         # plain attributes, set past `nn.Module.__setattr__` (its checks cost more than the rest of a placement)
         vars(self).update(num_filled=filled, version=self.version + 1, stack=None)
         if self.pool is not None:
-            self.pool.update_slot([self.slots], index, writes)
+            self.pool.update_slot([self.slots], index, placement)
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.forward_alone(x)
@@ -199,17 +199,17 @@ class LinearGroup:
             ys, ds = scute_linears_deferred(*args, **kw) if defer else (scute_linears_triton(*args, **kw), none)
         return [y.view(*x.shape[:-1], y.shape[-1]) for y in ys], ds
 
-    def set_slot(self, index: int, member_slots: Sequence[Slots | None], writes: TableWrites | None = None) -> None:
+    def set_slot(self, index: int, member_slots: Sequence[Slots | None], placement: Placement | None = None) -> None:
         """Slot `index` of every member at once (``member_slots[i]`` for member i), the group's pool updated once;
-        `writes` as for `ScuteLinear.set_slot`."""
+        `placement` as for `ScuteLinear.set_slot`."""
         for member, slots in zip(self.members, member_slots, strict=True):
-            member.assign(index, slots, writes)
-        self.update_pool(index, writes)
+            member.assign(index, slots, placement)
+        self.update_pool(index, placement)
 
-    def update_pool(self, index: int, writes: TableWrites | None = None) -> None:
+    def update_pool(self, index: int, placement: Placement | None = None) -> None:
         """Called by a member's `set_slot` of slot `index`: the pool follows every member's slots."""
         if self.pool is not None:
-            self.pool.update_slot([m.slots for m in self.members], index, writes)
+            self.pool.update_slot([m.slots for m in self.members], index, placement)
 
 
 @torch.no_grad()

@@ -105,19 +105,20 @@ def pool_facts(slots: Sequence[Sequence[Slots | None]], out_features: Sequence[i
                      tuple(sum(1 << s for s, f in enumerate(facts) if f.lowrank_in[p]) for p in range(len(slots))))
 
 
-def pool_facts_slot(prev: PoolFacts, slots: Sequence[Sequence[Slots | None]], s: int,
-                    memo: list) -> tuple[PoolFacts, bool]:
+def pool_facts_slot(prev: PoolFacts, slots: Sequence[Sequence[Slots | None]], s: int, memo: list,
+                    new: SlotFacts | None = None) -> tuple[PoolFacts, bool]:
     """`pool_facts(slots, prev.out_features, memo)` when only slot `s` changed since `prev` was computed with
     `memo`, and whether they came from slot `s` alone: without a pass over the other slots when the change cannot
     move another slot's group or one of the pool's extremes (`_changed_alone`: then no other slot's group moved,
     s represents no other slot and the shared group kept its representative), else the full computation. A
-    placement among a thousand adapters then costs a pool the facts of one slot."""
+    placement among a thousand adapters then costs a pool the facts of one slot. `new`: slot s's `SlotFacts`, if
+    known (computed ahead: `scute.ops.pool_rows.prepare_column`)."""
     column = [row[s] for row in slots]
     keep = len(memo) == len(slots[0])
     hit = memo[s] if keep else None
     rep = prev.shared_group
     rep_facts = memo[rep][2] if hit is not None and rep >= 0 and memo[rep] is not None else None
-    new = slot_facts(column)
+    new = slot_facts(column) if new is None else new
     facts = None if hit is None else _changed_alone(prev, hit[2], new, s, rep_facts)
     if keep:
         memo[s] = (tuple(map(id, column)), column, new)  # the full computation below reuses it

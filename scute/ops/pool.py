@@ -39,15 +39,15 @@ from scute.ops.groups import PoolFacts, StepKinds, pool_facts, pool_facts_slot, 
 from scute.ops.slots import Slots
 from scute.ops.table_writes import TableWrites, refill, write
 
-# Table fields (int64 each). Group fields (A, B, ranks, h offsets) are read at the group's representative slot,
-# slot fields (flags, F_ROT, vectors, T) at the slot.
-(F_A, F_ARANK, F_AHOFF, F_B, F_BLD, F_RANK, F_BHOFF, F_ROT,
- F_FLAGS, F_O, F_O2, F_C, F_V, F_M, F_T, F_TB, F_TBN, F_TBB) = range(18)
-NUM_FIELDS = 18
-# Bits of F_FLAGS: which per-slot vectors are live; HAS_LR: the slot's group has a low-rank part (copied from it).
-HAS_O, HAS_O2, HAS_C, HAS_V, HAS_M, HAS_T, HAS_TB, HAS_LR = 1, 2, 4, 8, 16, 32, 64, 128
-_VECTORS = (("o", F_O, HAS_O), ("o2", F_O2, HAS_O2), ("c", F_C, HAS_C), ("v", F_V, HAS_V), ("m", F_M, HAS_M),
-            ("t", F_T, HAS_T))
+from scute.ops.pool_rows import NUM_FIELDS, PreparedColumn, column_rows, served
+
+
+class Placement:
+    """One adapter's placement into the pools of a model: the device writes it makes, flushed once by the caller
+    (`TableWrites`), and the rows prepared for it off the step loop, by pool (`pool_rows.prepare_column`)."""
+
+    def __init__(self, prepared: dict[SlotPool, PreparedColumn] | None = None) -> None:
+        self.writes, self.prepared = TableWrites(), prepared or {}
 
 
 class SlotPool:
@@ -129,10 +129,10 @@ class SlotPool:
         key = storage_key(x, kind)
         mine.add(key)
         hit = keep.get(key) or self._cache.get(key)  # keep first: a storage met twice in one update is copied once
-        if hit is None:
-            dtype = torch.float32 if kind == "vec" else self.dtype
-            y = x if x.device == self.device and x.dtype == dtype and x.is_contiguous() else \
-                x.to(device=self.device, dtype=dtype).contiguous()  # no call into torch when it is as served
+        if hit is None and served(x, kind, self.device, self.dtype):
+            hit = (x, x)  # no call into torch: each would let the adapter loader's thread in (`TableWrites`)
+        elif hit is None:
+            y = x.to(device=self.device, dtype=torch.float32 if kind == "vec" else self.dtype).contiguous()
             if kind == "matB" and y.shape[1] % 8:
                 y = torch.nn.functional.pad(y, (0, -y.shape[1] % 8))
             if y.data_ptr() % 16:  # the kernels are promised 16-byte aligned starts (vectorised loads)
@@ -169,24 +169,31 @@ class SlotPool:
         self._set_facts(facts)
 
     @torch.inference_mode(False)
-    def update_slot(self, slots: Sequence[Sequence[Slots | None]], s: int, writes: TableWrites | None = None) -> None:
+    def update_slot(self, slots: Sequence[Sequence[Slots | None]], s: int, placement: Placement | None = None) -> None:
         """`update` after a change of slot `s` alone (``slots`` holds every slot, `s` already changed). When no other
         slot's group changes with it (`s` represents no other slot, before or after, and the shared group keeps its
         representative), only slot `s`'s rows are rebuilt and copied — its own group's fields, or its row of the
         shared group's m when it joins that group (another VeRA adapter of the same matrices) — and only its old
         device copies dropped: placing an adapter then costs a pool host work that does not grow with the adapters
-        it holds. Any other change of the grouping runs `update`. The slot's rows go to the device through
-        `writes` (flushed by the caller) if given, else now."""
-        facts, alone = pool_facts_slot(self.facts, slots, s, self._facts_memo)
+        it holds. Any other change of the grouping runs `update`. Within a `placement` (flushed by the caller), the
+        rows it prepared for this pool and these slots are taken as they are, and the slot's rows go to the device
+        with the placement's; without one, now."""
+        column = [row[s] for row in slots]
+        ready = None if placement is None else placement.prepared.get(self)
+        if ready is not None and (ready.pool is not self or ready.ids != tuple(map(id, column))):
+            ready = None
+        facts, alone = pool_facts_slot(self.facts, slots, s, self._facts_memo, None if ready is None else ready.facts)
         old, new, shared = self.facts.groups, facts.groups, self.shared_group
         if not alone and (facts.shared_group != shared or s == shared or old[:s] + old[s + 1:] != new[:s] + new[s + 1:]
                           or s in old[:s] + old[s + 1:] or s in new[:s] + new[s + 1:]):
             return self.update(slots)
-        column, group = [row[s] for row in slots], new[s]
-        keep: dict[tuple, tuple[Tensor, Tensor]] = {}
-        mine: set[tuple] = set()
-        out = TableWrites() if writes is None else writes
-        rows, width = self._fill_column(slots, s, group, shared, keep, mine)
+        group = new[s]
+        out = TableWrites() if placement is None else placement.writes
+        if ready is not None and group == s:  # its own group: the rows depend on its slots alone
+            rows, width, keep, mine = ready.rows, ready.width, ready.keep, set(ready.keep)
+        else:
+            keep, mine = {}, set()
+            rows, width = self._fill_column(slots, s, group, shared, keep, mine)
         was, self._widths[s] = self._widths[s], width
         self.h_width = max(self.h_width, width) if width >= was or was < self.h_width else max(max(self._widths), 1)
         if shared >= 0:  # its row of the shared group's m: its own if it is a member, else ones
@@ -206,7 +213,7 @@ class SlotPool:
         self._slot_keys[s] = mine
         for p, row in enumerate(rows):
             out.add(self.table, (p, s), row)
-        if writes is None:
+        if placement is None:
             out.flush()
         self._set_facts(facts)
 
@@ -250,45 +257,6 @@ class SlotPool:
 
     def _fill_column(self, slots: Sequence[Sequence[Slots | None]], s: int, group: int, shared: int, keep: dict,
                      mine: set) -> tuple[list[list[int]], int]:
-        """Slot s's rows [P][NUM_FIELDS]: its own fields; its group's low-rank fields if it represents a group
-        outside the shared one; HAS_LR where its group has a low-rank part. Returns them and the group's h width
-        (0 unless s represents a group). Built as Python lists: a placement writes one tensor, not each field."""
-        rows = [[0] * NUM_FIELDS for _ in range(self.num_proj)]
-        for p, row in enumerate(slots):
-            if row[s] is not None:
-                self._fill_slot(rows[p], row[s], keep, mine)
-            if row[group] is not None and row[group].A is not None:
-                rows[p][F_FLAGS] |= HAS_LR
-        width = self._fill_group(rows, [row[s] for row in slots], keep, mine) if group == s != shared else 0
-        return rows, width
-
-    def _fill_slot(self, row: list[int], sl: Slots, keep: dict, mine: set) -> None:
-        if sl.scale != 1.0:
-            raise ValueError("the slot pool needs folded slots (scale 1): call Slots.folded() first")
-        flags, row[F_ROT] = 0, sl.rot_group
-        for name, field, bit in _VECTORS:
-            x = getattr(sl, name)
-            if x is not None:
-                row[field], flags = self._dev(x, "vec", keep, mine).data_ptr(), flags | bit
-        if sl.t_blocks is not None:
-            tb = self._dev(sl.t_blocks, "mat", keep, mine)
-            row[F_TB], row[F_TBN], row[F_TBB] = tb.data_ptr(), tb.shape[0], tb.shape[-1]
-            flags |= HAS_TB
-        row[F_FLAGS] = flags
-
-    def _fill_group(self, rows: list[list[int]], column: list[Slots | None], keep: dict, mine: set) -> int:
-        """Low-rank fields of one group (rows [P][NUM_FIELDS] at the representative); returns its h width."""
-        width, seen = 0, {}
-        for p, sl in enumerate(column):
-            if sl is None or sl.A is None:
-                continue
-            row, r, a_key = rows[p], sl.A.shape[0], storage_key(sl.A, "mat")
-            b = self._dev(sl.B, "matB", keep, mine)
-            row[F_B], row[F_BLD], row[F_RANK] = b.data_ptr(), b.shape[1], r
-            if a_key in seen:  # the same A as an earlier projection (VeRA's shared A): multiply once
-                row[F_BHOFF] = seen[a_key]
-                continue
-            row[F_A], row[F_ARANK] = self._dev(sl.A, "mat", keep, mine).data_ptr(), r
-            row[F_AHOFF] = row[F_BHOFF] = seen[a_key] = width
-            width += r
-        return width
+        """Slot s's rows and its group's h width (`column_rows`), through the pool's copies."""
+        return column_rows([row[s] for row in slots], [row[group] for row in slots], group == s != shared,
+                           lambda x, kind: self._dev(x, kind, keep, mine))

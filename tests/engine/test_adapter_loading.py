@@ -138,8 +138,8 @@ def test_eviction_and_reload_keep_tokens(oracle, gate, monkeypatch):
     """Two device slots and two CPU-cached adapters for five adapters, twice over: adapters are evicted and
     read and placed again, tokens unchanged."""
     placed, place = [], adapter_manager.place_adapter
-    monkeypatch.setattr(adapter_manager, "place_adapter",
-                        lambda linears, slot, a: (placed.append(a.identity), place(linears, slot, a))[1])
+    monkeypatch.setattr(adapter_manager, "place_adapter", lambda linears, slot, a, prepared: (
+        placed.append(a.identity), place(linears, slot, a, prepared))[1])
     engine = oracle.engine(max_adapters=2, max_cpu_adapters=2)
     prompts, adapters = mixed_requests()
     specs = [None if a is None else oracle.paths[a] for a in adapters]

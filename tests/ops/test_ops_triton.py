@@ -32,7 +32,7 @@ from scute.ops import (  # noqa: E402
 )
 from scute.ops.elementwise import plus  # noqa: E402
 from scute.ops.meta import BLOCK_M, LoraMeta, max_tiles  # noqa: E402
-from scute.ops.pool import F_RANK  # noqa: E402
+from scute.ops.pool_rows import F_RANK  # noqa: E402
 from scute.ops.reference import input_transform_ref  # noqa: E402
 from scute.ops.testing import POPULARITY, random_slots, token_slots, vera_pair  # noqa: E402
 from scute.ops import input_transform as input_transform_mod, launch, shared_delta, shrink as shrink_mod  # noqa: E402

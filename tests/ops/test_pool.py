@@ -73,7 +73,7 @@ def test_step_kinds():
 
 def _decoded(pool: SlotPool) -> list:
     """The table with every pointer replaced by the values it points to (pools built apart differ only there)."""
-    from scute.ops.pool import F_A, F_B, F_C, F_M, F_O, F_O2, F_T, F_TB, F_V
+    from scute.ops.pool_rows import F_A, F_B, F_C, F_M, F_O, F_O2, F_T, F_TB, F_V
 
     by_ptr = {y.data_ptr(): y for _, y in pool._cache.values()}
     out = []
@@ -157,10 +157,10 @@ def test_placing_a_served_slot_calls_torch_for_metadata_only():
     computes (a no-op `.to()` included) hands the loader the interpreter lock, and the step loop waits a switch
     interval to get it back (hundreds of such calls a placement stalled a decode step by 400 ms). Setting a slot
     whose tensors are as the pool serves them (matrices in its dtype, ranks a multiple of 8, vectors in float32)
-    asks torch for metadata only; its rows wait in `TableWrites` until the flush."""
+    asks torch for metadata only; its rows wait in the placement's `TableWrites` until the flush."""
     from torch.overrides import TorchFunctionMode
 
-    from scute.ops.table_writes import TableWrites
+    from scute.ops.pool import Placement
 
     class Calls(TorchFunctionMode):
         def __init__(self):
@@ -188,9 +188,10 @@ def test_placing_a_served_slot_calls_torch_for_metadata_only():
         slots = [[served(8), vera(0), vera(0), None, None], [served(16), vera(1), vera(1), None, None]]
         pool.update(slots)
         slots[0][3], slots[1][3] = placed
-        writes, before, m = TableWrites(), pool.table.clone(), pool.shared_m.clone()
+        placement, before, m = Placement(), pool.table.clone(), pool.shared_m.clone()
+        writes = placement.writes
         with Calls() as calls:
-            pool.update_slot(slots, 3, writes)
+            pool.update_slot(slots, 3, placement)
         assert calls.names <= {"__get__", "data_ptr", "dim", "is_contiguous", "storage_offset", "stride",
                                "untyped_storage"}, calls.names
         assert torch.equal(pool.table, before) and torch.equal(pool.shared_m, m)
@@ -201,3 +202,48 @@ def test_placing_a_served_slot_calls_torch_for_metadata_only():
         fresh.update(slots)
         assert _decoded(pool) == _decoded(fresh) and torch.equal(pool.shared_m, fresh.shared_m)
         assert torch.equal(pool.slot_group, fresh.slot_group) and int(pool.slot_group[3]) == (1 if joins else 3)
+
+
+def test_rows_prepared_off_the_step_loop_place_as_the_slots_do(monkeypatch):
+    """`prepare_adapter` (the adapter loader, as it stages an adapter) computes its rows in every pool from the
+    adapter alone; placing it then takes them as they are (no row is built on the step loop) and leaves the tables
+    a fresh build of the slots gives. Rows prepared for other slots are ignored, and so are slots of a group of
+    shared matrices (VeRA's: its rows depend on the group)."""
+    from types import SimpleNamespace
+
+    from scute.model.hf import place_adapter, prepare_adapter
+    from scute.model.linear import LinearGroup, ScuteLinear, pool_for
+
+    g = torch.Generator().manual_seed(5)
+
+    def served(r: int) -> Slots:
+        return Slots(8, 6, A=torch.randn(r, 8, generator=g), B=torch.randn(6, r, generator=g),
+                     v=torch.rand(6, generator=g))
+
+    members = [ScuteLinear(torch.nn.Linear(8, 6), 4) for _ in range(3)]
+    group, alone = LinearGroup("qkv_proj", members), ScuteLinear(torch.nn.Linear(8, 6), 4)
+    x = torch.zeros(2, 8)
+    group.pool, alone.pool = pool_for(None, x, members), pool_for(None, x, [alone])
+    linears = {"q": members[0], "k": members[1], "v": members[2], "o": alone}
+    built = []
+    fill = SlotPool._fill_column
+    monkeypatch.setattr(SlotPool, "_fill_column", lambda self, *a: built.append(self) or fill(self, *a))
+    pair = (torch.randn(8, 8, generator=g), torch.randn(6, 8, generator=g))
+    vera = Slots(8, 6, A=pair[0], B=pair[1], m=torch.randn(8, generator=g), shared=frozenset({"A", "B"}))
+    one = SimpleNamespace(name="one", layers={"q": served(8), "v": served(16), "o": served(8)})
+    two = SimpleNamespace(name="two", layers={"k": served(8), "o": served(16)})
+    shared = SimpleNamespace(name="vera", layers={"q": vera, "o": served(8)})
+    prepared = prepare_adapter(linears, one)
+    assert set(prepared) == {group.pool, alone.pool}
+    place_adapter(linears, 1, one, prepared)
+    assert built == []  # every row as prepared
+    place_adapter(linears, 2, two, prepared)  # rows prepared for `one`: not these slots
+    assert sorted(map(id, built)) == sorted([id(group.pool), id(alone.pool)])
+    ready = prepare_adapter(linears, shared)
+    assert set(ready) == {alone.pool}
+    place_adapter(linears, 3, shared, ready)
+    assert {id(p) for p in built[2:]} == {id(group.pool)}  # the o pool as prepared; the q/k/v pool rebuilt
+    for pool, slots in ((group.pool, [m.slots for m in members]), (alone.pool, [alone.slots])):
+        fresh = SlotPool(8, pool.out_features, 4, "cpu", torch.float32)
+        fresh.update(slots)
+        assert _decoded(pool) == _decoded(fresh) and pool.facts == fresh.facts and pool.signature == fresh.signature

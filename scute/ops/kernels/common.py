@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from scute.ops import pool as _pool
+from scute.ops import pool_rows as _pool
 
 F_A = tl.constexpr(_pool.F_A)
 F_ARANK = tl.constexpr(_pool.F_ARANK)

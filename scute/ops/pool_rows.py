@@ -1,0 +1,123 @@
+"""A slot's rows of a `SlotPool` table, built on the host as Python lists, and the same rows prepared ahead.
+
+The table layout (`F_*` fields, `HAS_*` flags) is the kernels' contract (`scute.ops.kernels.common`). `column_rows`
+builds slot s's rows [P][NUM_FIELDS] from its slots in each projection, through the pool's `dev` (its device copy
+of a tensor). `prepare_column` builds them off the step loop (the adapter loader, as it stages an adapter): for a
+column that will be its own group and whose tensors are already as the pool serves them, the rows depend on the
+column alone, so a placement then only applies them (`SlotPool.update_slot`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from scute.ops.groups import SlotFacts, _share_key, slot_facts, storage_key
+from scute.ops.slots import Slots
+
+# Table fields (int64 each). Group fields (A, B, ranks, h offsets) are read at the group's representative slot,
+# slot fields (flags, F_ROT, vectors, T) at the slot.
+(F_A, F_ARANK, F_AHOFF, F_B, F_BLD, F_RANK, F_BHOFF, F_ROT,
+ F_FLAGS, F_O, F_O2, F_C, F_V, F_M, F_T, F_TB, F_TBN, F_TBB) = range(18)
+NUM_FIELDS = 18
+# Bits of F_FLAGS: which per-slot vectors are live; HAS_LR: the slot's group has a low-rank part (copied from it).
+HAS_O, HAS_O2, HAS_C, HAS_V, HAS_M, HAS_T, HAS_TB, HAS_LR = 1, 2, 4, 8, 16, 32, 64, 128
+_VECTORS = (("o", F_O, HAS_O), ("o2", F_O2, HAS_O2), ("c", F_C, HAS_C), ("v", F_V, HAS_V), ("m", F_M, HAS_M),
+            ("t", F_T, HAS_T))
+
+Dev = Callable[[Tensor, str], Tensor]  # the pool's copy of a tensor as kind 'vec', 'mat' or 'matB' (`SlotPool._dev`)
+
+
+class PreparedColumn(NamedTuple):
+    """One column's rows computed ahead (`prepare_column`): valid for the pool `pool` and the slots whose ids are
+    `ids`, placed as their own group."""
+
+    pool: object
+    ids: tuple[int, ...]
+    rows: list[list[int]]
+    width: int  # the group's rank rows of h
+    keep: dict[tuple, tuple[Tensor, Tensor]]  # the copies the rows point to, by storage key (the tensors themselves)
+    facts: SlotFacts
+
+
+def served(x: Tensor, kind: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `x` is its own copy in a pool on `device` of matrix `dtype`: the dtype the kind is served in,
+    contiguous, B's rank a multiple of 8, 16-byte aligned (checked without a computing call into torch)."""
+    return (x.device == device and x.dtype == (torch.float32 if kind == "vec" else dtype) and x.is_contiguous()
+            and (kind != "matB" or x.shape[1] % 8 == 0) and x.data_ptr() % 16 == 0)
+
+
+def column_rows(column: Sequence[Slots | None], group_column: Sequence[Slots | None], own_group: bool,
+                dev: Dev) -> tuple[list[list[int]], int]:
+    """Slot s's rows [P][NUM_FIELDS] from its slots in each projection (`column`): its own fields; its group's
+    low-rank fields if it represents a group outside the shared one (`own_group`); HAS_LR where its group (whose
+    representative's column is `group_column`) has a low-rank part. Returns them and the group's h width (0 unless
+    `own_group`)."""
+    rows = [[0] * NUM_FIELDS for _ in column]
+    for row, sl, rep in zip(rows, column, group_column):
+        if sl is not None:
+            fill_slot(row, sl, dev)
+        if rep is not None and rep.A is not None:
+            row[F_FLAGS] |= HAS_LR
+    return rows, fill_group(rows, column, dev) if own_group else 0
+
+
+def fill_slot(row: list[int], sl: Slots, dev: Dev) -> None:
+    if sl.scale != 1.0:
+        raise ValueError("the slot pool needs folded slots (scale 1): call Slots.folded() first")
+    flags, row[F_ROT] = 0, sl.rot_group
+    for name, field, bit in _VECTORS:
+        x = getattr(sl, name)
+        if x is not None:
+            row[field], flags = dev(x, "vec").data_ptr(), flags | bit
+    if sl.t_blocks is not None:
+        tb = dev(sl.t_blocks, "mat")
+        row[F_TB], row[F_TBN], row[F_TBB] = tb.data_ptr(), tb.shape[0], tb.shape[-1]
+        flags |= HAS_TB
+    row[F_FLAGS] = flags
+
+
+def fill_group(rows: list[list[int]], column: Sequence[Slots | None], dev: Dev) -> int:
+    """Low-rank fields of one group (rows [P][NUM_FIELDS] at the representative); returns its h width."""
+    width, seen = 0, {}
+    for row, sl in zip(rows, column):
+        if sl is None or sl.A is None:
+            continue
+        r, a_key = sl.A.shape[0], storage_key(sl.A, "mat")
+        b = dev(sl.B, "matB")
+        row[F_B], row[F_BLD], row[F_RANK] = b.data_ptr(), b.shape[1], r
+        if a_key in seen:  # the same A as an earlier projection (VeRA's shared A): multiply once
+            row[F_BHOFF] = seen[a_key]
+            continue
+        row[F_A], row[F_ARANK] = dev(sl.A, "mat").data_ptr(), r
+        row[F_AHOFF] = row[F_BHOFF] = seen[a_key] = width
+        width += r
+    return width
+
+
+class _NotServed(Exception):
+    pass
+
+
+def prepare_column(pool, column: Sequence[Slots | None]) -> PreparedColumn | None:
+    """`column`'s rows in `pool` as its own group, computed from the column alone (no state of the pool but its
+    device, dtype and size is read: any thread may call it), or None where they are not: slots of a group of
+    shared matrices (VeRA's), or a tensor that is not as the pool serves it (its copy is the pool's to make)."""
+    if len(column) != pool.num_proj or _share_key(list(column)) is not None:
+        return None
+    keep: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+    def dev(x: Tensor, kind: str) -> Tensor:
+        if not served(x, kind, pool.device, pool.dtype):
+            raise _NotServed
+        keep[storage_key(x, kind)] = (x, x)
+        return x
+
+    try:
+        rows, width = column_rows(column, column, True, dev)
+    except _NotServed:
+        return None
+    return PreparedColumn(pool, tuple(map(id, column)), rows, width, keep, slot_facts(column))
