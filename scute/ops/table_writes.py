@@ -43,10 +43,10 @@ class TableWrites:
     def flush(self) -> None:
         rows, copies, self.rows, self.copies = self.rows, self.copies, [], []
         device = next((t.device for t, _, _ in rows + copies), None)
-        if device is None or device.type != "cuda":
+        if device is None or device.type != "cuda":  # through numpy views: no computing call into torch either
             for table, index, values in rows:
                 row, first = (index[:-1], index[-1]) if len(index) == table.dim() else (index, 0)
-                table[row][first:first + len(values)] = torch.tensor(values, dtype=torch.int64)
+                table.numpy()[row][first:first + len(values)] = values
             for table, index, src in copies:
                 table[index] = 1.0 if src is None else src
             return

@@ -29,3 +29,21 @@ def test_resident_bench_fills_every_slot(tmp_path):
     saved = json.loads(out.read_text())
     assert [r["resident"] for r in saved["rows"]] == [4, 24]
     assert all(r["decode_steps"] > 0 for r in result["rows"]) and result["ratio_full_over_few"] > 0
+
+
+def test_place_adapter_bench_runs(tmp_path):
+    """`bench/bench_place_adapter.py` on a 2-layer model, in a process of its own (it runs Triton's CPU tables in
+    the interpreter, which must be set before triton is imported)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "place.json"
+    proc = subprocess.run([sys.executable, "bench/bench_place_adapter.py", "--layers", "2", "--repeats", "3",
+                           "--root", str(tmp_path / "adapters"), "--out", str(out)], cwd=root, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": root, "TRITON_INTERPRET": "1"}, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    saved = json.loads(out.read_text())
+    assert saved["pools"] == saved["prepared_pools"] == 8  # 4 pools a layer, every one prepared
+    assert all(v > 0 for row in saved["ms"].values() for v in row.values())
