@@ -203,6 +203,16 @@ class SlotPool:
         if old[s] != group:
             self._joined += (group != s) - (old[s] != s)
             out.add(self.slot_group, (s,), [group])
+        self._use(s, keep, mine)
+        for p, row in enumerate(rows):
+            out.add(self.table, (p, s), row)
+        if placement is None:
+            out.flush()
+        self._set_facts(facts)
+
+    def _use(self, s: int, keep: dict, mine: set) -> None:
+        """Slot s now uses the copies whose keys are `mine` (`keep`: the copies by key): its old copies that no
+        other slot uses are dropped."""
         self._key_refs.update(mine)
         self._key_refs.subtract(self._slot_keys[s])
         for key in self._slot_keys[s] - mine:
@@ -211,11 +221,6 @@ class SlotPool:
                 self._cache.pop(key, None)
         self._cache.update(keep)
         self._slot_keys[s] = mine
-        for p, row in enumerate(rows):
-            out.add(self.table, (p, s), row)
-        if placement is None:
-            out.flush()
-        self._set_facts(facts)
 
     def _set_facts(self, facts: PoolFacts) -> None:
         self.group_key = None if self._joined == 0 else facts.groups
