@@ -55,7 +55,8 @@ def bucket_of(sizes: Sequence[int], num_seqs: int) -> int | None:
 
 class AdapterLayout:
     """What the graphs of the current adapter placement bake in: `key` (hashable; equal layouts replay the same
-    graphs) and `slot_kinds[s]` (the passes slot s needs in some layer, a bit per `StepKinds` field)."""
+    graphs) and `slot_kinds(s)` (the passes slot s needs in some layer, a bit per `StepKinds` field; worked out for
+    the slots steps use, not for every slot at each placement)."""
 
     def __init__(self, linears: Iterable[ScuteLinear], num_slots: int) -> None:
         units = {}  # the calls a forward makes with adapters: a group with an adapted member, or a lone layer
@@ -71,19 +72,25 @@ class AdapterLayout:
         masks = [0] * len(StepKinds._fields)  # per pass: the slots that need it in some layer
         for p in pools:
             masks = [m | pm for m, pm in zip(masks, p.kind_masks)]
-        self.slot_kinds = [sum((m >> s & 1) << k for k, m in enumerate(masks)) for s in range(num_slots)]
+        self.num_slots, self._masks, self._kinds = num_slots, masks, {}
+
+    def slot_kinds(self, s: int) -> int:
+        kinds = self._kinds.get(s)
+        if kinds is None:
+            kinds = self._kinds[s] = sum((m >> s & 1) << k for k, m in enumerate(self._masks))
+        return kinds
 
     def step_key(self, slots: Iterable[int]) -> int:
         """The passes a step with these token slots needs (−1, the base model, needs none)."""
         key = 0
         for s in set(slots):
             if s >= 0:
-                key |= self.slot_kinds[s]
+                key |= self.slot_kinds(s)
         return key
 
     def active_slots(self, step_key: int) -> ActiveSlots:
         """The slots a graph of `step_key` is captured for: every slot that needs no other pass."""
-        return ActiveSlots([-1] + [s for s, k in enumerate(self.slot_kinds) if k & ~step_key == 0])
+        return ActiveSlots([-1] + [s for s in range(self.num_slots) if self.slot_kinds(s) & ~step_key == 0])
 
 
 class DecodeGraphs:
