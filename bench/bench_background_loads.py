@@ -23,7 +23,6 @@ Run on a GPU: ``PYTHONPATH=. python3 bench/bench_background_loads.py --out backg
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -96,19 +95,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--root", default="/tmp/scute-bench-background")
     p.add_argument("--out", default="background_loads.json")
     args = p.parse_args(argv)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from scute import Engine, SamplingParams
     from scute.engine.adapter_loader import AdapterLoader
 
     if args.switch_interval != "default":
         AdapterLoader.switch_interval = None if args.switch_interval == "none" else float(args.switch_interval)
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
-    cfg = LlamaConfig(**{**(TINY if args.tiny else B.LLAMA3_8B), "num_hidden_layers": args.layers,
-                          "max_position_embeddings": 8192})
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(cfg, torch_dtype=dtype).eval()
+    model = B.random_llama({**(TINY if args.tiny else B.LLAMA3_8B), "num_hidden_layers": args.layers,
+                            "max_position_embeddings": 8192}, device, dtype)
+    cfg = model.config
     running = B.make_adapters(model, "lora", args.batch, os.path.join(args.root, "running"))
     methods = args.methods.split(",")
     count = args.cold * args.rounds
@@ -116,8 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
            for m in methods}
     cold = [per[methods[i % len(methods)]][i // len(methods)] for i in range(count)]
     new_tokens = 64 + args.rounds * (args.steps + args.max_loading_steps)
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * dtype.itemsize  # bytes per token
+    kv = B.kv_bytes_per_token(cfg, dtype.itemsize)
     length = args.prompt + new_tokens + 16
     engine = Engine(model, device=device, dtype=str(dtype).split(".")[1], max_adapters=args.batch + count,
                     max_num_seqs=args.batch, max_model_len=length, max_adapter_rank=256, max_cpu_adapters=2 * count,
@@ -166,10 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
         load_latency_median_ms=1e3 * statistics.median(latency), load_latency_max_ms=1e3 * max(latency),
         rounds=[{k: [[round(1e3 * w, 3), kv] for w, kv in v] if k in ("quiet", "steps") else
                  [round(1e3 * t, 2) for t in v] if k == "latency" else v for k, v in x.items()} for x in rounds])
-    print(json.dumps({k: v for k, v in result.items() if k != "rounds"}, indent=1))
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    return result
+    return B.save(result, args.out, "rounds")
 
 
 if __name__ == "__main__":

@@ -97,6 +97,45 @@ def make_adapters(model, method: str, count: int, root: str, seed: int = 0) -> l
     return paths
 
 
+def random_llama(config: dict, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
+    """A `LlamaForCausalLM` of `config` (a `LlamaConfig`'s fields) with random weights (seed 0), on `device`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaForCausalLM._from_config(LlamaConfig(**config), torch_dtype=dtype).eval()
+
+
+def kv_bytes_per_token(cfg, itemsize: int = 2) -> int:
+    """The KV cache's bytes for one token of `cfg`'s model (keys and values of every layer)."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * itemsize
+
+
+def lora_burst_engine(layers: int, root: str):
+    """The 8B-shaped model of `layers` layers, 64 LoRA r16 folders and an engine for bursts of up to 64 requests of
+    128 + 128 tokens over them, with a `StepClock` and a maker of random 128-token prompts: (engine, paths, clock,
+    prompts)."""
+    from scute import Engine
+
+    model = random_llama({**LLAMA3_8B, "num_hidden_layers": layers})
+    paths = {"lora": make_adapters(model, "lora", 64, root)}
+    engine = Engine(model, device="cuda", dtype="bfloat16", max_adapters=64, max_num_seqs=64, max_model_len=272,
+                    max_adapter_rank=256, max_cpu_adapters=128,
+                    kv_cache_memory_bytes=int(1.2 * 64 * 272 * kv_bytes_per_token(model.config)))
+    g = torch.Generator().manual_seed(0)
+    prompts = lambda n: [torch.randint(0, model.config.vocab_size, (128,), generator=g).tolist()  # noqa: E731
+                         for _ in range(n)]
+    return engine, paths, StepClock(engine), prompts
+
+
+def save(result: dict, out: str, leave_out: str | None = None) -> dict:
+    """Print `result` (but its `leave_out` field) as JSON and write it whole to `out`; returns it."""
+    print(json.dumps({k: v for k, v in result.items() if k != leave_out}, indent=1))
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
 def weight_bytes(model) -> int:
     """Every weight a decode step reads once: all parameters but the input embeddings (a few rows of them)."""
     embed = model.get_input_embeddings().weight
@@ -274,7 +313,7 @@ def main() -> None:
         paths[method] = make_adapters(model, method, count, args.root)
     print(f"adapters written in {time.perf_counter() - t:.0f} s", flush=True)
     w_bytes = weight_bytes(model)
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    kv_per_token = kv_bytes_per_token(cfg)
     max_batch = max(batches)
     t = time.perf_counter()
     budget = {} if args.max_num_batched_tokens is None else dict(max_num_batched_tokens=args.max_num_batched_tokens)

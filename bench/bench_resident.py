@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -57,18 +56,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--root", default="/tmp/scute-bench-resident")
     p.add_argument("--out", default="resident.json")
     args = p.parse_args(argv)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from scute import Engine, SamplingParams
 
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
-    cfg = LlamaConfig(**{**(TINY if args.tiny else B.LLAMA3_8B), "num_hidden_layers": args.layers})
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(cfg, torch_dtype=dtype).eval()
+    model = B.random_llama({**(TINY if args.tiny else B.LLAMA3_8B), "num_hidden_layers": args.layers}, device, dtype)
+    cfg = model.config
     folders = {m: B.make_adapters(model, m, 1, args.root)[0] for m in ("ia3", "vera")}
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * dtype.itemsize  # bytes per token
+    kv = B.kv_bytes_per_token(cfg, dtype.itemsize)
     length = args.prompt + args.new_tokens + 16
     engine = Engine(model, device=device, dtype=str(dtype).split(".")[1], max_adapters=2 * args.per_method,
                     max_num_seqs=args.batch, max_model_len=length, max_adapter_rank=256,
@@ -113,10 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
                   fill_ms_per_adapter=1e3 * fill / len(everything), rows=rows,
                   ratio_full_over_few=full / rows[0]["decode_ms"],
                   ratio_worst=max(r["decode_ms"] for r in rows[1:]) / rows[0]["decode_ms"])
-    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    return result
+    return B.save(result, args.out, "rows")
 
 
 if __name__ == "__main__":

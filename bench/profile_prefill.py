@@ -35,22 +35,10 @@ def main() -> None:
     p.add_argument("--root", default="/tmp/scute-profile-prefill")
     p.add_argument("--trace-dir", default=None)
     args = p.parse_args()
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from scute import Engine, SamplingParams
+    from scute import SamplingParams
     from scute.ops import launch
 
-    cfg = LlamaConfig(**{**B.LLAMA3_8B, "num_hidden_layers": args.layers})
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16).eval()
-    paths = {"lora": B.make_adapters(model, "lora", 64, args.root)}
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
-    engine = Engine(model, device="cuda", dtype="bfloat16", max_adapters=64, max_num_seqs=64, max_model_len=272,
-                    max_adapter_rank=256, max_cpu_adapters=128, kv_cache_memory_bytes=int(1.2 * 64 * 272 * kv_per_token))
-    clock = B.StepClock(engine)
-    g = torch.Generator().manual_seed(0)
-    prompts = lambda n: [torch.randint(0, cfg.vocab_size, (128,), generator=g).tolist() for _ in range(n)]  # noqa: E731
+    engine, paths, clock, prompts = B.lora_burst_engine(args.layers, args.root)
 
     def prefill_times(specs, runs: int):
         before = torch.cuda.memory_stats()
