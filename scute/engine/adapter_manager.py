@@ -248,7 +248,8 @@ class AdapterManager:
     def place(self) -> None:
         """Put the adapters `acquire` gave slots to into them (the engine: after `schedule`, before the step)."""
         for slot, staged in self._placements:
-            place_adapter(self.linears, slot, *((None, None) if staged is None else (staged.use(), staged.prepared)))
+            adapter, prepared = (None, None) if staged is None else (staged.use(), staged.prepared)
+            place_adapter(self.linears, slot, adapter, prepared)
         self._placements.clear()
 
     # ------------------------------------------------------------------ device slots

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from scute.ops.groups import SlotFacts, _share_key, slot_facts, storage_key
+from scute.ops.groups import SlotFacts, slot_facts, storage_key
 from scute.ops.slots import Slots
 
 # Table fields (int64 each). Group fields (A, B, ranks, h offsets) are read at the group's representative slot,
@@ -106,7 +106,10 @@ def prepare_column(pool, column: Sequence[Slots | None]) -> PreparedColumn | Non
     """`column`'s rows in `pool` as its own group, computed from the column alone (no state of the pool but its
     device, dtype and size is read: any thread may call it), or None where they are not: slots of a group of
     shared matrices (VeRA's), or a tensor that is not as the pool serves it (its copy is the pool's to make)."""
-    if len(column) != pool.num_proj or _share_key(list(column)) is not None:
+    if len(column) != pool.num_proj:
+        return None
+    facts = slot_facts(column)
+    if facts.share_key is not None:
         return None
     keep: dict[tuple, tuple[Tensor, Tensor]] = {}
 
@@ -120,4 +123,4 @@ def prepare_column(pool, column: Sequence[Slots | None]) -> PreparedColumn | Non
         rows, width = column_rows(column, column, True, dev)
     except _NotServed:
         return None
-    return PreparedColumn(pool, tuple(map(id, column)), rows, width, keep, slot_facts(column))
+    return PreparedColumn(pool, tuple(map(id, column)), rows, width, keep, facts)

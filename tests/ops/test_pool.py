@@ -129,18 +129,30 @@ def test_update_slot_equals_a_rebuild(monkeypatch):
     assert sum(f is not None for f in alone) >= 10, "the facts from the changed slot's alone, often"
 
 
+def _qkv_and_o(num_slots: int):
+    """A q/k/v group and a lone o projection (8 -> 6) with their pools: (members, group, o, linears by name)."""
+    from scute.model.linear import LinearGroup, ScuteLinear, pool_for
+
+    members = [ScuteLinear(torch.nn.Linear(8, 6), num_slots) for _ in range(3)]
+    group, alone = LinearGroup("qkv_proj", members), ScuteLinear(torch.nn.Linear(8, 6), num_slots)
+    x = torch.zeros(2, 8)
+    group.pool, alone.pool = pool_for(None, x, members), pool_for(None, x, [alone])
+    return members, group, alone, {"q": members[0], "k": members[1], "v": members[2], "o": alone}
+
+
+def _served(r: int, g: torch.Generator, scaled: bool = False) -> Slots:
+    """A LoRA-like slot (8 -> 6) as a float32 pool serves it (rank `r` a multiple of 8), with v; o too if `scaled`."""
+    return Slots(8, 6, A=torch.randn(r, 8, generator=g), B=torch.randn(6, r, generator=g),
+                 v=torch.rand(6, generator=g), o=torch.rand(6, generator=g) if scaled else None)
+
+
 def test_placing_an_adapter_updates_each_pool_once(monkeypatch):
     """`place_adapter` sets a group's members together: the group's pool is updated once, not once per member."""
     from types import SimpleNamespace
 
     from scute.model.hf import place_adapter
-    from scute.model.linear import LinearGroup, ScuteLinear, pool_for
 
-    members = [ScuteLinear(torch.nn.Linear(8, 6), 3) for _ in range(3)]
-    group, alone = LinearGroup("qkv_proj", members), ScuteLinear(torch.nn.Linear(8, 6), 3)
-    x = torch.zeros(2, 8)
-    group.pool, alone.pool = pool_for(None, x, members), pool_for(None, x, [alone])
-    linears = {"q": members[0], "k": members[1], "v": members[2], "o": alone}
+    members, group, alone, linears = _qkv_and_o(3)
     calls = []
     update_slot = SlotPool.update_slot
     monkeypatch.setattr(SlotPool, "update_slot", lambda self, *a: calls.append(self) or update_slot(self, *a))
@@ -172,10 +184,7 @@ def test_placing_a_served_slot_calls_torch_for_metadata_only():
             return func(*args, **(kwargs or {}))
 
     g = torch.Generator().manual_seed(0)
-
-    def served(r: int) -> Slots:
-        return Slots(8, 6, A=torch.randn(r, 8, generator=g), B=torch.randn(6, r, generator=g),
-                     v=torch.rand(6, generator=g), o=torch.rand(6, generator=g))
+    served = lambda r: _served(r, g, scaled=True)  # noqa: E731
 
     pair = [(torch.randn(8, 8, generator=g), torch.randn(6, 8, generator=g)) for _ in range(2)]
 
@@ -212,19 +221,11 @@ def test_rows_prepared_off_the_step_loop_place_as_the_slots_do(monkeypatch):
     from types import SimpleNamespace
 
     from scute.model.hf import place_adapter, prepare_adapter
-    from scute.model.linear import LinearGroup, ScuteLinear, pool_for
 
     g = torch.Generator().manual_seed(5)
+    served = lambda r: _served(r, g)  # noqa: E731
 
-    def served(r: int) -> Slots:
-        return Slots(8, 6, A=torch.randn(r, 8, generator=g), B=torch.randn(6, r, generator=g),
-                     v=torch.rand(6, generator=g))
-
-    members = [ScuteLinear(torch.nn.Linear(8, 6), 4) for _ in range(3)]
-    group, alone = LinearGroup("qkv_proj", members), ScuteLinear(torch.nn.Linear(8, 6), 4)
-    x = torch.zeros(2, 8)
-    group.pool, alone.pool = pool_for(None, x, members), pool_for(None, x, [alone])
-    linears = {"q": members[0], "k": members[1], "v": members[2], "o": alone}
+    members, group, alone, linears = _qkv_and_o(4)
     built = []
     fill = SlotPool._fill_column
     monkeypatch.setattr(SlotPool, "_fill_column", lambda self, *a: built.append(self) or fill(self, *a))
