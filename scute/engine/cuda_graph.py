@@ -9,15 +9,21 @@ the data. So one replay launches the whole forward (224 adapted projections of a
 kernels) for a few microseconds of host time.
 
 What a graph bakes in, and so what keys it:
-* the adapter *layout*: each adapted call's `SlotPool.signature` and kind masks (which slots need which pass).
-  Placing an adapter rewrites only the pools' table contents, which graphs read at replay; a placement that
-  changes a signature (a larger rank, a first OFT adapter in a layer) changes the layout, and the graphs of
+* the adapter *layout*: each adapted call's `SlotPool.signature` (every size and buffer its launches are built
+  from). Placing an adapter rewrites only the pools' table contents, which graphs read at replay; a placement
+  that changes a signature (a larger rank, a first OFT adapter in a layer) changes the layout, and the graphs of
   the old layout are dropped;
 * the step's *kinds*: which of the passes (input transform, shared products, low-rank, epilogue) the step's
   adapters need anywhere (`slot_kinds`), so that a step of base requests replays a graph of plain GEMMs even
   while adapters are resident. A graph is captured with every slot whose kinds are among the key's as the
-  step's active slots (`SlotPool.step_kinds`), so it serves any step whose slots need no other pass;
+  step's active slots, so it serves any step whose slots need no other pass;
 * the bucket.
+
+A graph also records what its calls' plans read of those active slots (each pool's `StepFacts`: which passes
+they need there, whether they are all plain low-rank deltas, which projections have deltas). A placement that
+changes them (a first IA3 adapter among LoRA ones: the LoRA graphs' slots are no longer all plain) makes the
+graph be captured again when a step next needs it; one that does not (a LoRA adapter into a free slot beside
+other LoRA ones: the common case) keeps every graph.
 
 Graphs are captured largest bucket first into one shared memory pool (their intermediates overlap; one runs at
 a time). The base model's graphs are captured at start-up; graphs of other kinds or layouts when a step first
@@ -37,6 +43,7 @@ from tqdm.auto import tqdm
 
 from scute.model.linear import ScuteLinear
 from scute.ops.groups import ActiveSlots
+from scute.ops.plan import step_facts
 from scute.ops.pool import StepKinds
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -54,9 +61,9 @@ def bucket_of(sizes: Sequence[int], num_seqs: int) -> int | None:
 
 
 class AdapterLayout:
-    """What the graphs of the current adapter placement bake in: `key` (hashable; equal layouts replay the same
-    graphs) and `slot_kinds(s)` (the passes slot s needs in some layer, a bit per `StepKinds` field; worked out for
-    the slots steps use, not for every slot at each placement)."""
+    """What the graphs of the current adapter placement bake in: `key` (hashable; graphs of another key are
+    dropped), `graph_key(step_key)` (what a graph of a step key records of its active slots) and `slot_kinds(s)`
+    (the passes slot s needs in some layer, a bit per `StepKinds` field). Each is worked out when first asked."""
 
     def __init__(self, linears: Iterable[ScuteLinear], num_slots: int) -> None:
         units = {}  # the calls a forward makes with adapters: a group with an adapted member, or a lone layer
@@ -67,12 +74,12 @@ class AdapterLayout:
                 units[id(lin)] = lin
         pools = [u.pool for u in units.values()]
         self.complete = None not in pools  # else: an eager step builds the missing pools first
-        pools = [p for p in pools if p is not None]
-        self.key = tuple((p.signature, tuple(p.kind_masks)) for p in pools)
+        self.pools = [p for p in pools if p is not None]
+        self.key = tuple(p.signature for p in self.pools)
         masks = [0] * len(StepKinds._fields)  # per pass: the slots that need it in some layer
-        for p in pools:
+        for p in self.pools:
             masks = [m | pm for m, pm in zip(masks, p.kind_masks)]
-        self.num_slots, self._masks, self._kinds = num_slots, masks, {}
+        self.num_slots, self._masks, self._kinds, self._active, self._graph_keys = num_slots, masks, {}, {}, {}
 
     def slot_kinds(self, s: int) -> int:
         kinds = self._kinds.get(s)
@@ -89,8 +96,30 @@ class AdapterLayout:
         return key
 
     def active_slots(self, step_key: int) -> ActiveSlots:
-        """The slots a graph of `step_key` is captured for: every slot that needs no other pass."""
-        return ActiveSlots([-1] + [s for s in range(self.num_slots) if self.slot_kinds(s) & ~step_key == 0])
+        """The slots a graph of `step_key` is captured for: every slot that needs no other pass, and −1."""
+        active = self._active.get(step_key)
+        if active is None:
+            other = 0  # the slots that need a pass the key has not
+            for k, m in enumerate(self._masks):
+                other |= 0 if step_key >> k & 1 else m
+            active = self._active[step_key] = ActiveSlots(
+                [-1] + [s for s in range(self.num_slots) if not other >> s & 1])
+        return active
+
+    def graph_key(self, step_key: int) -> tuple:
+        """Each pool's `StepFacts` for the active slots of `step_key`: a graph captured under another key would
+        launch other passes than this layout's step does. Worked out once per layout (`rekey`: again)."""
+        key = self._graph_keys.get(step_key)
+        if key is None:
+            active = self.active_slots(step_key)
+            key = self._graph_keys[step_key] = tuple(step_facts(p.facts, active) for p in self.pools)
+        return key
+
+    def rekey(self, step_key: int) -> tuple:
+        """`graph_key` from the pools' facts now (a capture: its key must be that of the facts its plans read,
+        and a placement in progress changes pools' facts before the layout follows: `scute.model.hf.placing`)."""
+        self._graph_keys.pop(step_key, None)
+        return self.graph_key(step_key)
 
 
 class DecodeGraphs:
@@ -103,19 +132,20 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_num_seqs)
         self.pool = torch.cuda.graph_pool_handle()
         self.layout_key: tuple | None = None
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor, tuple]] = {}  # and its graph key
         self.capture_seconds, self.num_captured, self.num_replays = 0.0, 0, 0
 
     def has(self, layout: AdapterLayout, step_key: int, bucket: int) -> bool:
-        """Whether the graph of this layout, step key and bucket is captured."""
+        """Whether the graph of this layout, step key and bucket is captured (under its current graph key)."""
         self._use(layout)
-        return (step_key, bucket) in self.graphs
+        entry = self.graphs.get((step_key, bucket))
+        return entry is not None and entry[2] == layout.graph_key(step_key)
 
     def replay(self, layout: AdapterLayout, step_key: int, bucket: int) -> Tensor:
         """Replay a captured graph over the inputs in the buffers; returns its logits [bucket, vocab] (valid until
         the next replay)."""
         self._use(layout)
-        graph, logits = self.graphs[(step_key, bucket)]
+        graph, logits, _ = self.graphs[(step_key, bucket)]
         graph.replay()
         self.num_replays += 1
         return logits
@@ -128,12 +158,13 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self, layout: AdapterLayout, step_key: int, sizes: Sequence[int], progress: bool = False,
-                ) -> dict[int, tuple[torch.cuda.CUDAGraph, Tensor]]:
-        """Capture the graphs of `sizes` (largest first, into the shared pool) for a step key."""
+                ) -> None:
+        """Capture the graphs of `sizes` (largest first, into the shared pool) for a step key (replacing any
+        captured under another graph key)."""
         self._use(layout)
         start = time.perf_counter()
         active = layout.active_slots(step_key)
-        out = {}
+        key = layout.rekey(step_key)
         for size in tqdm(sorted(sizes, reverse=True), desc="Capturing decode CUDA graphs", unit="graph",
                          disable=not progress, file=sys.stderr):
             self.forward(size, active)  # eager: compiles the kernels, builds missing pools and per-size state
@@ -143,8 +174,7 @@ class DecodeGraphs:
             # default, global, would make those calls fail while this thread captures)
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 logits = self.forward(size, active)
-            out[size] = self.graphs[(step_key, size)] = (graph, logits)
+            self.graphs[(step_key, size)] = (graph, logits, key)
+            self.num_captured += 1
         torch.cuda.synchronize(self.device)
         self.capture_seconds += time.perf_counter() - start
-        self.num_captured += len(out)
-        return out

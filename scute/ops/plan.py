@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from scute.ops.epilogue import epilogue_grid
-from scute.ops.groups import PoolFacts, StepKinds, active_mask, step_kinds
+from scute.ops.groups import PoolFacts, StepKinds, active_mask
 from scute.ops.input_transform import rows_launch, windowed, windows_grid
 from scute.ops.launch import block_r, choose_chunks_per_prog, choose_split_k, config, rows_half_n
 from scute.ops.lora_delta import rows_grid, tiles_grid
@@ -142,6 +142,29 @@ class Plan(NamedTuple):
         return len(self.kernel_launches(captured)) + self.gemms + products + zeros
 
 
+class StepFacts(NamedTuple):
+    """What `plan` reads of a pool's slots for a step, beyond what `SlotPool.signature` holds (`step_facts`): two
+    steps of equal sizes over a pool of one signature with equal `StepFacts` have equal plans, so a CUDA graph
+    captured for one replays the other (`scute.engine.cuda_graph`)."""
+
+    kinds: StepKinds  # the passes the step's slots need here
+    base: bool  # a token of the step may have no adapter (−1 among its slots, or its slots unknown)
+    plain: bool  # its slots are known, and each with something here is a plain low-rank delta
+    adds: tuple[bool, ...]  # projection p: some slot of the step has A there (all False unless `plain`)
+    partial: bool  # some slot of the step has no A in a projection that has deltas (False unless `plain`)
+
+
+def step_facts(facts: PoolFacts, active_slots: Collection[int] | None) -> StepFacts:
+    """The `StepFacts` of a step whose tokens use only `active_slots` (None: any slot)."""
+    mask = active_mask(active_slots)
+    kinds = StepKinds(*(mask & m != 0 for m in facts.kind_masks))
+    base = active_slots is None or -1 in active_slots
+    if active_slots is None or mask & ~facts.plain_mask & (facts.kind_masks.input_transform | facts.kind_masks.expand):
+        return StepFacts(kinds, base, False, (False,) * len(facts.lowrank_masks), False)
+    return StepFacts(kinds, base, True, tuple(mask & m != 0 for m in facts.lowrank_masks),
+                     any(mask & m not in (0, mask) for m in facts.lowrank_masks))
+
+
 def plan(facts: PoolFacts, num_tokens: int, in_features: int, num_tiles: int, device: torch.device,
          active_slots: Collection[int] | None = None, merged: bool = False, half_n: int | None = None,
          block_k: int | None = None, tile_half_n: int | None = None, block_m: int = BLOCK_M,
@@ -149,11 +172,13 @@ def plan(facts: PoolFacts, num_tokens: int, in_features: int, num_tiles: int, de
     """The plan of a call over `num_tokens` tokens of `in_features` inputs cut into `num_tiles` tiles of up to
     `block_m` tokens (the `LoraMeta`'s), for a step whose tokens use only `active_slots` (None: any); `merged`:
     merged weights are given; `half_n`, `block_k`, `tile_half_n` as in `scute_linears_triton` (None: the launch
-    configuration); `consumer_adds`: the caller adds plain low-rank deltas itself (`DeferPlan`)."""
-    kinds = step_kinds(facts.kind_masks, active_slots)
+    configuration); `consumer_adds`: the caller adds plain low-rank deltas itself (`DeferPlan`). Of the slots it
+    reads only their `StepFacts`; of the pool, what its signature holds."""
+    step = step_facts(facts, active_slots)
+    kinds = step.kinds
     inputs = InputPlan(windowed(num_tokens, facts.block_b)) if kinds.input_transform else None
-    fold = _fold_plan(facts, kinds, num_tokens, active_slots)
-    defer = _defer_plan(facts, kinds, num_tokens, active_slots) if consumer_adds and fold is None else None
+    fold = _fold_plan(step, num_tokens)
+    defer = _defer_plan(step, num_tokens) if consumer_adds and fold is None else None
     merged_gemm = merged and inputs is None and fold is None
     shared = lowrank = epilogue = None
     if kinds.expand:
@@ -166,41 +191,28 @@ def plan(facts: PoolFacts, num_tokens: int, in_features: int, num_tiles: int, de
                 epilogue, facts, num_tokens, in_features, num_tiles, device, fold, defer)
 
 
-def _fold_plan(facts: PoolFacts, kinds: StepKinds, num_tokens: int,
-               active_slots: Collection[int] | None) -> FoldPlan | None:
-    """The fold (`FoldPlan`), if the step's slots are known and allow it: plain deltas only, every row written."""
-    if num_tokens < config().fold_min_tokens or (active_slots is not None and -1 in active_slots):
+def _fold_plan(step: StepFacts, num_tokens: int) -> FoldPlan | None:
+    """The fold (`FoldPlan`), if the step's slots allow it: plain deltas only (no shared group's), every row
+    written, no base token."""
+    if num_tokens < config().fold_min_tokens or step.base or not _plain(step) or step.partial:
         return None
-    plain = _plain_deltas(facts, kinds, active_slots)
-    return None if plain is None or plain[1] else FoldPlan(plain[0])
+    return FoldPlan(step.adds)
 
 
-def _defer_plan(facts: PoolFacts, kinds: StepKinds, num_tokens: int,
-                active_slots: Collection[int] | None) -> DeferPlan | None:
-    """The deferral (`DeferPlan`), if the step's slots are known and allow it. A one-token call with a low-rank
-    pass has an adapter token (a graph's slots list −1 for padding rows, which a one-token bucket has none of):
-    its rows need zeros only where its slot has no A."""
-    plain = _plain_deltas(facts, kinds, active_slots) if num_tokens <= config().defer_max_tokens else None
-    if plain is None:
+def _defer_plan(step: StepFacts, num_tokens: int) -> DeferPlan | None:
+    """The deferral (`DeferPlan`), if the step's slots allow it. A one-token call with a low-rank pass has an
+    adapter token (a graph's slots list −1 for padding rows, which a one-token bucket has none of): its rows need
+    zeros only where its slot has no A."""
+    if num_tokens > config().defer_max_tokens or not _plain(step):
         return None
-    adds, partial = plain
-    return DeferPlan(adds, partial or (-1 in active_slots and num_tokens > 1))
+    return DeferPlan(step.adds, step.partial or (step.base and num_tokens > 1))
 
 
-def _plain_deltas(facts: PoolFacts, kinds: StepKinds,
-                  active_slots: Collection[int] | None) -> tuple[tuple[bool, ...], bool] | None:
-    """Where a step's deltas land when every slot of the step with something in this pool is a plain low-rank
-    delta (a slot of the shared group, whose products write d apart, is not; a slot with nothing here, e.g. an
-    empty one among a graph's, does not count): each projection's has-deltas, and whether some slot of the step
-    has no A in a projection that has deltas (its tokens' rows there are not written). None: another step, or its
-    slots unknown."""
-    if active_slots is None or not kinds.lowrank or kinds.shared:
-        return None
-    mask = active_mask(active_slots)
-    if mask & ~facts.plain_mask & (facts.kind_masks.input_transform | facts.kind_masks.expand):
-        return None
-    return (tuple(mask & m != 0 for m in facts.lowrank_masks),
-            any(mask & m not in (0, mask) for m in facts.lowrank_masks))
+def _plain(step: StepFacts) -> bool:
+    """Every slot of the step with something in this pool is a plain low-rank delta (a slot of the shared group,
+    whose products write d apart, is not; a slot with nothing here, e.g. an empty one among a graph's, does not
+    count), and the step has a low-rank pass."""
+    return step.plain and step.kinds.lowrank and not step.kinds.shared
 
 
 def _lowrank_plan(facts: PoolFacts, num_tokens: int, in_features: int, num_tiles: int, half_n: int | None,

@@ -90,3 +90,33 @@ def test_decode_inputs_padded_to_the_bucket():
     used = runner._mirrors[0]
     runner._pad_inputs(4)
     assert runner._mirrors[0] is not used and runner._mirrors[1] is used
+
+
+def test_graph_key_follows_what_the_plans_read():
+    """A LoRA adapter placed into a free slot beside another keeps the layout and the LoRA graphs' key (their
+    plans are unchanged: graphs stay); an IA3 one, whose slot joins the LoRA graphs' active slots but is not a
+    plain low-rank delta, changes the key (a LoRA step's plan would now run the epilogue) and so does every plan
+    that differs."""
+    from scute.ops.plan import plan
+
+    model = tiny_model()
+    linears = swap_linears(model, max_adapters=4)
+    q = linears["model.layers.0.self_attn.q_proj"]
+    torch.manual_seed(0)
+    q.set_slot(1, random_slots("lora", q.in_features, q.out_features, rank=4))
+    q.group.pool = SlotPool(q.in_features, q.group.out_features, 4, "cpu", torch.float32)
+    q.group.pool.update([m.slots for m in q.group.members])
+
+    def state():
+        layout = AdapterLayout(linears.values(), 4)
+        key = layout.step_key([1])
+        plans = [plan(q.group.pool.facts, n, q.in_features, 1, torch.device("cpu"), layout.active_slots(key),
+                      consumer_adds=True)._replace(facts=None) for n in (1, 2, 64)]
+        return layout.key, layout.graph_key(key), plans
+
+    before = state()
+    q.set_slot(3, random_slots("lora", q.in_features, q.out_features, rank=4))
+    assert state() == before
+    q.set_slot(0, random_slots("ia3", q.in_features, q.out_features))
+    after = state()
+    assert after[0] == before[0] and after[1] != before[1] and after[2] != before[2]

@@ -68,3 +68,29 @@ def test_graphs_follow_adapter_placements(oracle):
         assert got == want, pair
     graphs = graphed.runner.graphs
     assert graphs.num_replays > 0 and graphs.num_captured > len(graphs.sizes)  # captured again after placements
+
+
+def test_placements_that_keep_the_plans_keep_the_graphs(oracle, tmp_path):
+    """LoRA adapters placed into free slots beside a LoRA adapter's graphs replay those graphs (nothing is
+    captured again); an IA3 adapter joining them changes what the LoRA graphs' plans read, and its batch is
+    captured again. Every batch's tokens equal the eager engine's."""
+    from tests.helpers import FIVE_METHODS, make_adapter
+
+    paths = [oracle.paths["lora"]]
+    for seed in (1, 2):
+        paths.append(str(tmp_path / f"lora-{seed}"))
+        make_adapter(paths[-1], FIVE_METHODS["lora"](), "llama", seed=seed)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = mixed_requests()[0][:4]
+    graphed = oracle.engine(device="cuda", max_adapters=4)
+    eager = oracle.engine(device="cuda", max_adapters=4, enforce_eager=True)
+    captured = []
+    for batch in ([paths[0]], [paths[0], paths[1]], [paths[1], paths[2]], [paths[2], oracle.paths["ia3"]]):
+        specs = [batch[i % len(batch)] for i in range(len(prompts))]
+        for engine in (graphed, eager):  # placed first, as `_run` does: the batches, and so the rounding, match
+            engine.generate([prompts[0]] * len(batch), SamplingParams(max_tokens=1), batch, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, specs, use_tqdm=False)]
+        want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, specs, use_tqdm=False)]
+        assert got == want, batch
+        captured.append(graphed.runner.graphs.num_captured)
+    assert captured[0] == captured[1] == captured[2] < captured[3], captured
