@@ -9,9 +9,10 @@ LoRA r16 adapters decode ``--prompt`` + many tokens (greedy, ``ignore_eos``). Ad
 Quiet phase: the wall time of ``--steps`` decode steps (`Engine.step`) with nothing loading. Loading phase: every
 ``--interval`` seconds one cold adapter is asked for as a request's arrival asks for it (`AdapterManager.prefetch`
 with a stand-in waiting request: the loader thread reads, converts and copies it to the device); once it is
-staged (`ready`) it is given a free slot (`acquire`, then `release`: the next step places it, between steps, as a
-request's admission would) — so every loading-phase step is a decode step of the same requests, and the steps
-that place an adapter are among them. Both phases alternate ``--rounds`` times. Reports the quiet median, the
+staged, `ready` gives it a free slot and begins its placement, which the next steps advance while the device runs
+(`Placer`), as for a request's adapter; the stand-in request is then done with it (`acquire`, `release`) — so
+every loading-phase step is a decode step of the same requests, and the steps that place an adapter (those that
+begin with a placement in progress) are among them. Both phases alternate ``--rounds`` times. Reports the quiet median, the
 loading phase's median / p90 / p99 / max, p99 over the quiet median, the placement steps' median, and each load's
 latency (asked → placed). The ratios: p99 over the quiet median, and (the figure) p99 of each loading step's time
 over the quiet steps' linear fit in their KV tokens at its own (the context grows as the phases run, and a decode
@@ -59,14 +60,13 @@ def loading_phase(engine, cold: list[str], args) -> dict:
             asked[req] = now
             manager.prefetch(req)
             waiting.append(req)
-        ready = [r for r in waiting if manager.ready(r)]
-        for req in ready:  # a slot now; the step below places it
+        for req in [r for r in waiting if manager.ready(r)]:  # placed (`ready` began the placement once staged)
             waiting.remove(req)
             manager.acquire(req.adapter)
             manager.release(req.adapter)
             latency.append(time.perf_counter() - start - asked[req])
+        placing.append(manager.placer.busy)
         steps.append(timed_step(engine))
-        placing.append(bool(ready))
         if len(steps) > args.max_loading_steps:
             raise RuntimeError(f"loads did not finish in {len(steps)} steps ({len(waiting) + len(todo)} to go)")
     return dict(steps=steps, placing=placing, latency=latency)

@@ -52,12 +52,18 @@ class AdapterCheckpoint:
 
     def tensors_on(self, device: torch.device) -> dict[str, Tensor]:
         """The tensors on `device`: views of one copy of the file's buffer (one transfer, non-blocking from pinned
-        memory, on the current stream), each tensor that is not a view of it copied alone."""
-        if device.type == "cpu" or not self.tensors:
+        memory, on the current stream), each tensor that is not a view of it copied alone. On the CPU the tensors
+        themselves, or views of a pageable copy where the buffer is pinned: what a converter returns from them
+        may be kept for long (the CPU tier), and pinned memory kept is pinned memory allocated again for the next
+        file, whose allocation holds a lock of the CUDA driver that stalls every other thread's CUDA calls (the
+        step loop's launches) while it runs; a pinned buffer released is reused for the next file instead."""
+        if not self.tensors or (device.type == "cpu" and (self.buffer is None or not self.buffer.is_pinned())):
             return self.tensors
         if self.buffer is None:
             return {k: x.to(device) for k, x in self.tensors.items()}
-        moved, ptr = self.buffer.to(device, non_blocking=True), self.buffer.untyped_storage().data_ptr()
+        ptr = self.buffer.untyped_storage().data_ptr()
+        moved = torch.empty(self.buffer.shape, dtype=self.buffer.dtype).copy_(self.buffer) if device.type == "cpu" \
+            else self.buffer.to(device, non_blocking=True)
         return {k: _view(moved, x) if x.untyped_storage().data_ptr() == ptr else x.to(device)
                 for k, x in self.tensors.items()}
 
@@ -79,7 +85,8 @@ def read_checkpoint(path: str | os.PathLike, allow_pickle: bool = False, pin_mem
                     ) -> AdapterCheckpoint:
     """Read a PEFT adapter folder. Pickled ``adapter_model.bin`` files are refused unless `allow_pickle`
     (then loaded with ``torch.load(weights_only=True)``). `pin_memory`: read the weights into pinned memory
-    (for a CUDA target: `AdapterCheckpoint.tensors_on` then copies them without staging)."""
+    (for a CUDA target: `AdapterCheckpoint.tensors_on` then copies them without staging; keep neither the
+    checkpoint nor views of its buffer, so that the memory is reused for the next file)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise AdapterError(f"adapter {path}: no such folder (expected a PEFT folder with {CONFIG})")

@@ -28,6 +28,30 @@ import torch
 
 from scute.adapters import Adapter
 from scute.adapters.adapter import SharedMemo
+from scute.engine.request import Request
+
+
+@dataclass(eq=False)
+class PendingAdapter:
+    """`Request.adapter` while the request's adapter folder is being read; `AdapterManager.ready` swaps in the
+    loaded one."""
+
+    name: str
+    path: str
+    key: tuple  # (folder, its files' signature): the CPU cache's key
+    adapter: Adapter | None = None  # once loaded
+    error: str | None = None  # once failed
+    invocation_tokens = None  # unknown before the read: `ready` sets the request's aLoRA gate when it binds
+
+
+@dataclass(eq=False)
+class Load:
+    """A load waiting requests asked for (`AdapterManager`): its source, and its future once given to the loader."""
+
+    source: str | Adapter  # a folder to read, or an adapter on the CPU to copy to the device
+    pending: PendingAdapter | None = None
+    waiters: set[Request] = field(default_factory=set)
+    future: Future | None = None  # None: queued
 
 
 @dataclass(eq=False)
@@ -85,13 +109,15 @@ class AdapterLoader:
 
     def host_and_device(self, adapter: Adapter, memo: SharedMemo) -> tuple[Adapter, Adapter | None]:
         """A converted adapter as the CPU tier keeps it, and its device copy if the conversion made one. One
-        converted on the GPU (where W0 is) is cast there to the serving dtype, and the CPU tier gets a pinned copy
-        of that (one transfer back, landed on return); one converted on the CPU is kept as it is (None: `move`
-        copies it)."""
+        converted on the GPU (where W0 is) is cast there to the serving dtype, and the CPU tier gets a copy of
+        that in pageable memory (one transfer back, landed on return); one converted on the CPU is kept as it is
+        (None: `move` copies it). Nothing the CPU tier keeps is pinned: allocating pinned memory holds a lock of
+        the CUDA driver that stalls the step loop's CUDA calls for as long as the pages take to pin (tens of ms
+        for an 8B model's LoRA), and memory kept would be allocated anew for every load."""
         if not any(x.is_cuda for s in adapter.layers.values() for x in s.tensors().values()):
             return adapter, None
         on_device = self.to_device(adapter, memo)
-        host = on_device.to(device="cpu", memo=memo, pin_memory=True)
+        host = on_device.to(device="cpu", memo=memo)
         torch.cuda.current_stream(self.device).synchronize()
         return host, on_device
 

@@ -1,21 +1,22 @@
 """`AdapterManager`: loaded adapters in CPU memory, the `max_adapters` device slots they are served from, and
-the loads that fill both off the step loop.
+the loads and placements that fill both off the step loop.
 
 Two tiers. CPU: adapters named with `load_named` (kept until `unload`) and adapters loaded by path (an LRU of
 `max_cpu_adapters`, keyed by the folder and its files' size and mtime, so an edited folder is read again). Device:
 slot i of every `ScuteLinear` holds one adapter, keyed by its *content identity*; a slot in use by a running
 request is pinned, an unused one keeps its adapter until the least recently used is evicted for a new one.
 
-Loads. A request's adapter is *ready* when it sits in a device slot or a device copy of it is *staged*. The rest
-runs on the loader thread (`AdapterLoader`): a folder not in the CPU cache is read, validated and converted there
-(the request meanwhile holds a `PendingAdapter`) — on a GPU the methods that can convert on it where W0 is, the
-CPU tier then keeping a pinned copy — and every adapter reaches the device there, matrices in the serving dtype.
-The scheduler asks for a load on arrival (`prefetch`) and when it finds a request not ready (`ready`: it waits,
-others pass it); loads start in the arrival order of the earliest request waiting for each, at most
-`MAX_PREFETCH` in progress or staged at once. `acquire` only gives a ready adapter a slot; the engine fills it
-between steps (`place`) and takes the loader's results (`poll`): a failed load finishes the requests waiting for
-it, alone, with the message the synchronous load raises. Only `load_named` (and `get_by_path`) read on the
-caller's thread, and raise to it.
+Loads. A request's adapter is *ready* when its placement in a device slot has ended. The loader thread
+(`AdapterLoader`) reads, validates and converts a folder not in the CPU cache (the request meanwhile holds a
+`PendingAdapter`; on a GPU the methods that can convert there, where W0 is, the CPU tier then keeping a pageable
+copy) and copies every adapter to the device, matrices in the serving dtype: it is *staged*. The scheduler asks
+for a load on arrival (`prefetch`) and when it finds a request not ready (`ready`: it waits, others pass it);
+loads start in the arrival order of the earliest request waiting for each, at most `MAX_PREFETCH` in progress or
+staged at once. `ready` gives a staged adapter a slot and begins its placement, which the engine advances while
+the device runs the step in flight (`place`, `Placer`); `acquire` pins a placed adapter for a request. The
+engine takes the loader's results between steps (`poll`): a failed load finishes the requests waiting for it,
+alone, with the message the synchronous load raises. Only `load_named` (and `get_by_path`) read on the caller's
+thread, and raise to it.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ import itertools
 import os
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -34,33 +34,14 @@ from torch import nn
 from scute.adapters import Adapter, AdapterError, load_adapter, read_checkpoint
 from scute.adapters.checkpoint import files_signature
 from scute.adapters.adapter import SharedMemo
-from scute.engine.adapter_loader import AdapterLoader, Staged
+from scute.engine.adapter_loader import AdapterLoader, Load, PendingAdapter, Staged
 from scute.engine.adapter_memory import AdapterMemory
+from scute.engine.adapter_placer import Placer
 from scute.engine.request import Request, RequestStatus
-from scute.model.hf import place_adapter, prepare_adapter
+from scute.model.hf import prepare_adapter
 from scute.model.linear import ScuteLinear
 
 MAX_PREFETCH = 4  # adapter loads in progress or staged on the device (waiting for a slot), at most
-
-
-@dataclass(eq=False)
-class PendingAdapter:
-    """`Request.adapter` while the request's adapter folder is being read; `ready` swaps in the loaded one."""
-
-    name: str
-    path: str
-    key: tuple  # (folder, its files' signature): the CPU cache's key
-    adapter: Adapter | None = None  # once loaded
-    error: str | None = None  # once failed
-    invocation_tokens = None  # unknown before the read: `ready` sets the request's aLoRA gate when it binds
-
-
-@dataclass(eq=False)
-class _Load:
-    source: str | Adapter  # a folder to read, or an adapter on the CPU to copy to the device
-    pending: PendingAdapter | None = None
-    waiters: set[Request] = field(default_factory=set)
-    future: Future | None = None  # None: queued
 
 
 class AdapterManager:
@@ -83,12 +64,13 @@ class AdapterManager:
         self.dtype = next((m.weight.dtype for m in linears.values()), torch.float32)  # the device slots' matrices
         self.loader = AdapterLoader(device, self.dtype, prepare=lambda adapter: prepare_adapter(linears, adapter))
         self.memory = AdapterMemory(memory_bytes, self.dtype)
-        self._loads: dict[tuple, _Load] = {}  # ("path", folder, signature) or ("move", identity) -> its load
+        self._loads: dict[tuple, Load] = {}  # ("path", folder, signature) or ("move", identity) -> its load
         self._queue: list[tuple[int, int, tuple]] = []  # heap of (arrival of a waiting request, seq, load key)
         self._seq = itertools.count()
         self._started: list[tuple] = []  # keys of the loads given to the loader, not polled yet
         self._staged: dict[str, tuple[Staged, set[Request]]] = {}  # identity -> device copy, requests waiting
-        self._placements: list[tuple[int, Staged | None]] = []  # slots `acquire` fills or empties, for `place`
+        self.placer = Placer(linears)  # the placements `ready` began, advanced by `place`
+        self._placing: set[str] = set()  # identities in a slot whose placement has not ended
         self._failed: list[tuple[Request, str]] = []
 
     # ------------------------------------------------------------------ CPU tier
@@ -134,7 +116,7 @@ class AdapterManager:
             return cached
         if not key[1]:  # nothing to read: the read fails at once, with its own message
             read_checkpoint(path)
-        load = self._loads.setdefault(("path", *key), _Load(path, PendingAdapter(os.path.basename(path), path, key)))
+        load = self._loads.setdefault(("path", *key), Load(path, PendingAdapter(os.path.basename(path), path, key)))
         return load.pending
 
     def _cached(self, key: tuple, name: str | None) -> Adapter | None:
@@ -153,8 +135,9 @@ class AdapterManager:
 
     # ------------------------------------------------------------------ loads (the scheduler and the engine)
     def ready(self, req: Request) -> bool:
-        """Whether a waiting request's adapter can be given a slot now (placed, or staged); if not, its load is
-        asked for (the request waits for it) and False returned."""
+        """Whether a waiting request's adapter can be given a slot now: placed, or staged with no slot to be had
+        (the scheduler then finds it cannot activate); if not, its load or its placement (`place`) is begun
+        and False returned: the request waits for its adapter alone."""
         adapter = req.adapter
         if isinstance(adapter, PendingAdapter):
             if adapter.adapter is None:
@@ -165,20 +148,23 @@ class AdapterManager:
                 return False
             adapter = req.bind_adapter(adapter.adapter)
         if adapter is None or adapter.identity in self._slots:
-            return True
+            return adapter is None or adapter.identity not in self._placing
         if error := self.memory.too_large(adapter):
             self._failed.append((req, f"AdapterError: {error}"))
             return False
         if adapter.identity in self._staged:
             self._staged[adapter.identity][1].add(req)
-            return True
+            if not self.can_activate(adapter):
+                return True
+            self._begin(adapter)
+            return False
         self._want(("move", adapter.identity), adapter, req)
         return False
 
     prefetch = ready  # on arrival: a cold adapter starts loading while the requests ahead of it run
 
     def _want(self, key: tuple, source: str | Adapter, req: Request) -> None:
-        load = self._loads.setdefault(key, _Load(source))
+        load = self._loads.setdefault(key, Load(source))
         if req not in load.waiters:
             load.waiters.add(req)
             if load.future is None:
@@ -245,12 +231,16 @@ class AdapterManager:
             self.loader.wait_any(timeout)
         return True
 
-    def place(self) -> None:
-        """Put the adapters `acquire` gave slots to into them (the engine: after `schedule`, before the step)."""
-        for slot, staged in self._placements:
-            adapter, prepared = (None, None) if staged is None else (staged.use(), staged.prepared)
-            place_adapter(self.linears, slot, adapter, prepared)
-        self._placements.clear()
+    def place(self, more: Callable[[], bool] = lambda: True) -> bool:
+        """Advance the placements `ready` began (the engine: after `schedule`): a slot pool's, then more while
+        ``more()`` (the device still runs the step in flight: `Placer`); whether there were any. An adapter whose
+        placement ends is ready: unused until a request acquires it."""
+        if not self.placer.busy:
+            return False
+        for adapter in self.placer.run(more):
+            self._placing.discard(adapter.identity)
+            self.release(adapter)
+        return True
 
     # ------------------------------------------------------------------ device slots
     def can_activate(self, adapter: Adapter | None) -> bool:
@@ -260,26 +250,35 @@ class AdapterManager:
             len(self._refs) < self.max_adapters and self.memory.fits(adapter, self.memory.pinned))
 
     def acquire(self, adapter: Adapter | None) -> int:
-        """Pin a ready adapter in a device slot (giving it one: `place` fills it); returns the slot (−1 = base)."""
+        """Pin a placed adapter in its device slot for a request; returns the slot (−1 = base)."""
         if adapter is None:
             return -1
         ident = adapter.identity
-        staged, _ = self._staged.pop(ident, (None, None))
-        if ident in self._slots:
-            self._unused.pop(ident, None)
-        else:
-            if staged is None:
-                raise RuntimeError(f"adapter {adapter.name!r} is not on the device: acquire only a ready one")
-            emptied = []  # evicted for memory (can_activate() guarantees enough can be), then for a slot
-            while not self.memory.fits(adapter, self.memory.held):
-                emptied.append(self._evict())
-            slot = self._slots.index(None) if None in self._slots else self._evict()
-            self._placements += [(s, None) for s in emptied if s != slot] + [(slot, staged)]
-            self._slots[slot] = ident
-            self.memory.hold(adapter)
+        if ident not in self._slots or ident in self._placing:
+            raise RuntimeError(f"adapter {adapter.name!r} is not in a device slot: acquire only a ready one")
+        self._unused.pop(ident, None)
         self._refs[ident] = self._refs.get(ident, 0) + 1
         self.memory.pin(adapter)
         return self._slots.index(ident)
+
+    def _begin(self, adapter: Adapter) -> None:
+        """Give a staged adapter a slot, evicting unused adapters for memory, then for the slot (`can_activate`
+        guarantees enough can be), and begin its placement; it counts as in use until the placement ends."""
+        ident = adapter.identity
+        staged, _ = self._staged.pop(ident)
+        emptied = []
+        while not self.memory.fits(adapter, self.memory.held):
+            emptied.append(self._evict())
+        slot = self._slots.index(None) if None in self._slots else self._evict()
+        for s in emptied:
+            if s != slot:
+                self.placer.add(s, None)
+        self.placer.add(slot, staged)
+        self._slots[slot] = ident
+        self._placing.add(ident)
+        self.memory.hold(adapter)
+        self._refs[ident] = 1
+        self.memory.pin(adapter)
 
     def _evict(self) -> int:
         """Empty the slot of the least recently used unused adapter; returns the slot."""

@@ -176,7 +176,7 @@ class Engine:
         done, self._reported = self._reported, []
         done += self.adapters.poll(self.scheduler.finish)  # adapters loaded meanwhile; failed loads fail their requests
         sched = self.scheduler.schedule()
-        self.adapters.place()  # the adapters given slots go there now, between steps
+        placed = self.adapters.place(lambda: self._in_flight is None or not self._in_flight.event.query())  # `Placer`
         self.stats["preemptions"] += len(sched.preempted)
         sampling = [req for req, n in sched.scheduled if req.num_computed_tokens + n == req.num_tokens]
         land_first = self.tp is not None or any(r.num_pending and r.sampling_params.has_penalties for r in sampling)
@@ -190,7 +190,7 @@ class Engine:
                 flight = self.runner.launch(sched, sampling, None)
         if sched.scheduled:
             landed += self._run(sched, sampling, flight)
-        elif not landed:
+        elif not landed and not placed:
             done += self._fail_unschedulable()
         done += [r for r in landed if r.is_finished]
         progressed = [r for r in landed if not r.is_finished] if stream else []

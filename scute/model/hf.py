@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from torch import nn
 
@@ -44,16 +44,36 @@ def place_adapter(linears: dict[str, ScuteLinear], index: int, adapter: Adapter 
                   prepared: dict[SlotPool, PreparedColumn] | None = None) -> None:
     """Put `adapter`'s slots in slot `index` of every layer (layers it does not adapt get None); None empties the
     slot. `prepared`: its rows computed ahead for the pools (`prepare_adapter`), taken where they still apply."""
+    for _ in placing(linears, index, adapter, prepared):
+        pass
+
+
+def placing(linears: dict[str, ScuteLinear], index: int, adapter: Adapter | None,
+            prepared: dict[SlotPool, PreparedColumn] | None = None) -> Iterator[None]:
+    """`place_adapter` a slot pool at a time, yielding after each: steps may run between two as long as no token
+    uses slot `index` until it is exhausted. What it did takes effect at its end, at once: every pool's device
+    rows in one copy (`Placement`), and the layers' versions, which CUDA graphs follow; or after a pool whose
+    signature changed, before any step (a graph of the old one may read a buffer the pool replaced)."""
     layers = {} if adapter is None else adapter.layers
     if missing := set(layers) - set(linears):
         raise ValueError(f"adapter {adapter.name!r} adapts {min(missing)}, which is not a ScuteLinear here")
-    placement = Placement(prepared)  # every pool's device rows in one copy to the device
+    placement = Placement(prepared)
     for linear, group, names in _pools(linears):
         if group is None:
             linear.set_slot(index, layers.get(names[0]), placement)
         else:  # each group once, its pool updated once for all its members
             group.set_slot(index, [layers.get(n) for n in names], placement)
+        if placement.resigned:
+            _apply(placement)
+            placement = Placement(prepared)
+        yield
+    _apply(placement)
+
+
+def _apply(placement: Placement) -> None:
     placement.writes.flush()
+    for linear in placement.touched:
+        vars(linear)["version"] += 1  # past `nn.Module.__setattr__`, as `ScuteLinear.assign` sets it
 
 
 def prepare_adapter(linears: dict[str, ScuteLinear], adapter: Adapter) -> dict[SlotPool, PreparedColumn]:

@@ -75,8 +75,11 @@ class ScuteLinear(nn.Module):
             )
         filled = self.num_filled + (slots is not None) - (self.slots[index] is not None)
         self.slots[index] = slots if slots is None or slots.scale == 1.0 else slots.folded()
-        # plain attributes, set past `nn.Module.__setattr__` (its checks cost more than the rest of a placement)
-        vars(self).update(num_filled=filled, version=self.version + 1, stack=None)
+        # plain attributes, set past `nn.Module.__setattr__` (its checks cost more than the rest of a placement);
+        # within a placement the version changes when the placement takes effect (`scute.model.hf.placing`)
+        vars(self).update(num_filled=filled, version=self.version + (placement is None), stack=None)
+        if placement is not None:
+            placement.touched.append(self)
         if self.pool is not None:
             self.pool.update_slot([self.slots], index, placement)
 

@@ -43,11 +43,16 @@ from scute.ops.pool_rows import NUM_FIELDS, PreparedColumn, column_rows, served
 
 
 class Placement:
-    """One adapter's placement into the pools of a model: the device writes it makes, flushed once by the caller
-    (`TableWrites`), and the rows prepared for it off the step loop, by pool (`pool_rows.prepare_column`)."""
+    """One adapter's placement into the pools of a model, and what the caller applies when it takes effect: the
+    device writes it makes (`TableWrites`) and the layers whose `version` it changes (``touched``), the rows
+    prepared for it off the step loop, by pool (`pool_rows.prepare_column`), and ``resigned``: some pool's
+    `signature` changed (a graph captured before may read a buffer the pool replaced: the caller applies the
+    placement before a step runs)."""
 
     def __init__(self, prepared: dict[SlotPool, PreparedColumn] | None = None) -> None:
         self.writes, self.prepared = TableWrites(), prepared or {}
+        self.touched: list = []
+        self.resigned = False
 
 
 class SlotPool:
@@ -178,6 +183,12 @@ class SlotPool:
         it holds. Any other change of the grouping runs `update`. Within a `placement` (flushed by the caller), the
         rows it prepared for this pool and these slots are taken as they are, and the slot's rows go to the device
         with the placement's; without one, now."""
+        before = None if placement is None else self.signature
+        self._update_slot(slots, s, placement)
+        if placement is not None and self.signature != before:
+            placement.resigned = True
+
+    def _update_slot(self, slots: Sequence[Sequence[Slots | None]], s: int, placement: Placement | None) -> None:
         column = [row[s] for row in slots]
         ready = None if placement is None else placement.prepared.get(self)
         if ready is not None and (ready.pool is not self or ready.ids != tuple(map(id, column))):

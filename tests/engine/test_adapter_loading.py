@@ -16,7 +16,7 @@ import torch
 
 from scute import AdapterRequest, SamplingParams
 from scute.adapters import conversion
-from scute.engine import adapter_manager
+from scute.engine import adapter_placer
 from scute.engine.adapter_manager import MAX_PREFETCH
 from scute.engine.request import RequestStatus
 from tests.helpers import GREEDY, METHODS, PROMPTS, Oracle, bad_adapters, check, mixed_requests
@@ -137,9 +137,9 @@ def test_a_failed_load_fails_only_its_requests(oracle, tmp_path, gate):
 def test_eviction_and_reload_keep_tokens(oracle, gate, monkeypatch):
     """Two device slots and two CPU-cached adapters for five adapters, twice over: adapters are evicted and
     read and placed again, tokens unchanged."""
-    placed, place = [], adapter_manager.place_adapter
-    monkeypatch.setattr(adapter_manager, "place_adapter", lambda linears, slot, a, prepared: (
-        placed.append(a.identity), place(linears, slot, a, prepared))[1])
+    placed, place = [], adapter_placer.placing
+    monkeypatch.setattr(adapter_placer, "placing", lambda linears, slot, a, prepared: (
+        a is None or placed.append(a.identity), place(linears, slot, a, prepared))[1])
     engine = oracle.engine(max_adapters=2, max_cpu_adapters=2)
     prompts, adapters = mixed_requests()
     specs = [None if a is None else oracle.paths[a] for a in adapters]
@@ -148,6 +148,21 @@ def test_eviction_and_reload_keep_tokens(oracle, gate, monkeypatch):
         check(oracle, outputs, prompts, adapters)
     assert len(set(placed)) == len(METHODS) and len(placed) > len(METHODS) + 2  # placed again after eviction
     assert len(gate.loader_reads()) > len(METHODS) and len(gate.reads) == len(gate.loader_reads())  # re-read
+
+
+def test_placements_spread_over_steps_keep_tokens(oracle, monkeypatch):
+    """Each placement advanced one slot pool per step (as when the device finishes every step before the host
+    has more time), with two slots for five adapters: requests of other adapters decode between the pools of a
+    placement and of the evictions before it, and every token is still PEFT's."""
+    engine = oracle.engine(max_adapters=2)
+    place, steps = engine.adapters.place, []
+    monkeypatch.setattr(engine.adapters, "place", lambda more: steps.append(engine.adapters.placer.busy) or
+                        place(lambda: False))
+    prompts, adapters = mixed_requests()
+    specs = [None if a is None else oracle.paths[a] for a in adapters]
+    check(oracle, engine.generate(prompts, GREEDY, specs, use_tqdm=False), prompts, adapters)
+    pools = len({id(x.group or x) for x in engine.adapters.linears.values()})
+    assert sum(steps) >= pools * len(METHODS)  # each placement took a step per pool
 
 
 def test_prefetch_on_arrival_in_order_and_bounded(oracle, gate, monkeypatch):

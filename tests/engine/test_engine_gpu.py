@@ -47,3 +47,16 @@ def test_cuda_bf16_run_completes(oracle):
         assert out.error is None and len(out.outputs[0].token_ids) == NEW_TOKENS
     first = [o.outputs[0].token_ids[0] == oracle.reference(a, o.prompt_token_ids)[0] for o, a in zip(outputs, adapters)]
     print(f"bf16: first token equal to the fp32 PEFT reference for {sum(first)}/{len(first)} requests")
+
+
+def test_the_cpu_tier_keeps_no_pinned_memory(oracle):
+    """Adapters loaded for a CUDA engine (converted on the GPU or on the CPU) leave the CPU tier pageable copies:
+    pinned memory kept would be allocated anew for each load, and each such allocation stalls the step loop's
+    CUDA calls. Their tokens stay PEFT's."""
+    prompts, adapters = mixed_requests()
+    engine = oracle.engine(device="cuda")
+    check(oracle, engine.generate(prompts, GREEDY, specs(oracle, adapters), use_tqdm=False), prompts, adapters)
+    for name in METHODS:
+        cached = engine.adapters.get_by_path(oracle.paths[name])
+        tensors = [x for s in cached.layers.values() for x in s.tensors().values()]
+        assert tensors and not any(x.is_cuda or x.is_pinned() for x in tensors), name
