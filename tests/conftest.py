@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -14,3 +16,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def unfrozen():
+    """Objects an engine froze (`gc.freeze`, at each placement) are collected again after the test: the suite
+    builds hundreds of engines, each a few cycles the collector would otherwise keep."""
+    yield
+    gc.unfreeze()

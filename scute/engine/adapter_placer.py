@@ -7,10 +7,18 @@ instead advances placements while the step launched before is still running on t
 while ``more()``), so that they fill the time the step loop would spend waiting for it; one placement may span a
 few steps. No request uses a slot until its placement has ended (`AdapterManager.ready`), and a placement takes
 effect at its end, so the steps between run as if it had not begun.
+
+When a placement ends, every object alive leaves the cyclic garbage collector's generations (`gc.freeze`, as
+vLLM does after start-up). An adapter is some ten thousand Python objects (its slots' tensors, dicts, tuples),
+and each full collection walks every one still tracked, with the interpreter lock held: with a hundred LoRA
+adapters of a 32-layer model resident a collection took tens of milliseconds, stopping the step loop once per
+load or so (the loader allocates), and it grows with the adapters resident. Frozen objects are still freed when
+their last reference goes; only cycles among them are never collected.
 """
 
 from __future__ import annotations
 
+import gc
 from collections import deque
 from collections.abc import Callable, Iterator
 
@@ -48,4 +56,5 @@ class Placer:
                 self._jobs.popleft()
                 if adapter is not None:
                     done.append(adapter)
+                    gc.freeze()
         return done

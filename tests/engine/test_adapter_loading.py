@@ -187,3 +187,17 @@ def test_prefetch_on_arrival_in_order_and_bounded(oracle, gate, monkeypatch):
     assert gate.loader_reads() == [os.path.abspath(oracle.paths[m]) for m in METHODS]
     check(oracle, [final[m] for m in METHODS], [PROMPTS[3]] * len(METHODS), METHODS)
     assert final["base0"].outputs[0].token_ids == oracle.reference(None, PROMPTS[0], 12)
+
+
+def test_placed_adapters_leave_the_collectors_generations(oracle):
+    """After a placement ends the adapter's objects are frozen (`gc.freeze`): full collections, which hold the
+    interpreter lock, no longer walk the resident adapters."""
+    import gc
+
+    engine = oracle.engine()
+    check(oracle, engine.generate([PROMPTS[0]], GREEDY, [oracle.paths["lora"]], use_tqdm=False), [PROMPTS[0]],
+          ["lora"])
+    slots = next(iter(engine.adapters.get_by_path(oracle.paths["lora"]).layers.values()))
+    placed = engine.adapters.linears[next(iter(engine.adapters.get_by_path(oracle.paths["lora"]).layers))]
+    tracked = {id(o) for o in gc.get_objects()}
+    assert gc.get_freeze_count() > 0 and id(placed.slots) not in tracked and id(slots) not in tracked
