@@ -12,11 +12,13 @@ with a stand-in waiting request: the loader thread reads, converts and copies it
 staged, `ready` gives it a free slot and begins its placement, which the next steps advance while the device runs
 (`Placer`), as for a request's adapter; the stand-in request is then done with it (`acquire`, `release`) — so
 every loading-phase step is a decode step of the same requests, and the steps that place an adapter (those that
-begin with a placement in progress) are among them. Both phases alternate ``--rounds`` times. Reports the quiet median, the
-loading phase's median / p90 / p99 / max, p99 over the quiet median, the placement steps' median, and each load's
-latency (asked → placed). The ratios: p99 over the quiet median, and (the figure) p99 of each loading step's time
-over the quiet steps' linear fit in their KV tokens at its own (the context grows as the phases run, and a decode
-step with it). ``--switch-interval`` sets `AdapterLoader.switch_interval` (``default`` keeps it).
+begin with a placement in progress) are among them. Both phases alternate ``--rounds`` times. Reports the quiet
+median, the loading phase's median / p90 / p99 / max, p99 over the quiet median, the placement steps' median,
+each load's latency (asked → placed), and the garbage collector's full collections during the loading phases
+(their count and longest: one holds the interpreter lock, so the step loop waits it out). The ratios: p99 over
+the quiet median, and (the figure) p99 of each loading step's time over the quiet steps' linear fit in their KV
+tokens at its own (the context grows as the phases run, and a decode step with it). ``--switch-interval`` sets
+`AdapterLoader.switch_interval` (``default`` keeps it).
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/bench_background_loads.py --out background_loads.json``.
 """
@@ -24,9 +26,11 @@ Run on a GPU: ``PYTHONPATH=. python3 bench/bench_background_loads.py --out backg
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -44,6 +48,28 @@ def timed_step(engine) -> tuple[float, int]:
     return time.perf_counter() - t, kv
 
 
+class FullCollections:
+    """The wall time of each full collection of the garbage collector (on any thread) while entered: one holds
+    the interpreter lock, so the step loop waits it out."""
+
+    def __init__(self) -> None:
+        self.ms: list[float] = []
+        self._start: dict[int, float] = {}
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if info["generation"] == 2 and phase == "start":
+            self._start[threading.get_ident()] = time.perf_counter()
+        elif info["generation"] == 2 and threading.get_ident() in self._start:
+            self.ms.append(1e3 * (time.perf_counter() - self._start.pop(threading.get_ident())))
+
+    def __enter__(self) -> FullCollections:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
 def loading_phase(engine, cold: list[str], args) -> dict:
     """Steps while one cold adapter is asked for every --interval seconds, until every one is placed."""
     from scute import SamplingParams
@@ -52,24 +78,25 @@ def loading_phase(engine, cold: list[str], args) -> dict:
     manager, sp = engine.adapters, SamplingParams(max_tokens=1)
     waiting, asked, latency, steps, placing = [], {}, [], [], []
     start, todo = time.perf_counter(), list(cold)
-    while todo or waiting:
-        now = time.perf_counter() - start
-        if todo and now >= args.interval * len(asked):
-            path = todo.pop(0)
-            req = Request(f"cold-{len(asked)}", None, [1], sp, manager.lookup(path), None, -len(asked) - 1)
-            asked[req] = now
-            manager.prefetch(req)
-            waiting.append(req)
-        for req in [r for r in waiting if manager.ready(r)]:  # placed (`ready` began the placement once staged)
-            waiting.remove(req)
-            manager.acquire(req.adapter)
-            manager.release(req.adapter)
-            latency.append(time.perf_counter() - start - asked[req])
-        placing.append(manager.placer.busy)
-        steps.append(timed_step(engine))
-        if len(steps) > args.max_loading_steps:
-            raise RuntimeError(f"loads did not finish in {len(steps)} steps ({len(waiting) + len(todo)} to go)")
-    return dict(steps=steps, placing=placing, latency=latency)
+    with FullCollections() as full:
+        while todo or waiting:
+            now = time.perf_counter() - start
+            if todo and now >= args.interval * len(asked):
+                path = todo.pop(0)
+                req = Request(f"cold-{len(asked)}", None, [1], sp, manager.lookup(path), None, -len(asked) - 1)
+                asked[req] = now
+                manager.prefetch(req)
+                waiting.append(req)
+            for req in [r for r in waiting if manager.ready(r)]:  # placed (`ready` began it once staged)
+                waiting.remove(req)
+                manager.acquire(req.adapter)
+                manager.release(req.adapter)
+                latency.append(time.perf_counter() - start - asked[req])
+            placing.append(manager.placer.busy)
+            steps.append(timed_step(engine))
+            if len(steps) > args.max_loading_steps:
+                raise RuntimeError(f"loads did not finish in {len(steps)} steps ({len(waiting) + len(todo)} to go)")
+    return dict(steps=steps, placing=placing, latency=latency, full_collections_ms=full.ms)
 
 
 def relative(steps: list[tuple[float, int]], fit: tuple[float, float]) -> list[float]:
@@ -158,6 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
         loading_steps=len(walls), placement_steps=len(placing),
         placement_median_ms=1e3 * statistics.median(w for w, _ in placing) if placing else None,
         load_latency_median_ms=1e3 * statistics.median(latency), load_latency_max_ms=1e3 * max(latency),
+        full_collections=len(full := [t for x in rounds for t in x["full_collections_ms"]]),
+        full_collection_max_ms=max(full, default=0.0),
         rounds=[{k: [[round(1e3 * w, 3), kv] for w, kv in v] if k in ("quiet", "steps") else
                  [round(1e3 * t, 2) for t in v] if k == "latency" else v for k, v in x.items()} for x in rounds])
     return B.save(result, args.out, "rounds")

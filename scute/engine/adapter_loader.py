@@ -112,8 +112,8 @@ class AdapterLoader:
         converted on the GPU (where W0 is) is cast there to the serving dtype, and the CPU tier gets a copy of
         that in pageable memory (one transfer back, landed on return); one converted on the CPU is kept as it is
         (None: `move` copies it). Nothing the CPU tier keeps is pinned: allocating pinned memory holds a lock of
-        the CUDA driver that stalls the step loop's CUDA calls for as long as the pages take to pin (tens of ms
-        for an 8B model's LoRA), and memory kept would be allocated anew for every load."""
+        the CUDA driver that stalls the step loop's CUDA calls for as long as the pages take to pin, and memory
+        kept would be allocated anew for every load."""
         if not any(x.is_cuda for s in adapter.layers.values() for x in s.tensors().values()):
             return adapter, None
         on_device = self.to_device(adapter, memo)

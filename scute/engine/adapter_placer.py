@@ -10,10 +10,9 @@ effect at its end, so the steps between run as if it had not begun.
 
 When a placement ends, every object alive leaves the cyclic garbage collector's generations (`gc.freeze`, as
 vLLM does after start-up). An adapter is some ten thousand Python objects (its slots' tensors, dicts, tuples),
-and each full collection walks every one still tracked, with the interpreter lock held: with a hundred LoRA
-adapters of a 32-layer model resident a collection took tens of milliseconds, stopping the step loop once per
-load or so (the loader allocates), and it grows with the adapters resident. Frozen objects are still freed when
-their last reference goes; only cycles among them are never collected.
+and a full collection walks every object still tracked with the interpreter lock held, stopping the step loop
+for as long: frozen, the resident adapters are not walked again, however many there are. Frozen objects are
+still freed when their last reference goes; only cycles among them are never collected.
 """
 
 from __future__ import annotations
