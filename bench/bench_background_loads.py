@@ -14,8 +14,10 @@ staged, `ready` gives it a free slot and begins its placement, which the next st
 every loading-phase step is a decode step of the same requests, and the steps that place an adapter (those that
 begin with a placement in progress) are among them. Both phases alternate ``--rounds`` times. Reports the quiet
 median, the loading phase's median / p90 / p99 / max, p99 over the quiet median, the placement steps' median,
-each load's latency (asked → placed), and the garbage collector's full collections during the loading phases
-(their count and longest: one holds the interpreter lock, so the step loop waits it out). The ratios: p99 over
+each load's latency (asked → placed), the garbage collector's full collections during the loading phases
+(their count and longest: one holds the interpreter lock, so the step loop waits it out), and for the slow
+loading steps (over `SLOW` quiet medians) which phases of the loader's work ran during them (`Trace`: the
+functions of `TRACED` wrapped while the loading phases run). The ratios: p99 over
 the quiet median, and (the figure) p99 of each loading step's time over the quiet steps' linear fit in their KV
 tokens at its own (the context grows as the phases run, and a decode step with it). ``--switch-interval`` sets
 `AdapterLoader.switch_interval` (``default`` keeps it).
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import os
 import statistics
 import sys
@@ -40,6 +43,9 @@ import bench_engine as B  # noqa: E402
 from bench_request_rate import TINY, percentile  # noqa: E402
 
 
+SLOW = 2.5  # a loading step over this many quiet medians is slow: which loader phases overlapped it is reported
+
+
 def timed_step(engine) -> tuple[float, int]:
     """One step's wall time, and the KV tokens its requests attend over (a decode step's time grows with them)."""
     kv = sum(r.num_tokens for r in engine.scheduler.running)
@@ -48,26 +54,60 @@ def timed_step(engine) -> tuple[float, int]:
     return time.perf_counter() - t, kv
 
 
-class FullCollections:
-    """The wall time of each full collection of the garbage collector (on any thread) while entered: one holds
-    the interpreter lock, so the step loop waits it out."""
+TRACED = (  # (module, attribute): the adapter loader's phases, timed on whichever thread runs them
+    ("scute.adapters.checkpoint", "_read"), ("scute.adapters.conversion", "convert_checkpoint"),
+    ("scute.adapters.adapter", "pack"), ("scute.engine.adapter_manager", "prepare_adapter"),
+    ("scute.engine.adapter_loader", "AdapterLoader.host_and_device"),
+    ("scute.engine.adapter_loader", "AdapterLoader.stage"),
+)
+
+
+class Trace:
+    """While entered: the wall time span of each call of the `TRACED` functions and of each full collection of
+    the garbage collector (one holds the interpreter lock, so the step loop waits it out), as (name, start, end)."""
 
     def __init__(self) -> None:
-        self.ms: list[float] = []
-        self._start: dict[int, float] = {}
+        self.spans: list[tuple[str, float, float]] = []
+        self._gc: dict[int, float] = {}
+        self._saved: list[tuple[object, str, object]] = []
 
-    def __call__(self, phase: str, info: dict) -> None:
+    def _collections(self, phase: str, info: dict) -> None:
         if info["generation"] == 2 and phase == "start":
-            self._start[threading.get_ident()] = time.perf_counter()
-        elif info["generation"] == 2 and threading.get_ident() in self._start:
-            self.ms.append(1e3 * (time.perf_counter() - self._start.pop(threading.get_ident())))
+            self._gc[threading.get_ident()] = time.perf_counter()
+        elif info["generation"] == 2 and threading.get_ident() in self._gc:
+            self.spans.append(("full collection", self._gc.pop(threading.get_ident()), time.perf_counter()))
 
-    def __enter__(self) -> FullCollections:
-        gc.callbacks.append(self)
+    def _timed(self, name: str, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spans.append((name, start, time.perf_counter()))
+        return timed
+
+    def __enter__(self) -> Trace:
+        gc.callbacks.append(self._collections)
+        for module, attr in TRACED:
+            owner = importlib.import_module(module)
+            if "." in attr:
+                owner, attr = getattr(owner, attr.split(".")[0]), attr.split(".")[1]
+            self._saved.append((owner, attr, getattr(owner, attr)))
+            setattr(owner, attr, self._timed(attr, getattr(owner, attr)))
         return self
 
     def __exit__(self, *exc) -> None:
-        gc.callbacks.remove(self)
+        gc.callbacks.remove(self._collections)
+        for owner, attr, fn in reversed(self._saved):
+            setattr(owner, attr, fn)
+
+    def overlaps(self, start: float, end: float) -> dict[str, float]:
+        """Each traced name's ms within [start, end]."""
+        out: dict[str, float] = {}
+        for name, a, b in self.spans:
+            if a < end and b > start:
+                out[name] = out.get(name, 0.0) + 1e3 * (min(b, end) - max(a, start))
+        return out
 
 
 def loading_phase(engine, cold: list[str], args) -> dict:
@@ -78,7 +118,8 @@ def loading_phase(engine, cold: list[str], args) -> dict:
     manager, sp = engine.adapters, SamplingParams(max_tokens=1)
     waiting, asked, latency, steps, placing = [], {}, [], [], []
     start, todo = time.perf_counter(), list(cold)
-    with FullCollections() as full:
+    spans = []  # each loading step's start and end
+    with Trace() as trace:
         while todo or waiting:
             now = time.perf_counter() - start
             if todo and now >= args.interval * len(asked):
@@ -93,10 +134,13 @@ def loading_phase(engine, cold: list[str], args) -> dict:
                 manager.release(req.adapter)
                 latency.append(time.perf_counter() - start - asked[req])
             placing.append(manager.placer.busy)
+            spans.append(time.perf_counter())
             steps.append(timed_step(engine))
+            spans[-1] = (spans[-1], time.perf_counter())
             if len(steps) > args.max_loading_steps:
                 raise RuntimeError(f"loads did not finish in {len(steps)} steps ({len(waiting) + len(todo)} to go)")
-    return dict(steps=steps, placing=placing, latency=latency, full_collections_ms=full.ms)
+    return dict(steps=steps, placing=placing, latency=latency, phases=[trace.overlaps(*sp) for sp in spans],
+                full_collections_ms=[1e3 * (b - a) for name, a, b in trace.spans if name == "full collection"])
 
 
 def relative(steps: list[tuple[float, int]], fit: tuple[float, float]) -> list[float]:
@@ -172,6 +216,10 @@ def main(argv: list[str] | None = None) -> dict:
     fit = statistics.linear_regression([kv for _, kv in quiet], [w for w, _ in quiet])
     rel, rel_quiet = relative(loading, fit), relative(quiet, fit)
     walls, med = [w for w, _ in loading], statistics.median(w for w, _ in quiet)
+    slow = [ph for x in rounds for (w, _), ph in zip(x["steps"], x["phases"]) if w > SLOW * med]
+    overlapped = {n: [o[n] for o in slow if n in o] for n in {n for o in slow for n in o}}
+    for name, ms in sorted(overlapped.items(), key=lambda kv: -len(kv[1])):
+        print(f"  {name} overlapped {len(ms)} of the {len(slow)} slow steps (median {statistics.median(ms):.1f} ms)")
     result = dict(
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
         command=" ".join(sys.argv), layers=args.layers,
@@ -186,9 +234,12 @@ def main(argv: list[str] | None = None) -> dict:
         placement_median_ms=1e3 * statistics.median(w for w, _ in placing) if placing else None,
         load_latency_median_ms=1e3 * statistics.median(latency), load_latency_max_ms=1e3 * max(latency),
         full_collections=len(full := [t for x in rounds for t in x["full_collections_ms"]]),
-        full_collection_max_ms=max(full, default=0.0),
+        full_collection_max_ms=max(full, default=0.0), slow_steps=len(slow),
+        slow_step_phases={n: dict(steps=len(ms), median_ms=statistics.median(ms)) for n, ms in overlapped.items()},
         rounds=[{k: [[round(1e3 * w, 3), kv] for w, kv in v] if k in ("quiet", "steps") else
-                 [round(1e3 * t, 2) for t in v] if k == "latency" else v for k, v in x.items()} for x in rounds])
+                 [round(1e3 * t, 2) for t in v] if k == "latency" else
+                 [{n: round(ms, 2) for n, ms in o.items()} for o in v] if k == "phases" else v
+                 for k, v in x.items()} for x in rounds])
     return B.save(result, args.out, "rounds")
 
 

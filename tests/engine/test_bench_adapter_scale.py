@@ -19,6 +19,11 @@ def test_background_loads_bench_places_every_cold_adapter(tmp_path):
     assert 1 <= result["placement_steps"] <= 4 and result["loading_steps"] >= result["placement_steps"]
     assert [len(r["quiet"]) for r in saved["rounds"]] == [5, 5]
     assert result["quiet_median_ms"] > 0 and result["p99_over_quiet_median"] > 0
+    # the loader's phases were timed during the loading steps, and the traced functions are themselves again
+    from scute.adapters import conversion
+
+    assert any("convert_checkpoint" in o for r in saved["rounds"] for o in r["phases"])
+    assert conversion.convert_checkpoint.__name__ == "convert_checkpoint" and "slow_step_phases" in saved
 
 
 def test_resident_bench_fills_every_slot(tmp_path):
