@@ -53,7 +53,7 @@ class ScuteLinear(nn.Module):
         self.pool: SlotPool | None = None
         self.group: LinearGroup | None = None
         self.stack: LowRankStack | None = None  # the CPU path's stacked low-rank parts, rebuilt after set_slot
-        self.version = 0  # counts set_slot calls: whoever caches what the slots imply (CUDA graphs) compares it
+        self.version = 0  # bumped as a change of its slots takes effect; caches of what they imply compare it
         self.shard = None  # tensor parallelism: this rank's `scute.model.tp.Shard` of the layer, set by the loader
 
     def set_slot(self, index: int, slots: Slots | None, placement: Placement | None = None) -> None:

@@ -71,6 +71,7 @@ class SlotPool:
     masks (bit s: slot s); `step_kinds` turns the slots of a step into the passes the step runs, and
     ``step_kinds(None)`` gives the passes the pool has at all. ``facts``: the host values above that decide a
     call's passes and launches, as one `PoolFacts` (`scute.ops.groups`, computed from the slots alone).
+    ``signature`` (host tuple): everything a captured graph bakes in (`_set_facts`).
     """
 
     # The engine runs its steps under torch.inference_mode; the pool is created on a first forward but updated
@@ -89,14 +90,10 @@ class SlotPool:
         self._widths = [0] * num_slots
         self._facts_memo: list = [None] * num_slots  # each slot's `SlotFacts` and the column it came from
         self._joined = 0  # slots in another slot's group (group_key is None without any)
-        self.group_key: tuple[int, ...] | None = None
         self.h_width = 1
-        self.exact_delta = False
-        self.block_b, self.min_block, self.max_rank = 1, 1, 0
-        self.kind_masks = StepKinds(0, 0, 0, 0)
         self._clear_shared()
-        self.facts = PoolFacts(self.out_features, tuple(range(num_slots)), -1, self.kind_masks, 0, 1, 1, False,
-                               self.shared_a_of, self.shared_outs)
+        self._set_facts(PoolFacts(self.out_features, tuple(range(num_slots)), -1, StepKinds(0, 0, 0, 0), 0, 1, 1,
+                                  False, self.shared_a_of, self.shared_outs))
 
     def _clear_shared(self) -> None:
         self.shared_group, self.shared_a_of, self.shared_outs = -1, (-1,) * self.num_proj, (0,) * self.num_proj
@@ -104,13 +101,6 @@ class SlotPool:
         self.shared_b: list[Tensor] = []
         self.shared_m = torch.empty(0, dtype=torch.float32, device=self.device)
         self._shared_src: tuple = ()
-
-    @property
-    def signature(self) -> tuple:
-        """Everything a captured graph bakes in; a graph stays valid while this is unchanged."""
-        return (self.group_key, self.h_width, tuple(self.step_kinds(None)), self.exact_delta, self.block_b,
-                self.min_block, self.max_rank, self.shared_group, self.shared_a_of, self.shared_outs,
-                tuple(self.shared_a.shape))
 
     def step_kinds(self, active: Collection[int] | None) -> StepKinds:
         """The passes a step runs when its tokens use only the slots in `active` (host-side; −1, the base
@@ -183,7 +173,7 @@ class SlotPool:
         it holds. Any other change of the grouping runs `update`. Within a `placement` (flushed by the caller), the
         rows it prepared for this pool and these slots are taken as they are, and the slot's rows go to the device
         with the placement's; without one, now."""
-        before = None if placement is None else self.signature
+        before = self.signature
         self._update_slot(slots, s, placement)
         if placement is not None and self.signature != before:
             placement.resigned = True
@@ -195,9 +185,11 @@ class SlotPool:
             ready = None
         facts, alone = pool_facts_slot(self.facts, slots, s, self._facts_memo, None if ready is None else ready.facts)
         old, new, shared = self.facts.groups, facts.groups, self.shared_group
-        if not alone and (facts.shared_group != shared or s == shared or old[:s] + old[s + 1:] != new[:s] + new[s + 1:]
-                          or s in old[:s] + old[s + 1:] or s in new[:s] + new[s + 1:]):
-            return self.update(slots)
+        if not alone:  # the full computation ran: unless no other slot's group moved, rebuild the table
+            others_old, others_new = old[:s] + old[s + 1:], new[:s] + new[s + 1:]
+            if facts.shared_group != shared or s == shared or others_old != others_new or s in others_old \
+                    or s in others_new:
+                return self.update(slots)
         group = new[s]
         out = TableWrites() if placement is None else placement.writes
         if ready is not None and group == s:  # its own group: the rows depend on its slots alone
@@ -234,10 +226,15 @@ class SlotPool:
         self._slot_keys[s] = mine
 
     def _set_facts(self, facts: PoolFacts) -> None:
+        """The host values that follow from `facts` (the last step of `update` and `update_slot`), `signature`
+        among them: everything a captured graph bakes in, a graph staying valid while it is unchanged."""
         self.group_key = None if self._joined == 0 else facts.groups
         self.facts = facts
         self.exact_delta, self.block_b, self.min_block = facts.exact_delta, facts.block_b, facts.min_block
         self.max_rank, self.kind_masks = facts.max_rank, facts.kind_masks
+        self.signature = (self.group_key, self.h_width, tuple(self.step_kinds(None)), self.exact_delta, self.block_b,
+                          self.min_block, self.max_rank, self.shared_group, self.shared_a_of, self.shared_outs,
+                          tuple(self.shared_a.shape))
 
     def _fill_shared(self, slots: Sequence[Sequence[Slots | None]], members: list[int], group: int) -> None:
         """The shared group's buffers. They are kept, and refilled in place, while their shapes stay (a captured

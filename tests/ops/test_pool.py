@@ -167,7 +167,7 @@ def test_placing_an_adapter_updates_each_pool_once(monkeypatch):
 def test_placing_a_served_slot_calls_torch_for_metadata_only():
     """A placement runs on the step loop while the adapter loader thread runs Python: every call into torch that
     computes (a no-op `.to()` included) hands the loader the interpreter lock, and the step loop waits a switch
-    interval to get it back (hundreds of such calls a placement stalled a decode step by 400 ms). Setting a slot
+    interval to get it back (a placement built from unserved tensors makes hundreds of them). Setting a slot
     whose tensors are as the pool serves them (matrices in its dtype, ranks a multiple of 8, vectors in float32)
     asks torch for metadata only; its rows wait in the placement's `TableWrites` until the flush."""
     from torch.overrides import TorchFunctionMode
