@@ -59,6 +59,10 @@ TRACED = (  # (module, attribute): the adapter loader's phases, timed on whichev
     ("scute.adapters.adapter", "pack"), ("scute.engine.adapter_manager", "prepare_adapter"),
     ("scute.engine.adapter_loader", "AdapterLoader.host_and_device"),
     ("scute.engine.adapter_loader", "AdapterLoader.stage"),
+    # the step's own parts, on the step loop: which one a slow step spent its time in
+    ("scute.engine.adapter_manager", "AdapterManager.poll"), ("scute.engine.adapter_manager", "AdapterManager.place"),
+    ("scute.engine.scheduler", "Scheduler.schedule"), ("scute.engine.model_runner", "ModelRunner.launch"),
+    ("scute.engine.model_runner", "InFlight.wait"),
 )
 
 
@@ -217,9 +221,12 @@ def main(argv: list[str] | None = None) -> dict:
     rel, rel_quiet = relative(loading, fit), relative(quiet, fit)
     walls, med = [w for w, _ in loading], statistics.median(w for w, _ in quiet)
     slow = [ph for x in rounds for (w, _), ph in zip(x["steps"], x["phases"]) if w > SLOW * med]
+    others = [ph for x in rounds for (w, _), ph in zip(x["steps"], x["phases"]) if w <= SLOW * med]
     overlapped = {n: [o[n] for o in slow if n in o] for n in {n for o in slow for n in o}}
+    typical = {n: statistics.median(o.get(n, 0.0) for o in others) for n in overlapped} if others else {}
     for name, ms in sorted(overlapped.items(), key=lambda kv: -len(kv[1])):
-        print(f"  {name} overlapped {len(ms)} of the {len(slow)} slow steps (median {statistics.median(ms):.1f} ms)")
+        print(f"  {name} overlapped {len(ms)} of the {len(slow)} slow steps (median {statistics.median(ms):.1f} ms; "
+              f"{typical.get(name, 0.0):.1f} ms in the other loading steps)")
     result = dict(
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
         command=" ".join(sys.argv), layers=args.layers,
@@ -235,7 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
         load_latency_median_ms=1e3 * statistics.median(latency), load_latency_max_ms=1e3 * max(latency),
         full_collections=len(full := [t for x in rounds for t in x["full_collections_ms"]]),
         full_collection_max_ms=max(full, default=0.0), slow_steps=len(slow),
-        slow_step_phases={n: dict(steps=len(ms), median_ms=statistics.median(ms)) for n, ms in overlapped.items()},
+        slow_step_phases={n: dict(steps=len(ms), median_ms=statistics.median(ms), other_steps_median_ms=typical.get(n))
+                          for n, ms in overlapped.items()},
         rounds=[{k: [[round(1e3 * w, 3), kv] for w, kv in v] if k in ("quiet", "steps") else
                  [round(1e3 * t, 2) for t in v] if k == "latency" else
                  [{n: round(ms, 2) for n, ms in o.items()} for o in v] if k == "phases" else v

@@ -7,7 +7,7 @@ LoRA, the gate says from which token on they apply.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -18,6 +18,13 @@ from scute.ops.slots import Slots
 # (storage address, device, dtype) -> (the source storage, its moved copy). Holding the source keeps it alive,
 # so its address names no other tensor while the entry exists.
 SharedMemo = dict[tuple, tuple[Tensor, Tensor]]
+Transfer = Callable[[Tensor, torch.device], Tensor]  # a contiguous buffer copied to a device, on the current stream
+
+
+def copy_to(buffer: Tensor, device: torch.device) -> Tensor:
+    """`buffer` copied to `device` by `Tensor.to` (non-blocking from pinned memory: the caller synchronizes before
+    the host reads a copy to the CPU)."""
+    return buffer.to(device, non_blocking=buffer.is_pinned())
 
 
 @dataclass
@@ -33,19 +40,20 @@ class Adapter:
 
     def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
            memo: SharedMemo | None = None, vector_dtype: torch.dtype | None = None,
-           pin_memory: bool = False) -> Adapter:
+           transfer: Transfer = copy_to) -> Adapter:
         """A copy with every tensor moved to `device` and `dtype` (vectors to `vector_dtype` if given: the
         device slots keep matrices in the serving dtype, vectors in float32). A shared slot's storage (VeRA's
         projections, read by many layers) is copied once and its views stay views of the copy, so the kernels
         still see one matrix. Pass the same `memo` to every call to share one copy across adapters too (the adapter
         manager does: a matrix shared by all its adapters reaches the device once). The other tensors are copied
-        as one buffer (`pack`); `pin_memory`: a copy to the CPU lands in pinned memory."""
+        as one buffer (`pack`); `transfer` copies each buffer that changes device (the engine's loader copies
+        through pinned staging buffers)."""
         memo = {} if memo is None else memo
         device = None if device is None else torch.device(device)
         own = [(n, k, x) for n, s in self.layers.items() for k, x in s.tensors().items() if k not in s.shared]
         dtypes = [(vector_dtype or dtype) if x.dim() == 1 else dtype for _, _, x in own]
-        moved = dict(zip(((n, k) for n, k, _ in own), pack([x for _, _, x in own], dtypes, device, pin_memory)))
-        layers = {n: replace(s, **{k: _move_shared(x, dtype, device, memo) if k in s.shared else moved[n, k]
+        moved = dict(zip(((n, k) for n, k, _ in own), pack([x for _, _, x in own], dtypes, device, transfer)))
+        layers = {n: replace(s, **{k: _move_shared(x, dtype, device, memo, transfer) if k in s.shared else moved[n, k]
                                    for k, x in s.tensors().items()}) for n, s in self.layers.items()}
         return replace(self, layers=layers)
 
@@ -59,12 +67,14 @@ class Adapter:
         return tuple(int(t) for t in tokens) if tokens else None
 
 
-def _move_shared(x: Tensor, dtype: torch.dtype | None, device: torch.device | str | None, memo: SharedMemo) -> Tensor:
+def _move_shared(x: Tensor, dtype: torch.dtype | None, device: torch.device | None, memo: SharedMemo,
+                 transfer: Transfer) -> Tensor:
     """`x` moved as a view of its whole storage, copied once per `memo`."""
     whole = torch.empty(0, dtype=x.dtype, device=x.device).set_(x.untyped_storage())
-    key = (whole.data_ptr(), None if device is None else torch.device(device), dtype or x.dtype)
+    key = (whole.data_ptr(), device, dtype or x.dtype)
     if key not in memo:
-        memo[key] = (whole, whole.to(device=device, dtype=dtype))
+        moved = whole if device is None or device == whole.device else transfer(whole, device)
+        memo[key] = (whole, moved.to(dtype=dtype))
     return memo[key][1].as_strided(x.size(), x.stride(), x.storage_offset())
 
 
@@ -72,10 +82,10 @@ ALIGN = 256  # bytes: every tensor of a packed buffer starts aligned (the kernel
 
 
 def pack(xs: Sequence[Tensor], dtypes: Sequence[torch.dtype | None], device: torch.device | None,
-         pin_memory: bool = False) -> list[Tensor]:
-    """`xs` on `device` in `dtypes` (None: unchanged), as views of one new buffer filled with one transfer (a few
-    hundred tensors move as one copy instead of a few hundred). Tensors already there are returned as they are;
-    views of one buffer already in their dtypes (a packed adapter) move as one copy of that buffer."""
+         transfer: Transfer = copy_to) -> list[Tensor]:
+    """`xs` on `device` in `dtypes` (None: unchanged), as views of one new buffer filled with one `transfer` (a
+    few hundred tensors move as one copy instead of a few hundred). Tensors already there are returned as they
+    are; views of one buffer already in their dtypes (a packed adapter) move as one copy of that buffer."""
     dtypes = [d or x.dtype for x, d in zip(xs, dtypes)]
     device = device or (xs[0].device if xs else None)
     if all(x.device == device and x.dtype == d for x, d in zip(xs, dtypes)):
@@ -86,7 +96,7 @@ def pack(xs: Sequence[Tensor], dtypes: Sequence[torch.dtype | None], device: tor
     if (len(storages) == 1 and all(x.dtype == d for x, d in zip(xs, dtypes))
             and xs[0].untyped_storage().nbytes() <= 2 * nbytes + ALIGN * len(xs)):  # a packed buffer: copy it whole
         whole = torch.empty(0, dtype=torch.uint8, device=xs[0].device).set_(xs[0].untyped_storage())
-        moved = _transfer(whole, device, pin_memory)
+        moved = transfer(whole, device)
         return [_view(moved, x) for x in xs]
     if len(sources) != 1:
         return [x.to(device=device, dtype=d) for x, d in zip(xs, dtypes)]
@@ -94,26 +104,15 @@ def pack(xs: Sequence[Tensor], dtypes: Sequence[torch.dtype | None], device: tor
     for x, d in zip(xs, dtypes):
         offsets.append(total)
         total += -(-x.numel() * d.itemsize // ALIGN) * ALIGN
-    # Packed where the tensors are (a CPU source in pinned memory when the target is CUDA), then one transfer.
-    src = sources.pop()
-    pinned = src.type == "cpu" and device.type == "cuda"
-    buf = torch.empty(total, dtype=torch.uint8, device=src, pin_memory=pinned)
+    src = sources.pop()  # packed where the tensors are, then one transfer
+    buf = torch.empty(total, dtype=torch.uint8, device=src)
     packed = [_view_at(buf, off, x.shape, d) for x, off, d in zip(xs, offsets, dtypes)]
     for p, x in zip(packed, xs):
         p.copy_(x)
     if src == device or device.type == src.type == "cuda" and device.index is None:
         return packed
-    moved = _transfer(buf, device, pin_memory)
+    moved = transfer(buf, device)
     return [_view(moved, p) for p in packed]
-
-
-def _transfer(buf: Tensor, device: torch.device, pin_memory: bool) -> Tensor:
-    """`buf` copied to `device`, non-blocking where one side is pinned (the copy is ordered on the current stream:
-    the caller synchronizes before the host reads a copy to the CPU)."""
-    if device.type == "cpu" and buf.is_cuda:
-        out = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=pin_memory)
-        return out.copy_(buf, non_blocking=pin_memory)
-    return buf.to(device, non_blocking=buf.is_pinned())
 
 
 def _view_at(buf: Tensor, offset: int, shape: torch.Size, dtype: torch.dtype) -> Tensor:

@@ -6,8 +6,9 @@ never waits for one while anything can run. On CUDA a job runs with a side strea
 stream, so its copies (the adapter's tensors to the device, the base W0 a converter reads back) never queue
 behind a step; `move` records an event behind the copies and waits for it, and the engine's stream waits for it
 too before it reads the tensors (`Staged.use`), which also records them on that stream so that their memory is
-not handed out again before the stream is done with them. On the CPU a move is plain: `Adapter.to` returns the
-tensors themselves.
+not handed out again before the stream is done with them. Copies between the host and the device run through
+two pinned buffers of the loader's (`Staging`), never from or to pageable memory. On the CPU a move is plain:
+`Adapter.to` returns the tensors themselves.
 
 The loader's Python (validation, conversion) shares the interpreter lock with the step loop. While a job runs,
 the interpreter's thread switch interval is `switch_interval` (Python's default, 5 ms, would let a load keep the
@@ -25,9 +26,10 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from scute.adapters import Adapter
-from scute.adapters.adapter import SharedMemo
+from scute.adapters.adapter import SharedMemo, copy_to
 from scute.engine.request import Request
 
 
@@ -73,6 +75,50 @@ class Staged:
         return self.adapter
 
 
+class Staging:
+    """Two pinned host buffers of `nbytes` through which the loader's copies between the host and a CUDA device run,
+    chunk by chunk (`copy`). A copy from or to pageable memory is run by the CUDA driver under a lock that stalls
+    every other thread's CUDA calls (the step loop's launches) until it ends, ~50 ms for an 8B LoRA; through
+    pinned memory each chunk is a DMA that the other threads' calls run beside, and its host side a memcpy that
+    releases the interpreter lock. Allocated once (by the loader's first such copy): allocating pinned memory
+    takes that lock too. One thread at a time (the loader's)."""
+
+    def __init__(self, nbytes: int = 16 << 20) -> None:
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.events = [torch.cuda.Event(), torch.cuda.Event()]  # each buffer's last DMA, on the current stream
+
+    def copy(self, buffer: Tensor, device: torch.device) -> Tensor:
+        """`buffer` (contiguous) copied to `device`; a copy to the CPU has landed on return, one to the device is
+        ordered on the current stream."""
+        if buffer.device.type == device.type:
+            return buffer.to(device)
+        out = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+        src, dst, size = buffer.view(torch.uint8), out.view(torch.uint8), self.buffers[0].numel()
+        spans = [(a, min(a + size, src.numel())) for a in range(0, src.numel(), size)]
+        (self._to_host if device.type == "cpu" else self._to_device)(src, dst, spans)
+        return out
+
+    def _to_host(self, src: Tensor, dst: Tensor, spans: list[tuple[int, int]]) -> None:
+        for k, (a, b) in enumerate(spans):
+            if k == 0:
+                self._dma(src, 0, *spans[0])
+            if k + 1 < len(spans):  # the next chunk's DMA runs while this one is copied out
+                self._dma(src, (k + 1) % 2, *spans[k + 1])
+            self.events[k % 2].synchronize()
+            dst[a:b].copy_(self.buffers[k % 2][: b - a])
+
+    def _dma(self, src: Tensor, i: int, a: int, b: int) -> None:
+        self.buffers[i][: b - a].copy_(src[a:b], non_blocking=True)
+        self.events[i].record()
+
+    def _to_device(self, src: Tensor, dst: Tensor, spans: list[tuple[int, int]]) -> None:
+        for k, (a, b) in enumerate(spans):  # this chunk's memcpy runs while the one before is in its DMA
+            self.events[k % 2].synchronize()
+            self.buffers[k % 2][: b - a].copy_(src[a:b])
+            dst[a:b].copy_(self.buffers[k % 2][: b - a], non_blocking=True)
+            self.events[k % 2].record()
+
+
 class AdapterLoader:
     switch_interval: float | None = 2e-4  # seconds, while a job runs (module docstring); None: left as it is
 
@@ -87,6 +133,7 @@ class AdapterLoader:
         self._pending = 0  # jobs given and not finished
         self._finished = 0  # jobs finished so far
         self._num_threads = torch.get_num_threads()  # the engine thread's: converters compute as they would there
+        self._staging: Staging | None = None  # made by the first copy between the host and the device
 
     def submit(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on the loader thread after the jobs given before; its future holds the result or
@@ -100,26 +147,31 @@ class AdapterLoader:
         self._jobs.put((future, fn, args))
         return future
 
+    def transfer(self, buffer: Tensor, device: torch.device) -> Tensor:
+        """`buffer` copied to `device`, through the `Staging` buffers where it crosses between host and device."""
+        if buffer.device.type == device.type:
+            return copy_to(buffer, device)
+        self._staging = self._staging or Staging()
+        return self._staging.copy(buffer, device)
+
     def to_device(self, adapter: Adapter, memo: SharedMemo) -> Adapter:
         """`adapter` as the device slots hold it: on the device, matrices in the serving dtype, vectors in float32,
         copied as one buffer (`Adapter.to`; `memo` as there). On the CPU the tensors themselves."""
         if self.device.type != "cuda":
             return adapter.to(device=self.device, memo=memo)
-        return adapter.to(self.dtype, self.device, memo, vector_dtype=torch.float32)
+        return adapter.to(self.dtype, self.device, memo, vector_dtype=torch.float32, transfer=self.transfer)
 
     def host_and_device(self, adapter: Adapter, memo: SharedMemo) -> tuple[Adapter, Adapter | None]:
         """A converted adapter as the CPU tier keeps it, and its device copy if the conversion made one. One
         converted on the GPU (where W0 is) is cast there to the serving dtype, and the CPU tier gets a copy of
-        that in pageable memory (one transfer back, landed on return); one converted on the CPU is kept as it is
-        (None: `move` copies it). Nothing the CPU tier keeps is pinned: allocating pinned memory holds a lock of
-        the CUDA driver that stalls the step loop's CUDA calls for as long as the pages take to pin, and memory
-        kept would be allocated anew for every load."""
+        that in pageable memory (through the `Staging` buffers, landed on return); one converted on the CPU is kept
+        as it is (None: `move` copies it). Nothing the CPU tier keeps is pinned: allocating pinned memory holds a
+        lock of the CUDA driver that stalls the step loop's CUDA calls for as long as the pages take to pin, and
+        memory kept would be allocated anew for every load."""
         if not any(x.is_cuda for s in adapter.layers.values() for x in s.tensors().values()):
             return adapter, None
         on_device = self.to_device(adapter, memo)
-        host = on_device.to(device="cpu", memo=memo)
-        torch.cuda.current_stream(self.device).synchronize()
-        return host, on_device
+        return on_device.to(device="cpu", memo=memo, transfer=self.transfer), on_device
 
     def move(self, adapter: Adapter, memo: SharedMemo) -> Staged:
         """`adapter` copied to the device (a job's last part, on the loader thread); `memo` as for `Adapter.to`."""

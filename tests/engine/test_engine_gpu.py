@@ -60,3 +60,20 @@ def test_the_cpu_tier_keeps_no_pinned_memory(oracle):
         cached = engine.adapters.get_by_path(oracle.paths[name])
         tensors = [x for s in cached.layers.values() for x in s.tensors().values()]
         assert tensors and not any(x.is_cuda or x.is_pinned() for x in tensors), name
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 999, 1000, 4567])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32])
+def test_staging_copies_both_ways_in_chunks(nbytes, dtype):
+    """The loader's copies through its two pinned buffers (`Staging`, 1000 bytes each here: several chunks, the
+    last one short) give the source's bytes on the other side, from pageable memory and to it."""
+    from scute.engine.adapter_loader import Staging
+
+    staging = Staging(1000)
+    size = nbytes - nbytes % dtype.itemsize
+    src = torch.randint(0, 255, (size,), dtype=torch.uint8).view(dtype)
+    on_device = staging.copy(src, torch.device("cuda"))
+    torch.cuda.synchronize()
+    assert on_device.is_cuda and on_device.dtype == dtype and torch.equal(on_device.cpu(), src)
+    back = staging.copy(on_device, torch.device("cpu"))
+    assert not back.is_cuda and not back.is_pinned() and torch.equal(back, src)
