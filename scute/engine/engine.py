@@ -164,23 +164,23 @@ class Engine:
         """Schedule and run one step. A decode step that replays a CUDA graph is launched before the tokens of
         the step in flight are read: the host lands those (appends them, checks stops, builds the outputs this
         call reports) while the GPU runs, and the new step's tokens land in the next call (a request that
-        stopped is computed once more, and that token dropped). Any other step first lands the step in flight:
-        its inputs need every token on the host.
+        stopped is computed once more, and that token dropped). Adapter placements advance in between, while the
+        step in flight runs with the new one queued behind it (`Placer`: the GPU never waits for them). Any
+        other step first lands the step in flight: its inputs need every token on the host.
 
         A request with a penalty (`SamplingParams.has_penalties`) is sampled from logits penalized by counts of all
-        of its tokens, built from the host's lists (`Penalties.of`); a token still in flight exists only on the
-        device. So a step that samples a penalized request whose newest token is in flight is not overlapped: the
-        step in flight lands first, then this step is launched (still a graph replay if it is a decode step) or
-        run eagerly. Steps without such a request overlap as before."""
+        of its tokens, built from the host's lists (`Penalties.of`); a token in flight exists only on the device.
+        So a step that samples a penalized request whose newest token is in flight lands that step first, then is
+        launched (a graph replay if it is a decode step) or run eagerly."""
         self._release_samples()
         done, self._reported = self._reported, []
         done += self.adapters.poll(self.scheduler.finish)  # adapters loaded meanwhile; failed loads fail their requests
         sched = self.scheduler.schedule()
-        placed = self.adapters.place(lambda: self._in_flight is None or not self._in_flight.event.query())  # `Placer`
         self.stats["preemptions"] += len(sched.preempted)
         sampling = [req for req, n in sched.scheduled if req.num_computed_tokens + n == req.num_tokens]
         land_first = self.tp is not None or any(r.num_pending and r.sampling_params.has_penalties for r in sampling)
         flight = self.runner.launch(sched, sampling, self._in_flight) if sched.scheduled and not land_first else None
+        placed = self.adapters.place(lambda run=self._in_flight or flight: run is None or not run.event.query())
         landed = self._land()
         if flight is None:  # requests the landing stopped leave the step, which has every token on the host now
             sched.scheduled = [(r, n) for r, n in sched.scheduled if not r.is_finished]

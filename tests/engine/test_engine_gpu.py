@@ -74,6 +74,7 @@ def test_staging_copies_both_ways_in_chunks(nbytes, dtype):
     src = torch.randint(0, 255, (size,), dtype=torch.uint8).view(dtype)
     on_device = staging.copy(src, torch.device("cuda"))
     torch.cuda.synchronize()
-    assert on_device.is_cuda and on_device.dtype == dtype and torch.equal(on_device.cpu(), src)
+    assert on_device.is_cuda and on_device.dtype == dtype
+    assert torch.equal(on_device.cpu().view(torch.uint8), src.view(torch.uint8))  # bytes: random bf16 holds NaNs
     back = staging.copy(on_device, torch.device("cpu"))
-    assert not back.is_cuda and not back.is_pinned() and torch.equal(back, src)
+    assert not back.is_cuda and not back.is_pinned() and torch.equal(back.view(torch.uint8), src.view(torch.uint8))
