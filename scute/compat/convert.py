@@ -187,7 +187,8 @@ def convert_adapter(adapter: Adapter, model: nn.Module, rank: int, bias_policy: 
     for name, slots in adapter.layers.items():
         base = modules[name]
         layer_cache = None if cache is None else cache.setdefault(name, {})
-        layers[name] = convert_layer(name, slots, base.weight, base.bias, rank, bias_policy, layer_cache)
+        here = slots.to(device=base.weight.device)  # where W0 is (VeRA's slots are built on the CPU)
+        layers[name] = convert_layer(name, here, base.weight, base.bias, rank, bias_policy, layer_cache)
     shared = {}
     for slots in adapter.layers.values():
         for slot in slots.shared:

@@ -144,3 +144,17 @@ def test_cli_writes_a_lora_and_prints_errors_and_memory(tmp_path, capsys):
     rc = convert_main([str(tmp_path / "dora"), "--rank", "8", "--out", str(tmp_path / "o2"), "--model",
                        str(tmp_path / "nowhere")])
     assert rc == 2 and "no such folder" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", CASES)
+def test_a_model_on_the_gpu_converts_as_on_the_cpu(case, saved):
+    """Adapters of a model on the GPU (converted where W0 is, or on the CPU as VeRA's are) convert there, with
+    the CPU's errors."""
+    model, adapter, family = loaded(saved, case)
+    on_gpu = tiny_model(family, F64).cuda()
+    cpu, gpu = convert_adapter(adapter, model, rank=2), convert_adapter(load_adapter(saved(case), on_gpu), on_gpu, 2)
+    assert gpu.layers.keys() == cpu.layers.keys()
+    for name, layer in cpu.layers.items():
+        assert gpu.layers[name].error_norm == pytest.approx(layer.error_norm, rel=1e-6, abs=1e-12), name
