@@ -8,8 +8,8 @@ time. A rate is *sustained* when the p90 time per output token stays within ``--
 request alone) and the queue does not grow (every request starts within ``--max-queue-s`` of its arrival: a run
 stops, its requests aborted, as soon as one has waited longer, so an overloaded rate costs seconds). For each (method, N, popularity, variant) the highest sustained rate is found by doubling from ``--start-rate``,
 then bisecting; every run's TTFT and TPOT percentiles are recorded. Before each (variant, N), one request per
-adapter the device slots hold warms them (a server's steady state), then one request alone gives the unloaded
-TPOT.
+adapter the device slots hold warms them and a shrinking batch captures the graphs of every batch size up to
+``--requests`` (`warm_graphs`: a server's steady state), then one request alone gives the unloaded TPOT.
 
 Variants: ``native`` (the method's own adapters) and ``lora-rR`` for each ``--ranks`` R. A conversion's adapters
 are N LoRA checkpoints of the conversion's shape (rank R on the same modules; random tensors: what the engine
@@ -108,6 +108,19 @@ def run_load(engine, paths: list[str], rate: float, args, seed: int) -> dict:
                 ttft_p50=percentile(ttft, 50), ttft_p90=percentile(ttft, 90), ttft_p99=percentile(ttft, 99),
                 tpot_p50=percentile(tpot, 50), tpot_p90=percentile(tpot, 90), tpot_p99=percentile(tpot, 99),
                 max_queue_s=max(queue) if queue else None)
+
+
+def warm_graphs(engine, paths: list[str], args) -> None:
+    """Every decode batch size up to ``--requests`` once, the requests on `paths` in turn: request i generates
+    i + 1 tokens, so the batch shrinks by one a step and the CUDA graphs of the variant's adapters are captured
+    for every bucket before the measured runs (a server serving them for a while has them; captured on demand
+    they would stall the first run by seconds)."""
+    from scute import SamplingParams
+
+    n = min(args.requests, engine.config.max_num_seqs)
+    prompts = [[1 + i % (engine.vocab_size - 1)] * 8 for i in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=i + 1, ignore_eos=True) for i in range(n)]
+    engine.generate(prompts, params, [paths[i % len(paths)] for i in range(n)], use_tqdm=False)
 
 
 def sustained(run: dict, unloaded_tpot: float, args) -> bool:
@@ -222,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{method} {name} N={n}", flush=True)
             warm = argparse.Namespace(**{**vars(args), "requests": min(n, args.max_adapters), "popularity": "cycle"})
             run_load(engine, paths[:n], float("inf"), warm, seed=20_000)  # loads the adapters the slots hold
+            warm_graphs(engine, paths[:n], args)
             solo = run_load(engine, paths[:n], float("inf"), argparse.Namespace(**{**vars(args), "requests": 1}),
                             seed=10_000)
             rate, runs = max_rate(engine, paths[:n], args, solo["tpot_p50"])
