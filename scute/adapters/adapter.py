@@ -107,8 +107,7 @@ def pack(xs: Sequence[Tensor], dtypes: Sequence[torch.dtype | None], device: tor
     src = sources.pop()  # packed where the tensors are, then one transfer
     buf = torch.empty(total, dtype=torch.uint8, device=src)
     packed = [_view_at(buf, off, x.shape, d) for x, off, d in zip(xs, offsets, dtypes)]
-    for p, x in zip(packed, xs):
-        p.copy_(x)
+    torch._foreach_copy_(packed, list(xs))  # one call for a few hundred copies
     if src == device or device.type == src.type == "cuda" and device.index is None:
         return packed
     moved = transfer(buf, device)

@@ -212,6 +212,28 @@ def first_nonfinite(tensors: Mapping[str, Tensor]) -> str | None:
     return next((k for k, ok in zip(keys, finite) if not ok), None)
 
 
+def cast_together(tensors: Mapping[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
+    """`tensors` with every floating one in `dtype`. Views of one storage in one dtype (a file's tensors) are cast
+    as one span of it, one operation where one per tensor would be hundreds, and come back as views of the cast
+    span; any other tensor is cast alone."""
+    out, spans = dict(tensors), {}
+    for k, x in tensors.items():
+        if x.is_floating_point() and x.dtype != dtype:
+            key = (x.untyped_storage().data_ptr(), x.dtype) if x.is_contiguous() else (k,)
+            spans.setdefault(key, []).append(k)
+    for keys in spans.values():
+        xs = [tensors[k] for k in keys]
+        if len(xs) == 1:
+            out[keys[0]] = xs[0].to(dtype)
+            continue
+        lo, hi = min(x.storage_offset() for x in xs), max(x.storage_offset() + x.numel() for x in xs)
+        span = torch.empty(0, dtype=xs[0].dtype, device=xs[0].device).set_(xs[0].untyped_storage(), lo, (hi - lo,))
+        cast = span.to(dtype)
+        for k, x in zip(keys, xs):
+            out[k] = cast[x.storage_offset() - lo:x.storage_offset() - lo + x.numel()].view(x.shape)
+    return out
+
+
 def pattern_value(patterns: Mapping[str, object] | None, name: str, default):
     """Resolve PEFT's `rank_pattern` / `alpha_pattern` for module `name`: first matching key wins."""
     for key, value in (patterns or {}).items():

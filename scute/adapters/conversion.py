@@ -26,6 +26,7 @@ from scute.adapters.checkpoint import (
     LAYER_PREFIX,
     AdapterCheckpoint,
     AdapterError,
+    cast_together,
     first_nonfinite,
     is_targeted,
     read_checkpoint,
@@ -141,7 +142,8 @@ def convert_checkpoint(
     method = checkpoint_method(ckpt, options)
     device = weights_device(modules) if method.on_device else torch.device("cpu")
     tensors_here = ckpt.tensors_on(device)  # model-level tensors stay on the CPU (shared matrices are made there)
-    groups, globals_ = _group_keys(ckpt, method, modules, tensors_here)
+    acc = acc_dtype(next((m.weight.dtype for m in modules.values()), torch.float32))
+    groups, globals_ = _group_keys(ckpt, method, modules, cast_together(tensors_here, acc))  # `LayerCheckpoint.tensor`
     if (bad := first_nonfinite(tensors_here)) is not None:
         raise ckpt.error(f"tensor {bad!r} has NaN or Inf values")
     expected = {n for n in modules if is_targeted(ckpt.config, n)}

@@ -109,8 +109,7 @@ class Slots:
         if A is not None:
             a_shared, b_shared = "A" in self.shared, "B" in self.shared
             if not b_shared:
-                col = torch.full((B.shape[0],), s, dtype=B.dtype, device=B.device) if v is None else s * v
-                B, v = col[:, None] * B, None
+                B, v = (B * s if v is None else (s * v)[:, None] * B), None  # B * s: s * B's every element
                 merged += ["s"] + (["v"] if self.v is not None else [])
             elif s != 1.0:
                 if v is not None:

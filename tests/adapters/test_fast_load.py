@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from scute.adapters import AdapterError, load_adapter, read_checkpoint
 from scute.adapters.checkpoint import SAFETENSORS
 from scute.adapters import checkpoint as ckpt_module
+from scute.adapters import conversion
 from scute.adapters.adapter import ALIGN, pack
 from scute.adapters.methods import dora
 from tests.helpers import assert_matches_peft, tiny_model
@@ -67,6 +68,40 @@ def test_adapter_to_keeps_matrices_and_vectors_apart(lora_dir):
         for key, x in slots.tensors().items():
             assert x.dtype == (torch.float32 if x.dim() == 1 else torch.float16), (name, key)
             assert torch.equal(x, adapter.layers[name].tensors()[key].to(x.dtype))
+
+
+def test_cast_together_casts_a_files_tensors_as_one_span(tmp_path):
+    """A file's bf16 tensors come back in float32 as views of one cast span (one operation for all of them), with
+    each tensor's own values; tensors of the target dtype, integer ones and lone ones as they are, or cast alone."""
+    g = torch.Generator().manual_seed(0)
+    want = {"a": torch.randn(3, 5, generator=g).bfloat16(), "b": torch.randn(7, generator=g).bfloat16(),
+            "c": torch.randn(4, generator=g), "d": torch.arange(2), "e": torch.randn(2, 2, generator=g).bfloat16()}
+    save_file(want, str(tmp_path / WEIGHTS))
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    tensors = read_checkpoint(tmp_path).tensors
+    lone = torch.randn(6, generator=g).half()
+    cast = ckpt_module.cast_together({**tensors, "lone": lone}, torch.float32)
+    for key, x in {**want, "lone": lone}.items():
+        got = cast[key]
+        assert got.dtype == (torch.float32 if x.is_floating_point() else x.dtype), key
+        assert got.shape == x.shape and torch.equal(got, x.to(got.dtype)), key
+    assert len({cast[k].untyped_storage().data_ptr() for k in "abe"}) == 1  # one span
+    assert cast["c"] is tensors["c"] and cast["d"] is tensors["d"]
+
+
+def test_a_bf16_file_converts_as_each_tensor_cast_alone(lora_dir, monkeypatch):
+    """LoRA's slots from a bf16 file for a float32 model, its tensors cast as one span, equal those cast one by
+    one."""
+    path = os.path.join(lora_dir, WEIGHTS)
+    save_file({k: v.bfloat16() for k, v in load_file(path).items()}, path)
+    model = tiny_model()
+    together = load_adapter(lora_dir, model)
+    monkeypatch.setattr(conversion, "cast_together", lambda tensors, dtype: dict(tensors))
+    alone = load_adapter(lora_dir, model)
+    assert together.layers.keys() == alone.layers.keys()
+    for name, slots in together.layers.items():
+        for key, x in slots.tensors().items():
+            assert x.dtype == torch.float32 and torch.equal(x, alone.layers[name].tensors()[key]), (name, key)
 
 
 def test_dora_norm_in_row_blocks_matches_peft(tmp_path, monkeypatch):
