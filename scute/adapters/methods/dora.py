@@ -14,9 +14,9 @@ from scute.adapters.conversion import LayerCheckpoint
 from scute.ops.slots import Slots
 
 # Elements of W0 + s·B A formed at once: on the CPU a few MiB, so the temporaries stay in cache and are not fresh
-# pages each layer (whole-layer temporaries made it ~10x slower); on a GPU 64 MiB of float32 (a few launches per
-# layer, and a bounded transient beside the KV cache).
-CPU_CHUNK, GPU_CHUNK = 1 << 20, 1 << 24
+# pages each layer (whole-layer temporaries made it ~10x slower); on a GPU 256 MiB of float32, a whole layer of
+# the 8B shape (three launches per layer, a bounded transient beside the KV cache).
+CPU_CHUNK, GPU_CHUNK = 1 << 20, 1 << 26
 
 
 def weight_norm(w0: Tensor, A: Tensor, B: Tensor, s: float, dtype: torch.dtype) -> Tensor:
@@ -24,9 +24,9 @@ def weight_norm(w0: Tensor, A: Tensor, B: Tensor, s: float, dtype: torch.dtype) 
     rows at a time; returned on W0's device."""
     A, B = A.to(w0.device), B.to(w0.device)
     rows = max(1, (GPU_CHUNK if w0.is_cuda else CPU_CHUNK) // w0.shape[1])
-    norms = [torch.linalg.norm(torch.addmm(w0[i:i + rows].to(dtype), B[i:i + rows], A, alpha=s), dim=1)
+    norms = [torch.linalg.norm(w0[i:i + rows].to(dtype, copy=True).addmm_(B[i:i + rows], A, alpha=s), dim=1)
              for i in range(0, w0.shape[0], rows)]
-    return torch.cat(norms)
+    return norms[0] if len(norms) == 1 else torch.cat(norms)
 
 
 def dora_slots(layer: LayerCheckpoint, A: Tensor, B: Tensor, s: float) -> Slots:

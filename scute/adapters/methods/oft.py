@@ -39,16 +39,14 @@ def cayley(Q: Tensor, neumann_terms: int | None) -> Tensor:
     eye = torch.eye(Q.shape[-1], dtype=Q.dtype, device=Q.device).expand_as(Q)
     if neumann_terms is None:
         return torch.linalg.solve(eye + Q, eye - Q, left=False)
-    R = eye.clone()
-    if neumann_terms > 1:
-        R = R + 2 * Q
+    R = torch.add(eye, Q, alpha=2) if neumann_terms > 1 else eye.clone()  # 2 Q is exact: R + 2 Q, one rounding
     if neumann_terms > 2:
         power = Q @ Q
-        R = R + 2 * power
+        R.add_(power, alpha=2)
         for _ in range(3, neumann_terms - 1):
             power = power @ Q
-            R = R + 2 * power
-        R = R + power @ Q
+            R.add_(power, alpha=2)
+        R.add_(power @ Q)
     return R
 
 
