@@ -53,8 +53,9 @@ class Adapter:
         own = [(n, k, x) for n, s in self.layers.items() for k, x in s.tensors().items() if k not in s.shared]
         dtypes = [(vector_dtype or dtype) if x.dim() == 1 else dtype for _, _, x in own]
         moved = dict(zip(((n, k) for n, k, _ in own), pack([x for _, _, x in own], dtypes, device, transfer)))
-        layers = {n: replace(s, **{k: _move_shared(x, dtype, device, memo, transfer) if k in s.shared else moved[n, k]
-                                   for k, x in s.tensors().items()}) for n, s in self.layers.items()}
+        layers = {n: s.with_same_shapes(**{k: _move_shared(x, dtype, device, memo, transfer) if k in s.shared
+                                           else moved[n, k] for k, x in s.tensors().items()})
+                  for n, s in self.layers.items()}
         return replace(self, layers=layers)
 
     def num_bytes(self) -> int:

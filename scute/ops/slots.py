@@ -11,7 +11,8 @@ every adapter that shares them, never copies; `shared` names those slots.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import copy
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -123,13 +124,20 @@ class Slots:
             elif m is not None and not b_shared:
                 B, m = B * m[None, :], None
                 merged.append("m")
-        return replace(self, A=A, m=m, B=B, v=v, scale=1.0, merged=tuple(dict.fromkeys(merged)))
+        return self.with_same_shapes(A=A, m=m, B=B, v=v, scale=1.0, merged=tuple(dict.fromkeys(merged)))
 
     def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Slots:
         """A copy with every tensor moved. Shared tensors are copied like the others: to keep them shared, move
         the whole adapter (`scute.adapters.Adapter.to` copies each shared storage once)."""
         moved = {n: getattr(self, n).to(device=device, dtype=dtype) for n in self.live}
-        return replace(self, **moved)
+        return self.with_same_shapes(**moved)
+
+    def with_same_shapes(self, **changes) -> Slots:
+        """A copy with `changes`, which keep every slot's shape (a fold, a move): not validated again, and
+        without `dataclasses.replace`'s field walk (a load makes one per adapted layer, hundreds)."""
+        out = copy.copy(self)
+        out.__dict__.update(changes)
+        return out
 
     def num_bytes(self, element_size: int | None = None) -> int:
         """Bytes of the per-adapter tensors (shared ones excluded), at `element_size` bytes per element if given."""

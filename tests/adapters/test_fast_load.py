@@ -89,6 +89,22 @@ def test_cast_together_casts_a_files_tensors_as_one_span(tmp_path):
     assert cast["c"] is tensors["c"] and cast["d"] is tensors["d"]
 
 
+@pytest.mark.parametrize("where", ["a", "b", "c", "e", None])
+def test_first_nonfinite_names_the_first_bad_tensor_of_a_file(tmp_path, where):
+    """A file's tensors that tile its buffer are checked as one span; a NaN or an Inf anywhere is still reported
+    by the first key that holds one (two here when `where` is "b": b and e), a finite file by None."""
+    g = torch.Generator().manual_seed(0)
+    want = {"a": torch.randn(3, 5, generator=g).bfloat16(), "b": torch.randn(7, generator=g).bfloat16(),
+            "c": torch.randn(4, generator=g), "d": torch.arange(2), "e": torch.randn(2, 2, generator=g).bfloat16()}
+    if where is not None:
+        want[where].view(-1)[-1] = float("nan")
+    if where == "b":
+        want["e"][0, 0] = float("inf")
+    save_file(want, str(tmp_path / WEIGHTS))
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    assert ckpt_module.first_nonfinite(read_checkpoint(tmp_path).tensors) == where
+
+
 def test_a_bf16_file_converts_as_each_tensor_cast_alone(lora_dir, monkeypatch):
     """LoRA's slots from a bf16 file for a float32 model, its tensors cast as one span, equal those cast one by
     one."""
