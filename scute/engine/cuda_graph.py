@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 
 from scute.model.linear import ScuteLinear
 from scute.ops.groups import ActiveSlots
-from scute.ops.plan import step_facts
+from scute.ops.plan import bucket_facts, step_facts
 from scute.ops.pool import StepKinds
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -106,20 +106,25 @@ class AdapterLayout:
                 [-1] + [s for s in range(self.num_slots) if not other >> s & 1])
         return active
 
-    def graph_key(self, step_key: int) -> tuple:
-        """Each pool's `StepFacts` for the active slots of `step_key`: a graph captured under another key would
-        launch other passes than this layout's step does. Worked out once per layout (`rekey`: again)."""
-        key = self._graph_keys.get(step_key)
+    def graph_key(self, step_key: int, bucket: int) -> tuple:
+        """Each pool's `StepFacts` for the active slots of `step_key`, as far as the plans of a `bucket`-token step
+        read them (`bucket_facts`): a graph captured under another key would launch other passes than this
+        layout's step does. Worked out once per layout (`rekey`: again)."""
+        key = self._graph_keys.get((step_key, bucket))
         if key is None:
-            active = self.active_slots(step_key)
-            key = self._graph_keys[step_key] = tuple(step_facts(p.facts, active) for p in self.pools)
+            facts = self._graph_keys.get(step_key)
+            if facts is None:
+                active = self.active_slots(step_key)
+                facts = self._graph_keys[step_key] = tuple(step_facts(p.facts, active) for p in self.pools)
+            key = self._graph_keys[step_key, bucket] = tuple(bucket_facts(f, bucket) for f in facts)
         return key
 
-    def rekey(self, step_key: int) -> tuple:
-        """`graph_key` from the pools' facts now (a capture: its key must be that of the facts its plans read,
-        and a placement in progress changes pools' facts before the layout follows: `scute.model.hf.placing`)."""
-        self._graph_keys.pop(step_key, None)
-        return self.graph_key(step_key)
+    def rekey(self, step_key: int) -> None:
+        """Forget `graph_key`s of `step_key`, so that they follow the pools' facts now (a capture: its key must be
+        that of the facts its plans read, and a placement in progress changes pools' facts before the layout
+        follows: `scute.model.hf.placing`)."""
+        for k in [k for k in self._graph_keys if k == step_key or isinstance(k, tuple) and k[0] == step_key]:
+            del self._graph_keys[k]
 
 
 class DecodeGraphs:
@@ -139,7 +144,7 @@ class DecodeGraphs:
         """Whether the graph of this layout, step key and bucket is captured (under its current graph key)."""
         self._use(layout)
         entry = self.graphs.get((step_key, bucket))
-        return entry is not None and entry[2] == layout.graph_key(step_key)
+        return entry is not None and entry[2] == layout.graph_key(step_key, bucket)
 
     def replay(self, layout: AdapterLayout, step_key: int, bucket: int) -> Tensor:
         """Replay a captured graph over the inputs in the buffers; returns its logits [bucket, vocab] (valid until
@@ -164,7 +169,7 @@ class DecodeGraphs:
         self._use(layout)
         start = time.perf_counter()
         active = layout.active_slots(step_key)
-        key = layout.rekey(step_key)
+        layout.rekey(step_key)
         for size in tqdm(sorted(sizes, reverse=True), desc="Capturing decode CUDA graphs", unit="graph",
                          disable=not progress, file=sys.stderr):
             self.forward(size, active)  # eager: compiles the kernels, builds missing pools and per-size state
@@ -174,7 +179,7 @@ class DecodeGraphs:
             # default, global, would make those calls fail while this thread captures)
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 logits = self.forward(size, active)
-            self.graphs[(step_key, size)] = (graph, logits, key)
+            self.graphs[(step_key, size)] = (graph, logits, layout.graph_key(step_key, size))
             self.num_captured += 1
         torch.cuda.synchronize(self.device)
         self.capture_seconds += time.perf_counter() - start

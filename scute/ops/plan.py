@@ -165,6 +165,13 @@ def step_facts(facts: PoolFacts, active_slots: Collection[int] | None) -> StepFa
                      any(mask & m not in (0, mask) for m in facts.lowrank_masks))
 
 
+def bucket_facts(step: StepFacts, num_tokens: int) -> StepFacts:
+    """`step` as far as `plan` reads it for `num_tokens` tokens: with a base token among more than one, whether a
+    slot lacks A changes nothing (no fold; a deferral writes zeros anyway), so a graph of such a step is kept when
+    the last free slot of a pool is filled."""
+    return step._replace(partial=False) if step.base and num_tokens > 1 and step.partial else step
+
+
 def plan(facts: PoolFacts, num_tokens: int, in_features: int, num_tiles: int, device: torch.device,
          active_slots: Collection[int] | None = None, merged: bool = False, half_n: int | None = None,
          block_k: int | None = None, tile_half_n: int | None = None, block_m: int = BLOCK_M,
@@ -173,8 +180,8 @@ def plan(facts: PoolFacts, num_tokens: int, in_features: int, num_tiles: int, de
     `block_m` tokens (the `LoraMeta`'s), for a step whose tokens use only `active_slots` (None: any); `merged`:
     merged weights are given; `half_n`, `block_k`, `tile_half_n` as in `scute_linears_triton` (None: the launch
     configuration); `consumer_adds`: the caller adds plain low-rank deltas itself (`DeferPlan`). Of the slots it
-    reads only their `StepFacts`; of the pool, what its signature holds."""
-    step = step_facts(facts, active_slots)
+    reads only their `StepFacts` (`bucket_facts`); of the pool, what its signature holds."""
+    step = bucket_facts(step_facts(facts, active_slots), num_tokens)
     kinds = step.kinds
     inputs = InputPlan(windowed(num_tokens, facts.block_b)) if kinds.input_transform else None
     fold = _fold_plan(step, num_tokens)

@@ -112,7 +112,7 @@ def test_graph_key_follows_what_the_plans_read():
         key = layout.step_key([1])
         plans = [plan(q.group.pool.facts, n, q.in_features, 1, torch.device("cpu"), layout.active_slots(key),
                       consumer_adds=True)._replace(facts=None) for n in (1, 2, 64)]
-        return layout.key, layout.graph_key(key), plans
+        return layout.key, [layout.graph_key(key, n) for n in (1, 2, 64)], plans
 
     before = state()
     q.set_slot(3, random_slots("lora", q.in_features, q.out_features, rank=4))
@@ -120,3 +120,32 @@ def test_graph_key_follows_what_the_plans_read():
     q.set_slot(0, random_slots("ia3", q.in_features, q.out_features))
     after = state()
     assert after[0] == before[0] and after[1] != before[1] and after[2] != before[2]
+
+
+def test_filling_the_last_free_slot_keeps_the_graphs_of_many_tokens():
+    """Once no slot of a LoRA graph's lacks A (the last free one filled), only the one-token graph's key changes:
+    its deferral writes zeros where a slot has no A. Graphs of more tokens, which write them anyway beside the
+    base model's padding rows, keep their key and their plans."""
+    from scute.ops.plan import plan
+
+    model = tiny_model()
+    linears = swap_linears(model, max_adapters=4)
+    q = linears["model.layers.0.self_attn.q_proj"]
+    torch.manual_seed(0)
+    for s in (0, 1, 2):
+        q.set_slot(s, random_slots("lora", q.in_features, q.out_features, rank=4))
+    q.group.pool = SlotPool(q.in_features, q.group.out_features, 4, "cpu", torch.float32)
+    q.group.pool.update([m.slots for m in q.group.members])
+
+    def state(n):
+        layout = AdapterLayout(linears.values(), 4)
+        key = layout.step_key([1])
+        p = plan(q.group.pool.facts, n, q.in_features, 1, torch.device("cpu"), layout.active_slots(key),
+                 consumer_adds=True)._replace(facts=None)
+        return layout.key, layout.graph_key(key, n), p
+
+    before = {n: state(n) for n in (1, 2, 64)}
+    q.set_slot(3, random_slots("lora", q.in_features, q.out_features, rank=4))
+    after = {n: state(n) for n in (1, 2, 64)}
+    assert after[2] == before[2] and after[64] == before[64]
+    assert after[1][0] == before[1][0] and after[1][1] != before[1][1] and after[1][2] != before[1][2]
