@@ -20,7 +20,7 @@ from functools import cached_property
 import torch
 from torch import Tensor, nn
 
-from scute.adapters.adapter import Adapter
+from scute.adapters.adapter import Adapter, Interned
 from scute.adapters.checkpoint import (
     GLOBAL_PREFIX,
     LAYER_PREFIX,
@@ -60,6 +60,7 @@ class LayerCheckpoint:
     dense: bool = False  # the user allows an exact dense per-adapter ΔW where no low-rank form exists
     options: Mapping[str, object] = field(default_factory=dict)  # the method's own load options, as given
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where the converter computes
+    interned: Interned = field(default_factory=dict)  # the shared matrices of the adapters loaded together
 
     @property
     def in_features(self) -> int:
@@ -79,6 +80,11 @@ class LayerCheckpoint:
 
     def error(self, problem: str) -> AdapterError:
         return self.checkpoint.error(problem, self.name)
+
+    def intern(self, x: Tensor) -> Tensor:
+        """`x` as the one tensor of its content among the adapters loaded with this table (`intern_shared`): a
+        matrix every adapter of a kind holds alike (VeRA's projections) is then one storage, on the device too."""
+        return intern_shared(x, self.interned)
 
     def has(self, key: str) -> bool:
         return key in self.tensors
@@ -104,17 +110,13 @@ class LayerCheckpoint:
         return self.globals[key].to(self.dtype)
 
 
-# Shared matrices by content. Kept for the life of the process (a view does not keep its base's Python object
-# alive, so a weak map would forget them); it holds one entry per distinct VeRA (key, r, dims): a few MiB.
-_INTERNED: dict[tuple, Tensor] = {}
-
-
-def intern_shared(x: Tensor) -> Tensor:
-    """Return one tensor per distinct content, so that adapters sharing a matrix share its storage."""
+def intern_shared(x: Tensor, table: Interned) -> Tensor:
+    """The one tensor of `x`'s content in `table` (`x` itself, entered, if it is the first), so that adapters
+    converted with one table share the storage of a matrix they share (VeRA's projections)."""
     if not x.is_contiguous() or x.untyped_storage().nbytes() != x.numel() * x.element_size():
         x = x.clone(memory_format=torch.contiguous_format)  # its own storage, not a view of the file read
     key = (x.dtype, tuple(x.shape), hashlib.sha256(x.cpu().view(torch.uint8).numpy().tobytes()).hexdigest())
-    return _INTERNED.setdefault(key, x)
+    return table.setdefault(key, x)
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -133,12 +135,14 @@ def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def convert_checkpoint(
-    ckpt: AdapterCheckpoint, modules: Mapping[str, nn.Module], dense: bool = False, **options: object
+    ckpt: AdapterCheckpoint, modules: Mapping[str, nn.Module], dense: bool = False, interned: Interned | None = None,
+    **options: object,
 ) -> dict[str, Slots]:
     """Convert a checkpoint into unfolded `Slots` per module name, validating it against the base `modules`
     (name -> a linear layer with `weight` [out, in] and `bias`). A method registered with ``on_device=True``
     converts where the base weights are (its slots are then there: W0 is never copied off its device), the
-    others on the CPU. `dense`, `options`: see `load_adapter`."""
+    others on the CPU. `dense`, `interned`, `options`: see `load_adapter`."""
+    interned = {} if interned is None else interned
     method = checkpoint_method(ckpt, options)
     device = weights_device(modules) if method.on_device else torch.device("cpu")
     tensors_here = ckpt.tensors_on(device)  # model-level tensors stay on the CPU (shared matrices are made there)
@@ -164,7 +168,7 @@ def convert_checkpoint(
         if bias is not None and tuple(bias.shape) != (shapes[name][0],):
             raise ckpt.error(f"trained bias has shape {tuple(bias.shape)}, layer needs ({shapes[name][0]},)", name)
         layer = LayerCheckpoint(name, ckpt.config, base, bias, tensors, ckpt, globals_, shapes, shared, dense=dense,
-                                options=options, device=device)
+                                options=options, device=device, interned=interned)
         if tensors or (method.tensorless_targets and name in expected):  # method tensors, or derived from globals
             try:
                 slots = method.convert(layer)
@@ -255,12 +259,15 @@ def _correct_bias(slots: Slots, b0: Tensor | None, bias: Tensor | None) -> Slots
 
 def load_adapter(
     path: str | os.PathLike, model: nn.Module, name: str | None = None, allow_pickle: bool = False,
-    dense: bool = False, **options: object,
+    dense: bool = False, interned: Interned | None = None, **options: object,
 ) -> Adapter:
     """Read the PEFT folder `path`, validate it against `model` and convert it into folded slots.
 
     `dense=True` lets methods without an exact low-rank form (HiRA, ...) be served exactly as a full-rank
     per-adapter ΔW (in·out elements per layer: see `scute explain`); without it they are refused, saying why.
+    `interned`: a table of shared matrices (`intern_shared`) to convert with; adapters loaded with one table share
+    the matrices they hold alike (VeRA's projections; the engine's adapter manager keeps one), each call without
+    one has its own.
     `options`: the method's own load options (Poly's ``task_id``: one adapter per task); a name the method does
     not take raises, listing those it does. An option given selects one adapter of the checkpoint: it is named
     and identified apart (``poly@task1``). Methods that can convert where the base weights are do
@@ -275,7 +282,7 @@ def load_adapter(
             "Scute serves adapters of nn.Linear layers only"
         )
     method = checkpoint_method(ckpt, options)
-    layers = convert_checkpoint(ckpt, modules, dense=dense, **options)
+    layers = convert_checkpoint(ckpt, modules, dense=dense, interned=interned, **options)
     folded = {n: s.folded() for n, s in layers.items()}
     default, identity = os.path.basename(os.path.normpath(os.fspath(path))), ckpt.identity
     for key, value in options.items():  # a variant of the checkpoint: its own device slot and KV prefixes

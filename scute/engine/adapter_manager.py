@@ -33,7 +33,7 @@ from torch import nn
 
 from scute.adapters import Adapter, AdapterError, load_adapter, read_checkpoint
 from scute.adapters.checkpoint import files_signature
-from scute.adapters.adapter import SharedMemo
+from scute.adapters.adapter import Interned, SharedMemo
 from scute.engine.adapter_loader import AdapterLoader, Load, PendingAdapter, Staged
 from scute.engine.adapter_memory import AdapterMemory
 from scute.engine.adapter_placer import Placer
@@ -61,6 +61,7 @@ class AdapterManager:
         self._refs: dict[str, int] = {}  # identity -> running requests using it
         self._unused: OrderedDict[str, None] = OrderedDict()  # placed, unused identities, LRU first
         self._moved: SharedMemo = {}  # shared matrices on the device, one copy for every adapter (loader thread)
+        self._interned: Interned = {}  # shared matrices by content: every adapter loaded here shares them
         self.dtype = next((m.weight.dtype for m in linears.values()), torch.float32)  # the device slots' matrices
         self.loader = AdapterLoader(device, self.dtype, prepare=lambda adapter: prepare_adapter(linears, adapter))
         self.memory = AdapterMemory(memory_bytes, self.dtype)
@@ -82,7 +83,7 @@ class AdapterManager:
     def _load(self, path: str | os.PathLike, name: str | None = None, **options) -> tuple[Adapter, Adapter | None]:
         """(the CPU tier's adapter, its device copy or None): `AdapterLoader.host_and_device`."""
         path = os.fspath(path)
-        adapter = load_adapter(path, self.model, name, **options)  # converted where W0 is (methods that can)
+        adapter = load_adapter(path, self.model, name, interned=self._interned, **options)  # where W0 is, if it can
         rank = max((s.rank for s in adapter.layers.values()), default=0)
         if rank > self.max_adapter_rank:
             raise AdapterError(f"adapter {path} ({adapter.peft_type}) has rank {rank}, above max_adapter_rank="

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from scute.adapters import Adapter
+from scute.adapters.adapter import Adapter, Interned
 from scute.adapters.conversion import intern_shared
 from scute.config import EngineConfig
 from scute.engine.adapter_loader import AdapterLoader
@@ -202,11 +202,11 @@ def _join(store: dist.TCPStore, rank: int, world_size: int, device: torch.device
         return dist.new_group(backend="gloo", timeout=IDLE)
 
 
-def _reshare(adapter: Adapter) -> Adapter:
-    """`adapter` with each shared matrix (VeRA's) the one tensor of its content in this process, as the adapters
-    sharing it on rank 0 share one: each placement arrives in its own message."""
+def _reshare(adapter: Adapter, interned: Interned) -> Adapter:
+    """`adapter` with each shared matrix (VeRA's) the one tensor of its content in `interned` (this worker's), as
+    the adapters sharing it on rank 0 share one: each placement arrives in its own message."""
     def whole(x: torch.Tensor) -> torch.Tensor:
-        base = intern_shared(torch.empty(0, dtype=x.dtype).set_(x.untyped_storage()))
+        base = intern_shared(torch.empty(0, dtype=x.dtype).set_(x.untyped_storage()), interned)
         return base.as_strided(x.size(), x.stride(), x.storage_offset())
 
     return replace(adapter, layers={n: replace(s, **{k: whole(getattr(s, k)) for k in s.shared})
@@ -226,7 +226,7 @@ def _worker(rank: int, port: int, model: str, config: EngineConfig, threads: int
     runner = ModelRunner(loaded, config, *plan_kv_cache(loaded, config, memory))
     if runner.graphs is not None:
         runner.capture_graphs(progress=False)
-    loader, memo = AdapterLoader(device, loaded.dtype), {}  # adapters as rank 0's device slots hold them
+    loader, memo, interned = AdapterLoader(device, loaded.dtype), {}, {}  # adapters as rank 0's slots hold them
     while True:
         message = [None]
         dist.broadcast_object_list(message, src=0, group=group)
@@ -234,7 +234,7 @@ def _worker(rank: int, port: int, model: str, config: EngineConfig, threads: int
             break
         placements, step = message[0]
         for slot, adapter in placements:
-            place_adapter(loaded.linears, slot, adapter and loader.to_device(_reshare(adapter), memo))
+            place_adapter(loaded.linears, slot, adapter and loader.to_device(_reshare(adapter, interned), memo))
         with torch.inference_mode():
             runner.replay(step) if isinstance(step, DecodeStep) else runner.forward(step)
     dist.destroy_process_group()

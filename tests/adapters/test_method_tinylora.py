@@ -17,12 +17,13 @@ T4 = ["q_proj", "v_proj", "up_proj", "down_proj"]
 
 
 def test_tinylora_shares_the_svd_factor(tmp_path):
-    """The SVD factor on the wider side is shared (interned) between adapters; R goes into the other."""
-    model = tiny_model()
+    """The SVD factor on the wider side is shared (interned) between adapters loaded with one table; R goes into
+    the other."""
+    model, interned = tiny_model(), {}
     adapters = []
     for seed in (1, 2):
         make_adapter(str(tmp_path / str(seed)), TinyLoraConfig(r=2, u=5, target_modules=T4), seed=seed)
-        adapters.append(load_adapter(tmp_path / str(seed), model))
+        adapters.append(load_adapter(tmp_path / str(seed), model, interned=interned))
     a, b = (x.layers["model.layers.0.self_attn.q_proj"] for x in adapters)  # out ≤ in: A shared
     assert a.shared == {"A"} and a.A is b.A and not torch.equal(a.B, b.B)
     a, b = (x.layers["model.layers.0.mlp.up_proj"] for x in adapters)  # out > in: B shared

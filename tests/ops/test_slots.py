@@ -58,10 +58,12 @@ def test_vera_projections_are_shared_objects(tmp_path):
     make_adapter(str(tmp_path / "a"), VeraConfig(**cfg), seed=1)
     make_adapter(str(tmp_path / "b"), VeraConfig(**cfg, save_projection=False), seed=2)
     make_adapter(str(tmp_path / "c"), VeraConfig(**{**cfg, "r": 4}), seed=3)
-    model = tiny_model()
-    a, b, c = (load_adapter(tmp_path / n, model) for n in "abc")
+    model, interned = tiny_model(), {}
+    a, b, c = (load_adapter(tmp_path / n, model, interned=interned) for n in "abc")
     bases = {s.A.untyped_storage().data_ptr() for ad in (a, b) for s in ad.layers.values()}
     assert len(bases) == 1, "same key, r and targets: one shared A across layers and adapters (saved or not)"
+    alone = load_adapter(tmp_path / "a", model)  # another table: its own copy
+    assert not bases & {s.A.untyped_storage().data_ptr() for s in alone.layers.values()}
     assert not bases & {s.A.untyped_storage().data_ptr() for s in c.layers.values()}
     s = next(iter(a.layers.values()))
     assert s.live == ("A", "m", "B", "v") and s.shared == {"A", "B"}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from scute.adapters.conversion import LayerCheckpoint, intern_shared
+from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.registry import register_method
 from scute.ops.slots import Slots
 
@@ -25,7 +25,7 @@ from scute.ops.slots import Slots
 def full_rank_slots(layer: LayerCheckpoint, delta: Tensor, c: Tensor | None = None) -> Slots:
     """ΔW [out, in] as exact slots of rank min(in, out), the identity side shared (see the module docstring)."""
     i, o = layer.in_features, layer.out_features
-    eye = intern_shared(torch.eye(min(i, o), dtype=delta.dtype))
+    eye = layer.intern(torch.eye(min(i, o), dtype=delta.dtype))
     if i <= o:
         return Slots(i, o, A=eye, B=delta, c=c, shared=frozenset({"A"}))
     return Slots(i, o, A=delta, B=eye, c=c, shared=frozenset({"B"}))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from scute.adapters.conversion import LayerCheckpoint, intern_shared
+from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.methods.dense import full_rank_slots, require_dense
 from scute.adapters.registry import register_method
 from scute.ops.slots import Slots
@@ -50,7 +50,7 @@ def convert_glora(layer: LayerCheckpoint) -> Slots:
         ones = torch.ones(o, dtype=W0.dtype)
         a, b = ones * A.reshape(-1), ones * B.reshape(-1)
         c = None if c is None else c - a * b0
-        ones_in = intern_shared(torch.ones(1, i, dtype=W0.dtype))  # the same for every adapter: shared
+        ones_in = layer.intern(torch.ones(1, i, dtype=W0.dtype))  # the same for every adapter: shared
         return Slots(i, o, o=1 + a, A=ones_in, B=b[:, None], c=c, shared=frozenset({"A"}))
     delta = W0 * A.reshape(o, i) + B.reshape(o, i)  # "lora": products; "none": zero buffers
     if not delta.count_nonzero():

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from scute.adapters.conversion import LayerCheckpoint, intern_shared
+from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.methods.dense import full_rank_slots, require_dense
 from scute.adapters.registry import register_method
 from scute.ops.slots import Slots
@@ -44,4 +44,4 @@ def convert_miss(layer: LayerCheckpoint) -> Slots:
     r = M.shape[0]
     S = torch.zeros(r, i, dtype=M.dtype)
     S[torch.arange(i) % r, torch.arange(i)] = 1
-    return Slots(i, o, A=intern_shared(S), B=M.T.contiguous(), shared=frozenset({"A"}))
+    return Slots(i, o, A=layer.intern(S), B=M.T.contiguous(), shared=frozenset({"A"}))

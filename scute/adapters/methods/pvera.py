@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from scute.adapters.conversion import LayerCheckpoint, intern_shared
+from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.methods.dense import refuse
 from scute.adapters.methods.vera import kaiming_uniform
 from scute.adapters.registry import register_method
@@ -32,7 +32,7 @@ def shared_pair(layer: LayerCheckpoint, r: int) -> tuple[Tensor, Tensor]:
         if A.shape[0] != 2 * r or A.shape[1] < max_in or B.shape[1] != r or B.shape[0] < max_out:
             raise layer.error(f"shared projections pvera_A {tuple(A.shape)} / pvera_B {tuple(B.shape)} do not fit "
                               f"r={r} and the adapted layers (max in {max_in}, max out {max_out})")
-        layer.shared["pvera"] = (intern_shared(A[:r].to(layer.dtype)), intern_shared(B.to(layer.dtype)))
+        layer.shared["pvera"] = (layer.intern(A[:r].to(layer.dtype)), layer.intern(B.to(layer.dtype)))
     return layer.shared["pvera"]
 
 

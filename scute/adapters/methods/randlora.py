@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from scute.adapters.conversion import LayerCheckpoint, intern_shared
+from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.registry import register_method
 from scute.ops.slots import Slots
 
@@ -51,5 +51,5 @@ def convert_randlora(layer: LayerCheckpoint) -> Slots:
     b_hat = b_s[:hi, :nb, :].flatten(1)  # [hi, nb·r]
     scale = float(layer.config["randlora_alpha"]) / r
     if i <= o:
-        return Slots(i, o, A=a_hat, B=intern_shared(b_hat), scale=scale, shared=frozenset({"B"}))
-    return Slots(i, o, A=intern_shared(b_hat.T), B=a_hat.T.contiguous(), scale=scale, shared=frozenset({"A"}))
+        return Slots(i, o, A=a_hat, B=layer.intern(b_hat), scale=scale, shared=frozenset({"B"}))
+    return Slots(i, o, A=layer.intern(b_hat.T), B=a_hat.T.contiguous(), scale=scale, shared=frozenset({"A"}))

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from scute.adapters.checkpoint import LAYER_PREFIX
-from scute.adapters.conversion import LayerCheckpoint, intern_shared
+from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.registry import register_method
 from scute.ops.slots import Slots
 
@@ -104,5 +104,5 @@ def convert_tinylora(layer: LayerCheckpoint) -> Slots:
 
     R = torch.einsum("i,ijk->jk", v, P)  # [r, r]
     if o <= i:
-        return Slots(i, o, A=intern_shared(A), B=B @ R, shared=frozenset({"A"}))
-    return Slots(i, o, A=R @ A, B=intern_shared(B), shared=frozenset({"B"}))
+        return Slots(i, o, A=layer.intern(A), B=B @ R, shared=frozenset({"A"}))
+    return Slots(i, o, A=R @ A, B=layer.intern(B), shared=frozenset({"B"}))

@@ -15,7 +15,7 @@ import math
 import torch
 from torch import Tensor
 
-from scute.adapters.conversion import LayerCheckpoint, intern_shared
+from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.registry import register_method
 from scute.ops.slots import Slots
 
@@ -42,7 +42,7 @@ def shared_projections(layer: LayerCheckpoint) -> tuple[Tensor, Tensor]:
             g = torch.Generator(device="cpu").manual_seed(int(layer.config.get("projection_prng_key", 0)))
             A = kaiming_uniform((r, max_in), g)
             B = kaiming_uniform((max_out, r), g)
-        layer.shared["vera"] = (intern_shared(A.to(layer.dtype)), intern_shared(B.to(layer.dtype)))
+        layer.shared["vera"] = (layer.intern(A.to(layer.dtype)), layer.intern(B.to(layer.dtype)))
     return layer.shared["vera"]
 
 
