@@ -70,6 +70,16 @@ def low_rank_factors(slots: Slots) -> tuple[Tensor, Tensor]:
     return B, A
 
 
+def factored_svd(B: Tensor, A: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The thin SVD (U, S, Vh) of ``B A`` from its factors (B [out, r], A [r, in]): ``B = Qb Rb``, ``Aᵀ = Qa Ra``
+    (QR), then the SVD of the small core ``Rb Raᵀ``; exact, O((out + in)·r²) where the SVD of B A itself is
+    O(out·in·min(out, in)) (VeRA's rank-256 deltas of an 8B layer)."""
+    Qb, Rb = torch.linalg.qr(B)
+    Qa, Ra = torch.linalg.qr(A.T)
+    Uc, S, Vch = torch.linalg.svd(Rb @ Ra.T)
+    return Qb @ Uc, S, Vch @ Qa.T
+
+
 def _base_path_changed(slots: Slots) -> bool:
     return any(getattr(slots, n) is not None for n in ("t", "t_blocks", "o", "o2"))
 
@@ -124,7 +134,9 @@ def convert_layer(name: str, slots: Slots, weight: Tensor, bias: Tensor | None, 
         error = (dW - B @ A).norm().item()
     else:
         if "svd" not in cache:
-            cache["svd"] = torch.linalg.svd(dW, full_matrices=False)
+            low_rank = slots.A is not None and not _base_path_changed(slots)  # ΔW = B'A' of rank r above `rank`
+            cache["svd"] = factored_svd(*low_rank_factors(slots)) if low_rank else \
+                torch.linalg.svd(dW, full_matrices=False)
         U, S, Vh = cache["svd"]
         k, method = min(rank, S.numel()), "svd"
         root = S[:k].sqrt()

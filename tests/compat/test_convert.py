@@ -112,6 +112,22 @@ def test_error_is_the_svd_tail_and_falls_with_rank(saved):
     assert (dW - layer.B @ layer.A).norm().item() == pytest.approx(layer.error_norm, rel=1e-9)
 
 
+def test_a_low_rank_delta_converts_through_its_factors_as_through_its_svd(saved):
+    """VeRA below its rank: the SVD of B'A' taken from the factors (`factored_svd`) gives the dense SVD's singular
+    values, error and best rank-4 product."""
+    model, adapter, _ = loaded(saved, "vera")
+    conv = convert_adapter(adapter, model, rank=4)
+    for name, slots in adapter.layers.items():
+        base = dict(model.named_modules())[name]
+        dW, _ = effective_delta(slots, base.weight, base.bias)
+        U, S, Vh = torch.linalg.svd(dW, full_matrices=False)
+        layer = conv.layers[name]
+        assert layer.method == "svd"
+        assert layer.error_norm == pytest.approx(S[4:].square().sum().sqrt().item(), rel=1e-9), name
+        best = (U[:, :4] * S[:4]) @ Vh[:4]
+        assert torch.allclose(layer.B @ layer.A, best, rtol=0, atol=1e-12 * S[0].item()), name
+
+
 def test_bias_drop_counts_it_in_the_error(saved):
     model, adapter, _ = loaded(saved, "ia3")
     keep = convert_adapter(adapter, model, rank=96)
