@@ -80,8 +80,8 @@ class Staging:
     chunk by chunk (`copy`). A copy from or to pageable memory is run by the CUDA driver under a lock that stalls
     every other thread's CUDA calls (the step loop's launches) until it ends, ~50 ms for an 8B LoRA; through
     pinned memory each chunk is a DMA that the other threads' calls run beside, and its host side a memcpy that
-    releases the interpreter lock. Allocated once (by the loader's first such copy): allocating pinned memory
-    takes that lock too. One thread at a time (the loader's)."""
+    releases the interpreter lock. Allocated once, with the loader: allocating pinned memory takes that lock too.
+    One thread at a time (the loader's)."""
 
     def __init__(self, nbytes: int = 16 << 20) -> None:
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
@@ -133,7 +133,8 @@ class AdapterLoader:
         self._pending = 0  # jobs given and not finished
         self._finished = 0  # jobs finished so far
         self._num_threads = torch.get_num_threads()  # the engine thread's: converters compute as they would there
-        self._staging: Staging | None = None  # made by the first copy between the host and the device
+        # made here, before steps run (its pinned allocation would stall them), where a CUDA device is
+        self._staging = Staging() if device.type == "cuda" and torch.cuda.is_available() else None
 
     def submit(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on the loader thread after the jobs given before; its future holds the result or
