@@ -16,8 +16,9 @@ begin with a placement in progress) are among them. Both phases alternate ``--ro
 median, the loading phase's median / p90 / p99 / max, p99 over the quiet median, the placement steps' median,
 each load's latency (asked → placed), the garbage collector's full collections during the loading phases
 (their count and longest: one holds the interpreter lock, so the step loop waits it out), and for the slow
-loading steps (over `SLOW` quiet medians) which phases of the loader's work ran during them (`Trace`: the
-functions of `TRACED` wrapped while the loading phases run). The ratios: p99 over
+loading steps (over `SLOW` quiet medians) which phases of the loader's work ran during them and how long the
+step's own parts took (schedule, launch, the wait for the GPU, placements; `Trace`: the functions of `TRACED`
+wrapped while the loading phases run), beside those parts' median in the other loading steps. The ratios: p99 over
 the quiet median, and (the figure) p99 of each loading step's time over the quiet steps' linear fit in their KV
 tokens at its own (the context grows as the phases run, and a decode step with it). ``--switch-interval`` sets
 `AdapterLoader.switch_interval` (``default`` keeps it).

@@ -203,10 +203,12 @@ def first_nonfinite(tensors: Mapping[str, Tensor]) -> str | None:
     keys = [k for k, x in tensors.items() if x.is_floating_point() and x.numel()]
     units = []  # (a tensor to check, the keys it holds)
     for group, span in _spans({k: tensors[k] for k in keys}):
-        units += [(span, group)] if span is not None and _tiles(span, [tensors[k] for k in group]) else \
-            [(tensors[k], [k]) for k in group]
-    bad = [group for (x, group), ok in zip(units, _finite([x for x, _ in units])) if not ok]
-    bad = {k for group in bad for k, ok in zip(group, _finite([tensors[k] for k in group])) if not ok}
+        if span is not None and _tiles(span, [tensors[k] for k in group]):
+            units.append((span, group))
+        else:
+            units += [(tensors[k], [k]) for k in group]
+    bad = [group for (_, group), ok in zip(units, _finite([x for x, _ in units])) if not ok]
+    bad = {k for group in bad for k, ok in zip(group, _finite([tensors[k] for k in group])) if not ok}  # which
     return next((k for k in keys if k in bad), None)
 
 

@@ -33,7 +33,7 @@ from scute.adapters.checkpoint import (
 )
 from scute.adapters.registry import Method, get_method, methods_with_option
 from scute.ops.reference import acc_dtype, rotate_pairs
-from scute.ops.slots import Slots, fold_all
+from scute.ops.slots import Slots
 
 
 @dataclass
@@ -283,7 +283,7 @@ def load_adapter(
         )
     method = checkpoint_method(ckpt, options)
     layers = convert_checkpoint(ckpt, modules, dense=dense, interned=interned, **options)
-    folded = fold_all(layers)
+    folded = {n: s.folded() for n, s in layers.items()}
     default, identity = os.path.basename(os.path.normpath(os.fspath(path))), ckpt.identity
     for key, value in options.items():  # a variant of the checkpoint: its own device slot and KV prefixes
         if value is not None:

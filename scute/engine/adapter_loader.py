@@ -78,8 +78,7 @@ class Staged:
 class Staging:
     """Two pinned host buffers of `nbytes` through which the loader's copies between the host and a CUDA device run,
     chunk by chunk (`copy`). A copy from or to pageable memory is run by the CUDA driver under a lock that stalls
-    every other thread's CUDA calls (the step loop's launches) until it ends, ~50 ms for an 8B LoRA; through
-    pinned memory each chunk is a DMA that the other threads' calls run beside, and its host side a memcpy that
+    every other thread's CUDA calls (the step loop's launches) until it ends; through pinned memory each chunk is a DMA that the other threads' calls run beside, and its host side a memcpy that
     releases the interpreter lock. Allocated once, with the loader: allocating pinned memory takes that lock too.
     One thread at a time (the loader's)."""
 
@@ -88,10 +87,8 @@ class Staging:
         self.events = [torch.cuda.Event(), torch.cuda.Event()]  # each buffer's last DMA, on the current stream
 
     def copy(self, buffer: Tensor, device: torch.device) -> Tensor:
-        """`buffer` (contiguous) copied to `device`; a copy to the CPU has landed on return, one to the device is
-        ordered on the current stream."""
-        if buffer.device.type == device.type:
-            return buffer.to(device)
+        """`buffer` (contiguous) copied to `device`, across host and device; a copy to the CPU has landed on
+        return, one to the device is ordered on the current stream."""
         out = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
         src, dst, size = buffer.view(torch.uint8), out.view(torch.uint8), self.buffers[0].numel()
         spans = [(a, min(a + size, src.numel())) for a in range(0, src.numel(), size)]
@@ -99,9 +96,9 @@ class Staging:
         return out
 
     def _to_host(self, src: Tensor, dst: Tensor, spans: list[tuple[int, int]]) -> None:
+        if spans:
+            self._dma(src, 0, *spans[0])
         for k, (a, b) in enumerate(spans):
-            if k == 0:
-                self._dma(src, 0, *spans[0])
             if k + 1 < len(spans):  # the next chunk's DMA runs while this one is copied out
                 self._dma(src, (k + 1) % 2, *spans[k + 1])
             self.events[k % 2].synchronize()
@@ -150,10 +147,7 @@ class AdapterLoader:
 
     def transfer(self, buffer: Tensor, device: torch.device) -> Tensor:
         """`buffer` copied to `device`, through the `Staging` buffers where it crosses between host and device."""
-        if buffer.device.type == device.type:
-            return copy_to(buffer, device)
-        self._staging = self._staging or Staging()
-        return self._staging.copy(buffer, device)
+        return copy_to(buffer, device) if buffer.device.type == device.type else self._staging.copy(buffer, device)
 
     def to_device(self, adapter: Adapter, memo: SharedMemo) -> Adapter:
         """`adapter` as the device slots hold it: on the device, matrices in the serving dtype, vectors in float32,

@@ -79,7 +79,9 @@ class AdapterLayout:
         masks = [0] * len(StepKinds._fields)  # per pass: the slots that need it in some layer
         for p in self.pools:
             masks = [m | pm for m, pm in zip(masks, p.kind_masks)]
-        self.num_slots, self._masks, self._kinds, self._active, self._graph_keys = num_slots, masks, {}, {}, {}
+        self.num_slots, self._masks, self._kinds, self._active = num_slots, masks, {}, {}
+        self._step_facts: dict[int, tuple] = {}  # step key -> each pool's StepFacts for its active slots
+        self._graph_keys: dict[tuple[int, int], tuple] = {}  # (step key, bucket) -> `graph_key`
 
     def slot_kinds(self, s: int) -> int:
         kinds = self._kinds.get(s)
@@ -112,10 +114,10 @@ class AdapterLayout:
         layout's step does. Worked out once per layout (`rekey`: again)."""
         key = self._graph_keys.get((step_key, bucket))
         if key is None:
-            facts = self._graph_keys.get(step_key)
+            facts = self._step_facts.get(step_key)
             if facts is None:
                 active = self.active_slots(step_key)
-                facts = self._graph_keys[step_key] = tuple(step_facts(p.facts, active) for p in self.pools)
+                facts = self._step_facts[step_key] = tuple(step_facts(p.facts, active) for p in self.pools)
             key = self._graph_keys[step_key, bucket] = tuple(bucket_facts(f, bucket) for f in facts)
         return key
 
@@ -123,7 +125,8 @@ class AdapterLayout:
         """Forget `graph_key`s of `step_key`, so that they follow the pools' facts now (a capture: its key must be
         that of the facts its plans read, and a placement in progress changes pools' facts before the layout
         follows: `scute.model.hf.placing`)."""
-        for k in [k for k in self._graph_keys if k == step_key or isinstance(k, tuple) and k[0] == step_key]:
+        self._step_facts.pop(step_key, None)
+        for k in [k for k in self._graph_keys if k[0] == step_key]:
             del self._graph_keys[k]
 
 

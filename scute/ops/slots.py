@@ -12,7 +12,6 @@ every adapter that shares them, never copies; `shared` names those slots.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -148,12 +147,3 @@ class Slots:
                 total += x.numel() * (element_size or x.element_size())
         return total
 
-
-def fold_all(layers: Mapping[str, Slots]) -> dict[str, Slots]:
-    """`folded()` of every layer's slots, the plain low-rank ones (no v, m or shared factor: ``B ← s·B`` alone) in
-    one foreach multiply for all of them, where one each would be a launch per adapted layer (same products)."""
-    plain = {n: s for n, s in layers.items() if s.A is not None and s.v is None and s.m is None and not s.shared}
-    scaled = torch._foreach_mul([s.B for s in plain.values()], [s.scale for s in plain.values()]) if plain else []
-    done = {n: s.with_same_shapes(B=B, scale=1.0, merged=tuple(dict.fromkeys([*s.merged, "s"])))
-            for (n, s), B in zip(plain.items(), scaled)}
-    return {n: done[n] if n in done else s.folded() for n, s in layers.items()}

@@ -70,16 +70,26 @@ def test_adapter_to_keeps_matrices_and_vectors_apart(lora_dir):
             assert torch.equal(x, adapter.layers[name].tensors()[key].to(x.dtype))
 
 
+def mixed_tensors() -> dict[str, torch.Tensor]:
+    """A file's worth of tensors: three bf16 ones (the file holds them side by side), a float32 and an int one."""
+    g = torch.Generator().manual_seed(0)
+    return {"a": torch.randn(3, 5, generator=g).bfloat16(), "b": torch.randn(7, generator=g).bfloat16(),
+            "c": torch.randn(4, generator=g), "d": torch.arange(2), "e": torch.randn(2, 2, generator=g).bfloat16()}
+
+
+def saved(folder, tensors: dict[str, torch.Tensor]):
+    """`folder` holding `tensors` as a (LoRA-typed) PEFT folder."""
+    save_file(tensors, str(folder / WEIGHTS))
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    return folder
+
+
 def test_cast_together_casts_a_files_tensors_as_one_span(tmp_path):
     """A file's bf16 tensors come back in float32 as views of one cast span (one operation for all of them), with
     each tensor's own values; tensors of the target dtype, integer ones and lone ones as they are, or cast alone."""
-    g = torch.Generator().manual_seed(0)
-    want = {"a": torch.randn(3, 5, generator=g).bfloat16(), "b": torch.randn(7, generator=g).bfloat16(),
-            "c": torch.randn(4, generator=g), "d": torch.arange(2), "e": torch.randn(2, 2, generator=g).bfloat16()}
-    save_file(want, str(tmp_path / WEIGHTS))
-    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA"}')
-    tensors = read_checkpoint(tmp_path).tensors
-    lone = torch.randn(6, generator=g).half()
+    want = mixed_tensors()
+    tensors = read_checkpoint(saved(tmp_path, want)).tensors
+    lone = torch.randn(6, generator=torch.Generator().manual_seed(1)).half()
     cast = ckpt_module.cast_together({**tensors, "lone": lone}, torch.float32)
     for key, x in {**want, "lone": lone}.items():
         got = cast[key]
@@ -90,19 +100,19 @@ def test_cast_together_casts_a_files_tensors_as_one_span(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["a", "b", "c", "e", None])
-def test_first_nonfinite_names_the_first_bad_tensor_of_a_file(tmp_path, where):
+def test_first_nonfinite_names_the_first_bad_tensor_of_a_file(tmp_path, monkeypatch, where):
     """A file's tensors that tile its buffer are checked as one span; a NaN or an Inf anywhere is still reported
     by the first key that holds one (two here when `where` is "b": b and e), a finite file by None."""
-    g = torch.Generator().manual_seed(0)
-    want = {"a": torch.randn(3, 5, generator=g).bfloat16(), "b": torch.randn(7, generator=g).bfloat16(),
-            "c": torch.randn(4, generator=g), "d": torch.arange(2), "e": torch.randn(2, 2, generator=g).bfloat16()}
+    want = mixed_tensors()
     if where is not None:
         want[where].view(-1)[-1] = float("nan")
     if where == "b":
         want["e"][0, 0] = float("inf")
-    save_file(want, str(tmp_path / WEIGHTS))
-    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA"}')
-    assert ckpt_module.first_nonfinite(read_checkpoint(tmp_path).tensors) == where
+    checked = []
+    finite = ckpt_module._finite
+    monkeypatch.setattr(ckpt_module, "_finite", lambda xs: checked.append(len(xs)) or finite(xs))
+    assert ckpt_module.first_nonfinite(read_checkpoint(saved(tmp_path, want)).tensors) == where
+    assert checked[0] == 2  # the bf16 span (a, b, e) and c: two checks for four tensors
 
 
 def test_a_bf16_file_converts_as_each_tensor_cast_alone(lora_dir, monkeypatch):

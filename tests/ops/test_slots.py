@@ -79,25 +79,3 @@ def test_vera_projections_are_shared_objects(tmp_path):
     alone = b.to(dtype=torch.float64)
     assert {s.A.untyped_storage().data_ptr() for s in alone.layers.values()}.isdisjoint(shared)
 
-
-def test_fold_all_is_each_layers_fold():
-    """`fold_all` (plain low-rank slots scaled in one foreach call) gives every layer's `folded()` exactly: plain
-    LoRA at scales 0.5 and 1, with m, with v (DoRA), with a shared factor (VeRA), and no low-rank part (IA3)."""
-    from scute.ops.slots import fold_all
-
-    g = torch.Generator().manual_seed(0)
-    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
-    pair = (r(4, 8), r(6, 4))
-    layers = {
-        "lora": Slots(8, 6, A=r(4, 8), B=r(6, 4), scale=0.5), "one": Slots(8, 6, A=r(4, 8), B=r(6, 4)),
-        "m": Slots(8, 6, A=r(4, 8), m=r(4), B=r(6, 4), scale=3.0),
-        "dora": Slots(8, 6, A=r(4, 8), B=r(6, 4), v=r(6), o=r(6), scale=0.25),
-        "vera": Slots(8, 6, A=pair[0], m=r(4), B=pair[1], v=r(6), scale=2.0, shared=frozenset({"A", "B"})),
-        "ia3": Slots(8, 6, o=r(6)),
-    }
-    got, want = fold_all(layers), {n: s.folded() for n, s in layers.items()}
-    assert got.keys() == want.keys()
-    for name, s in want.items():
-        assert got[name].live == s.live and got[name].merged == s.merged and got[name].scale == s.scale, name
-        assert all(torch.equal(got[name].tensors()[k], x) for k, x in s.tensors().items()), name
-        assert got[name].shared == s.shared, name
