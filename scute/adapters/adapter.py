@@ -7,8 +7,9 @@ LoRA, the gate says from which token on they apply.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -20,6 +21,20 @@ from scute.ops.slots import Slots
 SharedMemo = dict[tuple, tuple[Tensor, Tensor]]
 Interned = dict[tuple, Tensor]  # shared matrices by content, (dtype, shape, sha256) -> the one tensor (`intern_shared`)
 Transfer = Callable[[Tensor, torch.device], Tensor]  # a contiguous buffer copied to a device, on the current stream
+Pause = Callable[[], None]  # called between the layers a long load works through (the engine's loader: its turns)
+T = TypeVar("T")
+
+
+def no_pause() -> None:
+    """The `Pause` of a load nothing else waits for."""
+
+
+def paused(items: Iterable[T], pause: Pause, every: int = 1) -> Iterator[T]:
+    """`items`, with ``pause()`` before every `every`-th one (the first included)."""
+    for i, item in enumerate(items):
+        if i % every == 0:
+            pause()
+        yield item
 
 
 def copy_to(buffer: Tensor, device: torch.device) -> Tensor:
@@ -41,22 +56,23 @@ class Adapter:
 
     def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
            memo: SharedMemo | None = None, vector_dtype: torch.dtype | None = None,
-           transfer: Transfer = copy_to) -> Adapter:
+           transfer: Transfer = copy_to, pause: Pause = no_pause) -> Adapter:
         """A copy with every tensor moved to `device` and `dtype` (vectors to `vector_dtype` if given: the
         device slots keep matrices in the serving dtype, vectors in float32). A shared slot's storage (VeRA's
         projections, read by many layers) is copied once and its views stay views of the copy, so the kernels
         still see one matrix. Pass the same `memo` to every call to share one copy across adapters too (the adapter
         manager does: a matrix shared by all its adapters reaches the device once). The other tensors are copied
         as one buffer (`pack`); `transfer` copies each buffer that changes device (the engine's loader copies
-        through pinned staging buffers)."""
+        through pinned staging buffers); `pause` is called between layers and tensors."""
         memo = {} if memo is None else memo
         device = None if device is None else torch.device(device)
-        own = [(n, k, x) for n, s in self.layers.items() for k, x in s.tensors().items() if k not in s.shared]
+        own = [(n, k, x) for n, s in paused(self.layers.items(), pause, 16) for k, x in s.tensors().items()
+               if k not in s.shared]
         dtypes = [(vector_dtype or dtype) if x.dim() == 1 else dtype for _, _, x in own]
-        moved = dict(zip(((n, k) for n, k, _ in own), pack([x for _, _, x in own], dtypes, device, transfer)))
+        moved = dict(zip(((n, k) for n, k, _ in own), pack([x for _, _, x in own], dtypes, device, transfer, pause)))
         layers = {n: s.with_same_shapes(**{k: _move_shared(x, dtype, device, memo, transfer) if k in s.shared
                                            else moved[n, k] for k, x in s.tensors().items()})
-                  for n, s in self.layers.items()}
+                  for n, s in paused(self.layers.items(), pause, 16)}
         return replace(self, layers=layers)
 
     def num_bytes(self) -> int:
@@ -81,13 +97,15 @@ def _move_shared(x: Tensor, dtype: torch.dtype | None, device: torch.device | No
 
 
 ALIGN = 256  # bytes: every tensor of a packed buffer starts aligned (the kernels need 16)
+PAUSE_EVERY = 64  # views a pack makes between two pauses (~0.2 ms of the interpreter's time)
 
 
 def pack(xs: Sequence[Tensor], dtypes: Sequence[torch.dtype | None], device: torch.device | None,
-         transfer: Transfer = copy_to) -> list[Tensor]:
+         transfer: Transfer = copy_to, pause: Pause = no_pause) -> list[Tensor]:
     """`xs` on `device` in `dtypes` (None: unchanged), as views of one new buffer filled with one `transfer` (a
     few hundred tensors move as one copy instead of a few hundred). Tensors already there are returned as they
-    are; views of one buffer already in their dtypes (a packed adapter) move as one copy of that buffer."""
+    are; views of one buffer already in their dtypes (a packed adapter) move as one copy of that buffer.
+    `pause` is called every `PAUSE_EVERY` views made."""
     dtypes = [d or x.dtype for x, d in zip(xs, dtypes)]
     device = device or (xs[0].device if xs else None)
     if all(x.device == device and x.dtype == d for x, d in zip(xs, dtypes)):
@@ -99,7 +117,7 @@ def pack(xs: Sequence[Tensor], dtypes: Sequence[torch.dtype | None], device: tor
             and xs[0].untyped_storage().nbytes() <= 2 * nbytes + ALIGN * len(xs)):  # a packed buffer: copy it whole
         whole = torch.empty(0, dtype=torch.uint8, device=xs[0].device).set_(xs[0].untyped_storage())
         moved = transfer(whole, device)
-        return [_view(moved, x) for x in xs]
+        return [_view(moved, x) for x in paused(xs, pause, PAUSE_EVERY)]
     if len(sources) != 1:
         return [x.to(device=device, dtype=d) for x, d in zip(xs, dtypes)]
     offsets, total = [], 0
@@ -108,12 +126,12 @@ def pack(xs: Sequence[Tensor], dtypes: Sequence[torch.dtype | None], device: tor
         total += -(-x.numel() * d.itemsize // ALIGN) * ALIGN
     src = sources.pop()  # packed where the tensors are, then one transfer
     buf = torch.empty(total, dtype=torch.uint8, device=src)
-    packed = [_view_at(buf, off, x.shape, d) for x, off, d in zip(xs, offsets, dtypes)]
+    packed = [_view_at(buf, off, x.shape, d) for x, off, d in paused(zip(xs, offsets, dtypes), pause, PAUSE_EVERY)]
     torch._foreach_copy_(packed, list(xs))  # one call for a few hundred copies
     if src == device or device.type == src.type == "cuda" and device.index is None:
         return packed
     moved = transfer(buf, device)
-    return [_view(moved, p) for p in packed]
+    return [_view(moved, p) for p in paused(packed, pause, PAUSE_EVERY)]
 
 
 def _view_at(buf: Tensor, offset: int, shape: torch.Size, dtype: torch.dtype) -> Tensor:

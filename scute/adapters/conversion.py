@@ -20,7 +20,7 @@ from functools import cached_property
 import torch
 from torch import Tensor, nn
 
-from scute.adapters.adapter import Adapter, Interned
+from scute.adapters.adapter import Adapter, Interned, Pause, no_pause, paused
 from scute.adapters.checkpoint import (
     GLOBAL_PREFIX,
     LAYER_PREFIX,
@@ -136,12 +136,12 @@ def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 def convert_checkpoint(
     ckpt: AdapterCheckpoint, modules: Mapping[str, nn.Module], dense: bool = False, interned: Interned | None = None,
-    **options: object,
+    pause: Pause = no_pause, **options: object,
 ) -> dict[str, Slots]:
     """Convert a checkpoint into unfolded `Slots` per module name, validating it against the base `modules`
     (name -> a linear layer with `weight` [out, in] and `bias`). A method registered with ``on_device=True``
     converts where the base weights are (its slots are then there: W0 is never copied off its device), the
-    others on the CPU. `dense`, `interned`, `options`: see `load_adapter`."""
+    others on the CPU. `dense`, `interned`, `pause`, `options`: see `load_adapter`."""
     interned = {} if interned is None else interned
     method = checkpoint_method(ckpt, options)
     device = weights_device(modules) if method.on_device else torch.device("cpu")
@@ -159,7 +159,7 @@ def convert_checkpoint(
     shared: dict = {}
     shapes = {n: tuple(modules[n].weight.shape) for n in sorted(groups, key=list(modules).index)}
     out: dict[str, Slots] = {}
-    for name in sorted(groups, key=list(modules).index):  # model order: the first problem reported is the first
+    for name in paused(sorted(groups, key=list(modules).index), pause):  # model order: the first problem first
         tensors, base = groups[name], modules[name]
         dtype = acc_dtype(base.weight.dtype)
         b0 = None if base.bias is None else base.bias.detach().to(device=device, dtype=dtype)
@@ -259,7 +259,7 @@ def _correct_bias(slots: Slots, b0: Tensor | None, bias: Tensor | None) -> Slots
 
 def load_adapter(
     path: str | os.PathLike, model: nn.Module, name: str | None = None, allow_pickle: bool = False,
-    dense: bool = False, interned: Interned | None = None, **options: object,
+    dense: bool = False, interned: Interned | None = None, pause: Pause = no_pause, **options: object,
 ) -> Adapter:
     """Read the PEFT folder `path`, validate it against `model` and convert it into folded slots.
 
@@ -267,7 +267,8 @@ def load_adapter(
     per-adapter ΔW (in·out elements per layer: see `scute explain`); without it they are refused, saying why.
     `interned`: a table of shared matrices (`intern_shared`) to convert with; adapters loaded with one table share
     the matrices they hold alike (VeRA's projections; the engine's adapter manager keeps one), each call without
-    one has its own.
+    one has its own. `pause` is called before each layer is converted and folded (the engine's loader waits there
+    while the step loop has its turn: `scute.engine.adapter_loader.Turns`).
     `options`: the method's own load options (Poly's ``task_id``: one adapter per task); a name the method does
     not take raises, listing those it does. An option given selects one adapter of the checkpoint: it is named
     and identified apart (``poly@task1``). Methods that can convert where the base weights are do
@@ -282,8 +283,8 @@ def load_adapter(
             "Scute serves adapters of nn.Linear layers only"
         )
     method = checkpoint_method(ckpt, options)
-    layers = convert_checkpoint(ckpt, modules, dense=dense, interned=interned, **options)
-    folded = {n: s.folded() for n, s in layers.items()}
+    layers = convert_checkpoint(ckpt, modules, dense=dense, interned=interned, pause=pause, **options)
+    folded = {n: s.folded() for n, s in paused(layers.items(), pause)}
     default, identity = os.path.basename(os.path.normpath(os.fspath(path))), ckpt.identity
     for key, value in options.items():  # a variant of the checkpoint: its own device slot and KV prefixes
         if value is not None:

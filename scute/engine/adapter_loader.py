@@ -12,7 +12,11 @@ two pinned buffers of the loader's (`Staging`), never from or to pageable memory
 
 The loader's Python (validation, conversion) shares the interpreter lock with the step loop. While a job runs,
 the interpreter's thread switch interval is `switch_interval` (Python's default, 5 ms, would let a load keep the
-lock that long while the step loop waits to launch its next step), then restored.
+lock that long while the step loop waits to launch its next step), then restored. Two threads that both run
+Python still take the lock in turns, each at half speed; so while the step loop holds its turn (`Turns`: the host
+work of a decode step launched behind the one in flight, whose outputs the requests wait for), the loader stops at
+its next pause point (`Turns.pause`: between two layers it converts, moves or prepares) until the step loop waits
+for the GPU.
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -78,8 +82,8 @@ class Staged:
 class Staging:
     """Two pinned host buffers of `nbytes` through which the loader's copies between the host and a CUDA device run,
     chunk by chunk (`copy`). A copy from or to pageable memory is run by the CUDA driver under a lock that stalls
-    every other thread's CUDA calls (the step loop's launches) until it ends; through pinned memory each chunk is a DMA that the other threads' calls run beside, and its host side a memcpy that
-    releases the interpreter lock. Allocated once, with the loader: allocating pinned memory takes that lock too.
+    every other thread's CUDA calls (the step loop's launches) until it ends; through pinned memory each chunk is a
+    DMA that the other threads' calls run beside, and its host side a memcpy that releases the interpreter lock. Allocated once, with the loader: allocating pinned memory takes that lock too.
     One thread at a time (the loader's)."""
 
     def __init__(self, nbytes: int = 16 << 20) -> None:
@@ -116,13 +120,52 @@ class Staging:
             self.events[k % 2].record()
 
 
+class Turns:
+    """The step loop's turn at the interpreter lock. Inside `step_loop` another thread's `pause` waits (at most
+    `max_pause` seconds, so that a step loop that never waits for the GPU only slows a load) until the step loop
+    waits (`waiting`) or leaves its turn; outside, and on the step loop's own thread, `pause` returns at once."""
+
+    max_pause: float = 0.05  # seconds; 0: the loader never pauses
+
+    def __init__(self) -> None:
+        self._free = threading.Event()  # set: the loader may run
+        self._free.set()
+        self._holder: int | None = None  # the thread in `step_loop`
+
+    @contextmanager
+    def step_loop(self) -> Iterator[None]:
+        self._holder = threading.get_ident()
+        self._free.clear()
+        try:
+            yield
+        finally:
+            self._free.set()
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """The step loop waits (for the GPU, for a load): the loader runs meanwhile."""
+        held = not self._free.is_set()
+        self._free.set()
+        try:
+            yield
+        finally:
+            if held:
+                self._free.clear()
+
+    def pause(self) -> None:
+        """A pause point of the loader's work: waits while the step loop holds its turn."""
+        if not self._free.is_set() and threading.get_ident() != self._holder:
+            self._free.wait(self.max_pause)
+
+
 class AdapterLoader:
     switch_interval: float | None = 2e-4  # seconds, while a job runs (module docstring); None: left as it is
 
     def __init__(self, device: torch.device, dtype: torch.dtype | None = None,
-                 prepare: Callable[[Adapter], dict] | None = None) -> None:
+                 prepare: Callable[[Adapter, Callable[[], None]], dict] | None = None) -> None:
         """`dtype`: the device slots' matrices (vectors stay float32); `prepare`: an adapter's rows in the slot
-        pools, computed as it is staged so that its placement on the step loop only applies them."""
+        pools, computed as it is staged so that its placement on the step loop only applies them (called with
+        the adapter and `Turns.pause`)."""
         self.device, self.dtype, self.prepare = device, dtype, prepare
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -130,6 +173,7 @@ class AdapterLoader:
         self._pending = 0  # jobs given and not finished
         self._finished = 0  # jobs finished so far
         self._num_threads = torch.get_num_threads()  # the engine thread's: converters compute as they would there
+        self.turns = Turns()
         # made here, before steps run (its pinned allocation would stall them), where a CUDA device is
         self._staging = Staging() if device.type == "cuda" and torch.cuda.is_available() else None
 
@@ -153,8 +197,9 @@ class AdapterLoader:
         """`adapter` as the device slots hold it: on the device, matrices in the serving dtype, vectors in float32,
         copied as one buffer (`Adapter.to`; `memo` as there). On the CPU the tensors themselves."""
         if self.device.type != "cuda":
-            return adapter.to(device=self.device, memo=memo)
-        return adapter.to(self.dtype, self.device, memo, vector_dtype=torch.float32, transfer=self.transfer)
+            return adapter.to(device=self.device, memo=memo, pause=self.turns.pause)
+        return adapter.to(self.dtype, self.device, memo, vector_dtype=torch.float32, transfer=self.transfer,
+                          pause=self.turns.pause)
 
     def host_and_device(self, adapter: Adapter, memo: SharedMemo) -> tuple[Adapter, Adapter | None]:
         """A converted adapter as the CPU tier keeps it, and its device copy if the conversion made one. One
@@ -166,7 +211,7 @@ class AdapterLoader:
         if not any(x.is_cuda for s in adapter.layers.values() for x in s.tensors().values()):
             return adapter, None
         on_device = self.to_device(adapter, memo)
-        return on_device.to(device="cpu", memo=memo, transfer=self.transfer), on_device
+        return on_device.to(device="cpu", memo=memo, transfer=self.transfer, pause=self.turns.pause), on_device
 
     def move(self, adapter: Adapter, memo: SharedMemo) -> Staged:
         """`adapter` copied to the device (a job's last part, on the loader thread); `memo` as for `Adapter.to`."""
@@ -175,7 +220,7 @@ class AdapterLoader:
     def stage(self, moved: Adapter) -> Staged:
         """An adapter on the device, once the work queued for it on this thread's stream is done, with its rows
         in the slot pools (`prepare`)."""
-        prepared = {} if self.prepare is None else self.prepare(moved)
+        prepared = {} if self.prepare is None else self.prepare(moved, self.turns.pause)
         if self.device.type != "cuda":
             return Staged(moved, None, prepared)
         event = torch.cuda.Event()
@@ -189,12 +234,12 @@ class AdapterLoader:
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until every job given so far has finished (tests; shutdown); False on timeout."""
-        with self._cond:
+        with self._cond, self.turns.waiting():
             return self._cond.wait_for(lambda: self._pending == 0, timeout)
 
     def wait_any(self, timeout: float) -> None:
         """Wait until one more job finishes, the loader is idle, or `timeout` seconds pass."""
-        with self._cond:
+        with self._cond, self.turns.waiting():
             finished = self._finished
             self._cond.wait_for(lambda: self._finished != finished or self._pending == 0, timeout)
 

@@ -63,7 +63,7 @@ class AdapterManager:
         self._moved: SharedMemo = {}  # shared matrices on the device, one copy for every adapter (loader thread)
         self._interned: Interned = {}  # shared matrices by content: every adapter loaded here shares them
         self.dtype = next((m.weight.dtype for m in linears.values()), torch.float32)  # the device slots' matrices
-        self.loader = AdapterLoader(device, self.dtype, prepare=lambda adapter: prepare_adapter(linears, adapter))
+        self.loader = AdapterLoader(device, self.dtype, prepare=lambda a, pause: prepare_adapter(linears, a, pause))
         self.memory = AdapterMemory(memory_bytes, self.dtype)
         self._loads: dict[tuple, Load] = {}  # ("path", folder, signature) or ("move", identity) -> its load
         self._queue: list[tuple[int, int, tuple]] = []  # heap of (arrival of a waiting request, seq, load key)
@@ -82,8 +82,8 @@ class AdapterManager:
 
     def _load(self, path: str | os.PathLike, name: str | None = None, **options) -> tuple[Adapter, Adapter | None]:
         """(the CPU tier's adapter, its device copy or None): `AdapterLoader.host_and_device`."""
-        path = os.fspath(path)
-        adapter = load_adapter(path, self.model, name, interned=self._interned, **options)  # where W0 is, if it can
+        path, pause = os.fspath(path), self.loader.turns.pause
+        adapter = load_adapter(path, self.model, name, interned=self._interned, pause=pause, **options)
         rank = max((s.rank for s in adapter.layers.values()), default=0)
         if rank > self.max_adapter_rank:
             raise AdapterError(f"adapter {path} ({adapter.peft_type}) has rank {rank}, above max_adapter_rank="

@@ -10,6 +10,7 @@ import itertools
 import os
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 from tqdm.auto import tqdm
 
@@ -144,15 +145,13 @@ class Engine:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             req = self.requests.get(rid)
             if req is not None and not all(s.is_finished for s in req.samples):
-                for sample in req.samples:
-                    if not sample.is_finished:
-                        sample.finish("abort")
-                        self.scheduler.finish(sample)
+                for sample in [s for s in req.samples if not s.is_finished]:
+                    sample.finish("abort")
+                    self.scheduler.finish(sample)
                 self._reported.append(req)
 
     def has_unfinished_requests(self) -> bool:
-        return (self.scheduler.has_unfinished_requests() or bool(self._reported) or self._in_flight is not None
-                or bool(self._forking))
+        return self.scheduler.has_unfinished_requests() or bool(self._reported or self._forking or self._in_flight)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -161,17 +160,18 @@ class Engine:
         return self._step(stream=True)
 
     def _step(self, stream: bool) -> list[RequestOutput]:
+        """`_schedule_and_run`; while a decode step is in flight the loader's Python waits for it (`Turns`)."""
+        with self.adapters.loader.turns.step_loop() if self._in_flight is not None else nullcontext():
+            return self._schedule_and_run(stream)
+
+    def _schedule_and_run(self, stream: bool) -> list[RequestOutput]:
         """Schedule and run one step. A decode step that replays a CUDA graph is launched before the tokens of
         the step in flight are read: the host lands those (appends them, checks stops, builds the outputs this
         call reports) while the GPU runs, and the new step's tokens land in the next call (a request that
         stopped is computed once more, and that token dropped). Adapter placements advance in between, while the
         step in flight runs with the new one queued behind it (`Placer`: the GPU never waits for them). Any
-        other step first lands the step in flight: its inputs need every token on the host.
-
-        A request with a penalty (`SamplingParams.has_penalties`) is sampled from logits penalized by counts of all
-        of its tokens, built from the host's lists (`Penalties.of`); a token in flight exists only on the device.
-        So a step that samples a penalized request whose newest token is in flight lands that step first, then is
-        launched (a graph replay if it is a decode step) or run eagerly."""
+        other step first lands the step in flight: its inputs need every token on the host. So does a step that
+        samples a penalized request whose newest token is in flight (`Penalties.of` counts the host's lists)."""
         self._release_samples()
         done, self._reported = self._reported, []
         done += self.adapters.poll(self.scheduler.finish)  # adapters loaded meanwhile; failed loads fail their requests
@@ -211,10 +211,9 @@ class Engine:
                 req.num_pending += 1
             self._in_flight = flight
             return []
-        if result is None:
-            return []
-        self._append_tokens(sampling, result)
-        return sampling
+        if result is not None:
+            self._append_tokens(sampling, result)
+        return sampling if result is not None else []
 
     def _land(self) -> list[Request]:
         """Read the tokens of the step in flight (waiting for the GPU if it is still running), append them and
@@ -222,10 +221,11 @@ class Engine:
         flight, self._in_flight = self._in_flight, None
         if flight is None:
             return []
-        result = flight.wait()
-        live = [r for r in flight.sampling if not r.is_finished]
+        with self.adapters.loader.turns.waiting():
+            result = flight.wait()
         for req in flight.sampling:
             req.num_pending -= 1
+        live = [r for r in flight.sampling if not r.is_finished]
         self._append_tokens(flight.sampling, result)
         return live
 
@@ -236,8 +236,8 @@ class Engine:
                 self.scheduler.finish(req)
 
     def _fail_unschedulable(self) -> list[Request]:
-        """Liveness guard: nothing runs and the head request still cannot start (should not happen when
-        max_model_len fits the KV cache) — fail it rather than loop forever; or waiting requests' adapters load."""
+        """Nothing runs and the head request cannot start (max_model_len above the KV cache): fail it, unless
+        waiting requests' adapters are loading."""
         if self.scheduler.running or not self.scheduler.waiting or self.adapters.wait_for_load():
             return []
         req = self.scheduler.waiting[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch
 from scute import AdapterRequest, SamplingParams
 from scute.adapters import conversion
 from scute.engine import adapter_placer
+from scute.engine.adapter_loader import Turns
 from scute.engine.adapter_manager import MAX_PREFETCH
 from scute.engine.request import RequestStatus
 from tests.helpers import GREEDY, METHODS, PROMPTS, Oracle, bad_adapters, check, mixed_requests
@@ -105,6 +107,38 @@ def test_steps_run_while_an_adapter_loads(oracle, gate):
     final = run(engine)
     check(oracle, [final[rid] for rid in ids], prompts, adapters)
 
+
+def test_the_loader_waits_while_the_step_loop_holds_its_turn(oracle, monkeypatch):
+    """While a thread holds the step loop's turn (`Turns.step_loop`, as the engine does while a decode step is in
+    flight) a load on the loader stops at its first pause point; it goes on, through a pause before every layer,
+    once that thread waits (`Turns.waiting`), and converts as on this thread."""
+    monkeypatch.setattr(Turns, "max_pause", 30.0)
+    engine = oracle.engine()
+    turns, path = engine.adapters.loader.turns, oracle.paths["dora"]
+    calls, pause = [], turns.pause
+
+    def counted() -> None:
+        calls.append(threading.current_thread().name)
+        pause()
+
+    monkeypatch.setattr(turns, "pause", counted)
+    with turns.step_loop():
+        turns.pause()  # the holder's own pause returns at once
+        future = engine.adapters.loader.submit(engine.adapters.load, path)
+        for _ in range(1000):
+            if len(calls) > 1:
+                break
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert calls[1:] == [LOADER] and not future.done()  # held at its first pause
+        with turns.waiting():
+            loaded = future.result(timeout=30)
+    here = engine.adapters.load(path)
+    assert calls.count(LOADER) > len(here.layers) and loaded.identity == here.identity
+    for name, slots in here.layers.items():
+        for key, x in slots.tensors().items():
+            assert torch.equal(loaded.layers[name].tensors()[key], x), (name, key)
+    turns.pause()  # outside a turn: at once
 
 
 def test_a_failed_load_fails_only_its_requests(oracle, tmp_path, gate):
