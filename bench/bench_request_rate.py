@@ -233,7 +233,9 @@ def main(argv: list[str] | None = None) -> dict:
     for (method, name), (paths, error) in variants.items():
         for n in counts:
             print(f"{method} {name} N={n}", flush=True)
-            warm = argparse.Namespace(**{**vars(args), "requests": min(n, args.max_adapters), "popularity": "cycle"})
+            # every request of the warm-up waits as long as its adapter's load takes (loads run one at a time)
+            warm = argparse.Namespace(**{**vars(args), "requests": min(n, args.max_adapters), "popularity": "cycle",
+                                         "max_queue_s": float("inf")})
             run_load(engine, paths[:n], float("inf"), warm, seed=20_000)  # loads the adapters the slots hold
             warm_graphs(engine, paths[:n], args)
             solo = run_load(engine, paths[:n], float("inf"), argparse.Namespace(**{**vars(args), "requests": 1}),
