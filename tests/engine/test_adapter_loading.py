@@ -141,6 +141,34 @@ def test_the_loader_waits_while_the_step_loop_holds_its_turn(oracle, monkeypatch
     turns.pause()  # outside a turn: at once
 
 
+def test_turns_open_for_a_wait_and_close_after_it_only_inside_the_step_loop():
+    """`waiting` inside `step_loop` lets other threads' pauses through and closes again after; outside a turn it
+    leaves them free (a loader waited for from outside a step never pauses)."""
+    turns, passed = Turns(), []
+    turns.max_pause = 30.0
+
+    def pause_elsewhere() -> None:  # a pause on another thread, given 0.2 s to pass
+        thread = threading.Thread(target=lambda: (turns.pause(), passed.append(True)))
+        thread.start()
+        thread.join(0.2)
+
+    with turns.waiting():
+        pass
+    pause_elsewhere()
+    assert len(passed) == 1  # free outside a turn, before and after a wait
+    with turns.step_loop():
+        with turns.waiting():
+            pause_elsewhere()
+            assert len(passed) == 2
+        pause_elsewhere()
+        assert len(passed) == 2  # held again after the wait
+    for _ in range(100):
+        if len(passed) == 3:
+            break
+        time.sleep(0.01)
+    assert len(passed) == 3  # the turn's end lets the held pause through
+
+
 def test_a_failed_load_fails_only_its_requests(oracle, tmp_path, gate):
     """Each request of an adapter whose load fails on the loader ends with finish_reason "error" and the message
     the synchronous load raises; the other requests complete."""

@@ -49,6 +49,22 @@ def test_cuda_bf16_run_completes(oracle):
     print(f"bf16: first token equal to the fp32 PEFT reference for {sum(first)}/{len(first)} requests")
 
 
+def test_decode_steps_in_flight_hold_the_step_loops_turn(oracle, monkeypatch):
+    """With CUDA graphs, a step that launches behind a step in flight holds the step loop's turn at the interpreter
+    lock (`Turns.step_loop`) and lets the loader run while it waits for the GPU (`Turns.waiting`); the adapters
+    loaded by path meanwhile keep PEFT's tokens."""
+    from scute.engine.adapter_loader import Turns
+
+    entered, step_loop, waiting = [], Turns.step_loop, Turns.waiting
+    monkeypatch.setattr(Turns, "step_loop", lambda self: (entered.append("turn"), step_loop(self))[1])
+    monkeypatch.setattr(Turns, "waiting", lambda self: (entered.append("wait"), waiting(self))[1])
+    prompts, adapters = mixed_requests()
+    engine = oracle.engine(device="cuda")
+    assert engine.runner.graphs is not None
+    check(oracle, engine.generate(prompts, GREEDY, specs(oracle, adapters), use_tqdm=False), prompts, adapters)
+    assert entered.count("turn") > 0 and entered.count("wait") >= entered.count("turn")
+
+
 def test_the_cpu_tier_keeps_no_pinned_memory(oracle):
     """Adapters loaded for a CUDA engine (converted on the GPU or on the CPU) leave the CPU tier pageable copies:
     pinned memory kept would be allocated anew for each load, and each such allocation stalls the step loop's
