@@ -9,7 +9,8 @@ Per method, the median of ``--repeats`` timed runs after a warm-up (which reads 
 warm, and places the adapter once so that the layers' slot pools exist): ``read_s``, the file read into memory
 with ``safetensors.torch.load_file`` (the floor: what just reading it costs); ``servable_s``, what a request's
 load on the adapter loader does (`AdapterManager._job`: read, validate and convert where W0 is, copy to the
-device in the serving dtype) and then the placement in a device slot (`place_adapter`), synchronized; its split
+device in the serving dtype, its rows in the slot pools prepared: `prepare_adapter`) and then the placement in a
+device slot with those rows (`place_adapter`, as the engine's `Placer` does), synchronized; its split
 ``load_s`` (read + convert, the CPU tier's adapter), ``move_s`` (to the device, when the conversion ran on the
 CPU) and ``place_s``; ``ratio`` = servable / read. cProfile of one load: ``--profile METHOD``.
 
@@ -62,7 +63,8 @@ def measure(engine, path: str, repeats: int) -> dict:
         total, (adapter, staged) = timed(lambda: manager._job(path), device)
         load_s, (_, on_device) = timed(lambda: manager._load(path), device)
         move_s = timed(lambda: manager.loader.move(adapter, manager._moved), device)[0] if on_device is None else 0.0
-        place_s, _ = timed(lambda: place_adapter(manager.linears, 0, staged.use()), device)
+        # with the rows the loader prepared as it staged the copy, as the engine places it (`Placer`)
+        place_s, _ = timed(lambda: place_adapter(manager.linears, 0, staged.use(), staged.prepared), device)
         if i == 0:  # one step on the adapter: the layers' slot pools exist from now on, as in a server
             from scute import SamplingParams
 
