@@ -7,7 +7,8 @@ Requests arrive as a gamma process (vLLM's `bench serve` convention: shape = bur
 time. A rate is *sustained* when the p90 time per output token stays within ``--slo`` times the unloaded one (one
 request alone) and the queue does not grow (every request starts within ``--max-queue-s`` of its arrival: a run
 stops, its requests aborted, as soon as one has waited longer, so an overloaded rate costs seconds). For each (method, N, popularity, variant) the highest sustained rate is found by doubling from ``--start-rate``,
-then bisecting; every run's TTFT and TPOT percentiles are recorded. Before each (variant, N), one request per
+then bisecting; every run's TTFT and TPOT percentiles are recorded, with the engine's counts of what bounds it
+(`engine_counts`: steps, those that ran eagerly, graphs captured). Before each (variant, N), one request per
 adapter the device slots hold warms them and a shrinking batch captures the graphs of every batch size up to
 ``--requests`` (`warm_graphs`: a server's steady state), then one request alone gives the unloaded TPOT.
 
@@ -73,6 +74,7 @@ def run_load(engine, paths: list[str], rate: float, args, seed: int) -> dict:
     specs = [paths[pick(args.popularity, len(paths), rng, i)] for i in range(len(arrivals))]
     prompts = [torch.randint(0, vocab, (args.prompt,), generator=g).tolist() for _ in arrivals]
     first, last, started, nxt, waited = {}, {}, {}, 0, 0.0
+    counts = engine_counts(engine)
     start = time.perf_counter()
     while nxt < len(arrivals) or engine.has_unfinished_requests():
         now = time.perf_counter() - start
@@ -107,7 +109,17 @@ def run_load(engine, paths: list[str], rate: float, args, seed: int) -> dict:
                 output_tok_s=len(last) * args.new_tokens / duration if duration else None,
                 ttft_p50=percentile(ttft, 50), ttft_p90=percentile(ttft, 90), ttft_p99=percentile(ttft, 99),
                 tpot_p50=percentile(tpot, 50), tpot_p90=percentile(tpot, 90), tpot_p99=percentile(tpot, 99),
-                max_queue_s=max(queue) if queue else None)
+                max_queue_s=max(queue) if queue else None,
+                **{k: v - counts[k] for k, v in engine_counts(engine).items()})
+
+
+def engine_counts(engine) -> dict[str, float]:
+    """What bounds a run, counted by the engine: its steps, those replayed from a CUDA graph (the others ran
+    eagerly: prefills, mixed steps), graphs captured and the seconds that took (a run that captures waits for it)."""
+    graphs = getattr(engine.runner, "graphs", None)
+    return dict(steps=engine.stats["steps"], graph_replays=graphs.num_replays if graphs else 0,
+                graphs_captured=graphs.num_captured if graphs else 0,
+                capture_s=graphs.capture_seconds if graphs else 0.0)
 
 
 def warm_graphs(engine, paths: list[str], args) -> None:
@@ -136,7 +148,8 @@ def max_rate(engine, paths: list[str], args, unloaded_tpot: float) -> tuple[floa
         run["sustained"] = sustained(run, unloaded_tpot, args)
         runs.append(run)
         tpot = "-" if run["tpot_p90"] is None else f"{1e3 * run['tpot_p90']:.1f} ms"
-        print(f"    rate {rate:8.2f}/s: tpot p90 {tpot}, queue {run['max_queue_s']:.2f} s, "
+        print(f"    rate {rate:8.2f}/s: tpot p90 {tpot}, queue {run['max_queue_s']:.2f} s, {run['steps']} steps "
+              f"({run['steps'] - run['graph_replays']} eager, {run['graphs_captured']} graphs captured), "
               f"{'ok' if run['sustained'] else 'over (stopped early)' if run['aborted'] else 'over'}", flush=True)
         good, bad, rate = (rate, None, 2 * rate) if run["sustained"] else (good, rate, rate)
     for _ in range(args.bisect if bad is not None else 0):
