@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from scute.adapters import Adapter
-from scute.adapters.adapter import SharedMemo, copy_to
+from scute.adapters.adapter import Pause, SharedMemo, copy_to
 from scute.engine.request import Request
 
 
@@ -83,8 +83,9 @@ class Staging:
     """Two pinned host buffers of `nbytes` through which the loader's copies between the host and a CUDA device run,
     chunk by chunk (`copy`). A copy from or to pageable memory is run by the CUDA driver under a lock that stalls
     every other thread's CUDA calls (the step loop's launches) until it ends; through pinned memory each chunk is a
-    DMA that the other threads' calls run beside, and its host side a memcpy that releases the interpreter lock. Allocated once, with the loader: allocating pinned memory takes that lock too.
-    One thread at a time (the loader's)."""
+    DMA that the other threads' calls run beside, and its host side a memcpy that releases the interpreter lock.
+    Allocated once, with the loader: allocating pinned memory takes that lock too. One thread at a time (the
+    loader's)."""
 
     def __init__(self, nbytes: int = 16 << 20) -> None:
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
@@ -162,7 +163,7 @@ class AdapterLoader:
     switch_interval: float | None = 2e-4  # seconds, while a job runs (module docstring); None: left as it is
 
     def __init__(self, device: torch.device, dtype: torch.dtype | None = None,
-                 prepare: Callable[[Adapter, Callable[[], None]], dict] | None = None) -> None:
+                 prepare: Callable[[Adapter, Pause], dict] | None = None) -> None:
         """`dtype`: the device slots' matrices (vectors stay float32); `prepare`: an adapter's rows in the slot
         pools, computed as it is staged so that its placement on the step loop only applies them (called with
         the adapter and `Turns.pause`)."""
