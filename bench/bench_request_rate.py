@@ -116,7 +116,7 @@ def run_load(engine, paths: list[str], rate: float, args, seed: int) -> dict:
 def engine_counts(engine) -> dict[str, float]:
     """What bounds a run, counted by the engine: its steps, those replayed from a CUDA graph (the others ran
     eagerly: prefills, mixed steps), graphs captured and the seconds that took (a run that captures waits for it)."""
-    graphs = getattr(engine.runner, "graphs", None)
+    graphs = engine.runner.graphs  # None without CUDA graphs
     return dict(steps=engine.stats["steps"], graph_replays=graphs.num_replays if graphs else 0,
                 graphs_captured=graphs.num_captured if graphs else 0,
                 capture_s=graphs.capture_seconds if graphs else 0.0)

@@ -83,11 +83,11 @@ def factored_svd(B: Tensor, A: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def gram_svd(dW: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The thin SVD (U, S, Vh) of dW [out, in] through its smaller Gram matrix G = M Mᵀ (M = dW, or dWᵀ when in <
-    out): G = Q Λ Qᵀ (eigh), then QᵀM = S Vh, its rows' norms the singular values (accurate to rounding of the
-    largest, as the dense SVD's; √λ would lose the small ones), sorted descending. U S Vh = Q Qᵀ M = M, and
-    keeping k triplets projects M onto G's top-k eigenvectors: the best rank-k approximation (the singular
-    vectors taken from QᵀM lose orthogonality as eps / σ², the product does not). Two GEMMs and an
-    eigh of min(out, in)² instead of an SVD of out x in (1.5-4.5x less time on a 2-core CPU at 1024-4096 x 4096)."""
+    out): G = Q Λ Qᵀ (eigh), then QᵀM = S Vh, its rows' norms the singular values, sorted descending (to rounding
+    where they are above ~1e-4 of the largest, smaller ones to ~1e-8 of it; √λ would lose those entirely).
+    U S Vh = Q Qᵀ M = M, and keeping k triplets projects M onto G's top-k eigenvectors: the best rank-k
+    approximation, whose error is the tail of S (the singular vectors taken from QᵀM lose orthogonality as
+    eps / σ², the product does not). Two GEMMs and an eigh of min(out, in)² instead of an SVD of out x in."""
     wide = dW.shape[0] <= dW.shape[1]
     M = dW if wide else dW.T
     _, Q = torch.linalg.eigh(M @ M.T)

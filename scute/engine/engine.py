@@ -168,10 +168,9 @@ class Engine:
         """Schedule and run one step. A decode step that replays a CUDA graph is launched before the tokens of
         the step in flight are read: the host lands those (appends them, checks stops, builds the outputs this
         call reports) while the GPU runs, and the new step's tokens land in the next call (a request that
-        stopped is computed once more, and that token dropped). Adapter placements advance in between, while the
-        step in flight runs with the new one queued behind it (`Placer`: the GPU never waits for them). Any
-        other step first lands the step in flight: its inputs need every token on the host. So does a step that
-        samples a penalized request whose newest token is in flight (`Penalties.of` counts the host's lists)."""
+        stopped is computed once more, and that token dropped). Placements advance in between, while the step in
+        flight runs with the new one queued behind it (`Placer`). Any other step first lands the step in flight:
+        its inputs need every token on the host; so does one sampling a penalized request (`Penalties.of`)."""
         self._release_samples()
         done, self._reported = self._reported, []
         done += self.adapters.poll(self.scheduler.finish)  # adapters loaded meanwhile; failed loads fail their requests
@@ -211,9 +210,10 @@ class Engine:
                 req.num_pending += 1
             self._in_flight = flight
             return []
-        if result is not None:
-            self._append_tokens(sampling, result)
-        return sampling if result is not None else []
+        if result is None:
+            return []
+        self._append_tokens(sampling, result)
+        return sampling
 
     def _land(self) -> list[Request]:
         """Read the tokens of the step in flight (waiting for the GPU if it is still running), append them and
@@ -223,9 +223,9 @@ class Engine:
             return []
         with self.adapters.loader.turns.waiting():
             result = flight.wait()
+        live = [r for r in flight.sampling if not r.is_finished]
         for req in flight.sampling:
             req.num_pending -= 1
-        live = [r for r in flight.sampling if not r.is_finished]
         self._append_tokens(flight.sampling, result)
         return live
 
