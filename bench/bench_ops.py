@@ -33,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _device import copy_bandwidth  # noqa: E402
 
-from scute.ops import SlotPool, build_lora_meta, launch, scute_linears_triton
+from scute.ops import LaunchResources, SlotPool, build_lora_meta, launch, scute_linears_triton
 from scute.ops.cost import CallBytes, layer_call_bytes, lora_floor_bytes
 from scute.ops.testing import random_slots, vera_pair
 
@@ -135,11 +135,12 @@ def scute_fn(layer: Layer, pools: dict, xs: dict, ts: torch.Tensor, cfg: dict):
     for pool in pools.values():  # built once per step in the engine: outside the timed layer
         metas.setdefault(pool.group_key, build_lora_meta(ts, pool.slot_group))
     active = frozenset(ts.tolist())  # the step's slots, which the engine knows on the host
+    resources = LaunchResources()  # what one model's layer calls share (side streams, counters)
 
     def fn():
         for names, pool in pools.items():
             scute_linears_triton(xs[INPUT[names[0]]], [layer.w[p] for p in names], [None] * len(names), pool,
-                                 metas[pool.group_key], half_n=cfg["half_n"], block_k=cfg["block_k"],
+                                 metas[pool.group_key], resources, half_n=cfg["half_n"], block_k=cfg["block_k"],
                                  tile_half_n=cfg["tile_half_n"], active_slots=active)
     return fn
 

@@ -1,6 +1,6 @@
 """Host time of the primitives an eager layer call is made of, in µs per call (CUDA): a Triton launch with few
 and with many arguments, a side-stream switch and a wait, an allocation, a cuBLAS GEMM's launch, a column split,
-and a `torch.library` custom op with a trivial body. The figures behind `ScuteOp` and `launch.side_streams`
+and a `torch.library` custom op with a trivial body. The figures behind `ScuteOp` and `LaunchResources.side_streams`
 (docs/performance.md). Run: ``PYTHONPATH=. python3 bench/host_costs.py``.
 """
 

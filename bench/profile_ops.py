@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, "bench")
 import bench_ops as B  # noqa: E402
 
-from scute.ops import build_lora_meta, launch, scute_linears_triton  # noqa: E402
+from scute.ops import LaunchResources, build_lora_meta, launch, scute_linears_triton  # noqa: E402
 
 CONFIGS = {
     "default": {},
@@ -105,12 +105,12 @@ def main() -> None:
         for cname, cfg in configs.items():
             launch.CONFIG = dataclasses.replace(launch.LaunchConfig(), **cfg)
             metas = {pool.group_key: build_lora_meta(ts, pool.slot_group) for pool in pools.values()}
-            active = frozenset(ts.tolist())
+            active, resources = frozenset(ts.tolist()), LaunchResources()
 
             def fn():
                 for names, pool in pools.items():
                     scute_linears_triton(xs[B.INPUT[names[0]]], [layer.w[p] for p in names], [None] * len(names),
-                                         pool, metas[pool.group_key], active_slots=active)
+                                         pool, metas[pool.group_key], resources, active_slots=active)
             times = kernel_times(fn)
             total = sum(times.values())
             parts = ", ".join(f"{k.split('_kernel')[0]} {v:.1f}" for k, v in sorted(times.items(), key=lambda x: -x[1]))

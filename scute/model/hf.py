@@ -9,6 +9,7 @@ from torch import nn
 from scute.adapters import Adapter
 from scute.adapters.adapter import Pause, no_pause, paused
 from scute.model.linear import LinearGroup, ScuteLinear
+from scute.ops.launch import LaunchResources
 from scute.ops.pool import Placement, SlotPool
 from scute.ops.pool_rows import PreparedColumn, prepare_column
 
@@ -21,16 +22,16 @@ def swap_linears(model: nn.Module, max_adapters: int,
                  ) -> dict[str, ScuteLinear]:
     """Replace every `nn.Linear` of `model` in place by a `ScuteLinear` sharing its parameters, and tie the
     siblings one entry of `packed_modules_mapping` names under one parent (all present, one ``in_features``)
-    into a `LinearGroup`; ``{}`` groups nothing.
+    into a `LinearGroup`; ``{}`` groups nothing. Every new module shares one `LaunchResources`.
 
     Returns the new modules by qualified name (the names PEFT checkpoints use, minus ``base_model.model.``).
     """
     names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
-    swapped = {}
+    swapped, resources = {}, LaunchResources()
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        swapped[name] = ScuteLinear(getattr(parent, child), max_adapters)
+        swapped[name] = ScuteLinear(getattr(parent, child), max_adapters, resources)
         setattr(parent, child, swapped[name])
     for parent_name in dict.fromkeys(name.rpartition(".")[0] for name in names):
         prefix = f"{parent_name}." if parent_name else ""

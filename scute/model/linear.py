@@ -20,6 +20,7 @@ from scute.ops import (
     triton_enabled,
 )
 from scute.ops.cpu import LowRankStack, scute_linear_cpu
+from scute.ops.launch import LaunchResources
 from scute.ops.pool import Placement
 from scute.ops.reference import acc_dtype
 
@@ -40,10 +41,11 @@ class ScuteLinear(nn.Module):
     adapter of a layer).
 
     A member of a `LinearGroup` (``group``, set by the group) called by itself computes alone; `project` serves
-    the whole group in one call. Its own pool is built only if it ever computes alone.
+    the whole group in one call. Its own pool is built only if it ever computes alone. `resources`: what the
+    model's layer calls share (`LaunchResources`, made by `swap_linears`); a layer made alone makes its own.
     """
 
-    def __init__(self, base: nn.Linear, max_adapters: int) -> None:
+    def __init__(self, base: nn.Linear, max_adapters: int, resources: LaunchResources | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
@@ -55,6 +57,7 @@ class ScuteLinear(nn.Module):
         self.stack: LowRankStack | None = None  # the CPU path's stacked low-rank parts, rebuilt after set_slot
         self.version = 0  # bumped as a change of its slots takes effect; caches of what they imply compare it
         self.shard = None  # tensor parallelism: this rank's `scute.model.tp.Shard` of the layer, set by the loader
+        self.resources = resources if resources is not None else LaunchResources()
 
     def set_slot(self, index: int, slots: Slots | None, placement: Placement | None = None) -> None:
         """Put an adapter's slots in slot `index` (None empties it); on a sharded layer, slots of the full layer,
@@ -116,7 +119,8 @@ class ScuteLinear(nn.Module):
         """`scute_linears_deferred` (`defer`) or `scute_linears_triton` over this layer's own pool."""
         ctx = get_forward_context()
         pool = self.pool = pool_for(self.pool, flat, [self])
-        args = (flat, [self.weight], [self.bias], pool, ctx.lora_meta(flat.shape[0], pool.slot_group, pool.group_key))
+        args = (flat, [self.weight], [self.bias], pool, ctx.lora_meta(flat.shape[0], pool.slot_group, pool.group_key),
+                self.resources)
         if defer:
             return scute_linears_deferred(*args, active_slots=ctx.active_adapter_slots)
         return scute_linears_triton(*args, active_slots=ctx.active_adapter_slots), [None]
@@ -197,7 +201,7 @@ class LinearGroup:
             ctx = get_forward_context()
             pool = self.pool = pool_for(self.pool, flat, self.members)
             args = (flat, [m.weight for m in self.members], [m.bias for m in self.members], pool,
-                    ctx.lora_meta(flat.shape[0], pool.slot_group, pool.group_key))
+                    ctx.lora_meta(flat.shape[0], pool.slot_group, pool.group_key), self.members[0].resources)
             kw = dict(active_slots=ctx.active_adapter_slots, merged=merged)
             ys, ds = scute_linears_deferred(*args, **kw) if defer else (scute_linears_triton(*args, **kw), none)
         return [y.view(*x.shape[:-1], y.shape[-1]) for y in ys], ds

@@ -13,6 +13,7 @@ import os
 import torch
 from torch import Tensor
 
+from scute.ops.launch import LaunchResources
 from scute.ops.meta import LoraMeta, build_lora_meta
 from scute.ops.pool import SlotPool
 from scute.ops.reference import scute_linear_ref
@@ -36,5 +37,5 @@ def triton_enabled(x: Tensor) -> bool:
     return x.is_cuda or (x.device.type == "cpu" and os.environ.get("SCUTE_TRITON_CPU") == "1")
 
 
-__all__ = ["LoraMeta", "SlotPool", "build_lora_meta", "merged_gemm", "scute_linear", "scute_linear_ref",
+__all__ = ["LaunchResources", "LoraMeta", "SlotPool", "build_lora_meta", "merged_gemm", "scute_linear", "scute_linear_ref",
            "scute_linear_triton", "scute_linears_deferred", "scute_linears_triton", "triton_enabled"]

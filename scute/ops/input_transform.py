@@ -8,10 +8,9 @@ of T read once per window.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from scute.ops.launch import cdiv, config, kernels, on, precision, scute_op, side_streams
+from scute.ops.launch import cdiv, config, kernels, precision, scute_op
 from scute.ops.meta import BLOCK_M
 
 
@@ -31,27 +30,16 @@ def input_transform(x: Tensor, table: Tensor, token_slots: Tensor, sorted_idx: T
     token_slots [T] int32, the rest of `LoraMeta` as named; block_b = power of two ≥ the largest OFT block,
     min_block = the smallest one. Returns [P, T, in] in x.dtype. From `pre_pass_tile_tokens` tokens on, the tokens
     of a block-diagonal T whose slot has `window_min_tokens` or more run in windows of BLOCK_M tokens on tensor
-    cores (`input_tiles_kernel`, a second launch, on a side stream on the GPU): each block of T read once per
-    window, not once per token.
+    cores (`input_tiles_kernel`, a second launch: a captured layer call runs it on a side stream, calling the two
+    launches itself, `input_windows` and `input_rows`): each block of T read once per window, not once per token.
     """
     out = x.new_empty((num_proj, *x.shape))
     if x.shape[0] == 0:
         return out
     tiled = windowed(x.shape[0], block_b)
-    # The two launches write disjoint tokens of out: in a CUDA graph the windows run on a side stream beside the row
-    # kernel. In line, where no slot has enough tokens (256 tokens of 64 OFT adapters), their launches alone took
-    # 13 µs of a layer's critical path; beside it the layer still pays 13-22 µs for the forks and joins.
-    side = side_streams(x.device) if tiled else None
-    windows = side.windows if side is not None else None
-    if windows is not None:
-        windows.wait_stream(torch.cuda.current_stream(x.device))
     if tiled:
-        with on(windows):
-            input_windows(out, x, table, sorted_idx, sorted_slots, num_tokens_per_slot, slot_start, block_b,
-                          min_block)
+        input_windows(out, x, table, sorted_idx, sorted_slots, num_tokens_per_slot, slot_start, block_b, min_block)
     input_rows(out, x, table, token_slots, num_tokens_per_slot, block_b, min_block, tiled)
-    if windows is not None:
-        torch.cuda.current_stream(x.device).wait_stream(windows)
     return out
 
 

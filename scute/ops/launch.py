@@ -1,5 +1,5 @@
 """What every pass of the six-slot op shares: the launch configuration, the grid sizing rules, the `ScuteOp`
-wrapper and the side streams of a captured layer call.
+wrapper and the resources a model's layer calls share (`LaunchResources`: side streams, arrival counters).
 
 `LaunchConfig` holds every tuning constant of the passes, each with the reason for its value; `CONFIG` is the one
 in use, read by the passes at each call (a bench or a test swaps it: ``launch.CONFIG = replace(CONFIG, ...)``).
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from torch import Tensor
 
 from scute.ops.meta import BLOCK_M
 
@@ -208,10 +209,9 @@ def tl_dtype(dtype: torch.dtype):
     return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
 
 
-# ---------------------------------------------------------------------------------------------- side streams
+# ---------------------------------------------------------------------------------------------- resources
 class SideStreams(NamedTuple):
-    """The side streams of a layer call captured in a CUDA graph (one set per device, so that every shrink of a
-    device runs in order: they share the arrival counters)."""
+    """The side streams of a layer call captured in a CUDA graph."""
 
     lowrank: torch.cuda.Stream  # the shrink, the one-token delta and the epilogues
     tiles: torch.cuda.Stream  # the multi-token delta, beside the one-token delta
@@ -219,18 +219,36 @@ class SideStreams(NamedTuple):
     shared: torch.cuda.Stream  # the shared group's products
 
 
-_SIDE: dict[torch.device, SideStreams] = {}
+class LaunchResources:
+    """What the layer calls of one model share on a device: the side streams of a call captured in a CUDA graph,
+    and the int32 counters the shrink's split programs count their arrivals in. `swap_linears` makes one per model
+    and hands it to every layer it makes (a `ScuteLinear` made alone makes its own); each layer call takes its
+    layer's. Each counter is reset by its last arrival, so one buffer serves every shrink of a device as long as
+    they run in order: in line on the caller's stream, or in a graph on `SideStreams.lowrank`."""
 
+    def __init__(self) -> None:
+        self._side: dict[torch.device, SideStreams] = {}
+        self._counters: dict[torch.device, list[Tensor]] = {}
 
-def side_streams(device: torch.device) -> SideStreams | None:
-    """The device's side streams while a CUDA graph is being captured; None otherwise (under torch.compile, off
-    the GPU, and in eager steps: there each fork and join costs the host 6-17 µs (`bench/host_costs.py`), which
-    a step launched from Python pays on its critical path; a graph pays it once, at capture)."""
-    if device.type != "cuda" or torch.compiler.is_compiling() or not torch.cuda.is_current_stream_capturing():
-        return None
-    if device not in _SIDE:
-        _SIDE[device] = SideStreams(*(torch.cuda.Stream(device) for _ in range(4)))
-    return _SIDE[device]
+    def side_streams(self, device: torch.device) -> SideStreams | None:
+        """The side streams on `device` while a CUDA graph is being captured; None otherwise (under torch.compile,
+        off the GPU, and in eager steps: there each fork and join costs the host 6-17 µs (`bench/host_costs.py`),
+        which a step launched from Python pays on its critical path; a graph pays it once, at capture)."""
+        if device.type != "cuda" or torch.compiler.is_compiling() or not torch.cuda.is_current_stream_capturing():
+            return None
+        if device not in self._side:
+            self._side[device] = SideStreams(*(torch.cuda.Stream(device) for _ in range(4)))
+        return self._side[device]
+
+    def counters(self, device: torch.device, n: int) -> Tensor:
+        """At least `n` zeros on `device`. A larger call gets a larger buffer; the smaller ones are kept, since
+        captured graphs hold them. Under torch.compile a fresh one, traced with the call."""
+        if torch.compiler.is_compiling():
+            return torch.zeros(n, dtype=torch.int32, device=device)
+        bufs = self._counters.setdefault(device, [])
+        if not bufs or bufs[-1].numel() < n:
+            bufs.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
+        return bufs[-1]
 
 
 def on(stream: torch.cuda.Stream | None):

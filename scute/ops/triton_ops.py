@@ -32,25 +32,27 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from scute.ops.epilogue import epilogue_
-from scute.ops.input_transform import input_transform
-from scute.ops.launch import SideStreams, choose_split_k, on, side_streams, tile_tokens
+from scute.ops.input_transform import input_rows, input_transform, input_windows, windowed
+from scute.ops.launch import LaunchResources, SideStreams, choose_split_k, on, tile_tokens
 from scute.ops.lora_delta import lora_delta_rows_, lora_delta_tiles_
 from scute.ops.meta import LoraMeta, max_tiles
 from scute.ops.plan import LowrankPlan, Plan, plan
 from scute.ops.pool import SlotPool
 from scute.ops.shared_delta import lora_delta_shared_
-from scute.ops.shrink import shrink_
+from scute.ops.shrink import shrink_, shrink_counters
 
 
 # ---------------------------------------------------------------------------------------------- one layer call
 def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], pool: SlotPool,
-                         meta: LoraMeta, half_n: int | None = None, block_k: int | None = None,
-                         tile_half_n: int | None = None, active_slots: Collection[int] | None = None,
+                         meta: LoraMeta, resources: LaunchResources, half_n: int | None = None,
+                         block_k: int | None = None, tile_half_n: int | None = None,
+                         active_slots: Collection[int] | None = None,
                          merged: tuple[Tensor, Tensor | None] | None = None) -> list[Tensor]:
     """``P`` adapted projections of one input (q/k/v, gate/up, or one layer): the normal form of every token.
 
     Semantics: ys[p] = scute_linear_ref(x, weights[p], biases[p], slots[p], token_slots) for the slots the pool
-    was built from. Shapes: x [T, in]; weights[p] [out_p, in]; returns ys[p] [T, out_p] in x.dtype.
+    was built from. Shapes: x [T, in]; weights[p] [out_p, in]; returns ys[p] [T, out_p] in x.dtype. `resources`:
+    the layer's `LaunchResources` (side streams under CUDA-graph capture, the shrink's arrival counters).
     `active_slots`: the slots of the step's tokens, known on the host (a superset will do), so that the call runs
     only the passes they need (`SlotPool.step_kinds`: a step with no OFT token has no pre-pass, one with no VeRA
     token no shared-group products, one of base tokens only is the GEMMs); None: any slot. A CUDA graph captured
@@ -59,11 +61,12 @@ def scute_linears_triton(x: Tensor, weights: Sequence[Tensor], biases: Sequence[
     outputs, ``weights[p]`` being its row slices (`merged_gemm`): the base GEMMs of a step without an input
     transform then run as one.
     """
-    return _call(x, weights, biases, pool, meta, half_n, block_k, tile_half_n, active_slots, merged, False)[0]
+    return _call(x, weights, biases, pool, meta, resources, half_n, block_k, tile_half_n, active_slots, merged,
+                 False)[0]
 
 
 def scute_linears_deferred(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], pool: SlotPool,
-                           meta: LoraMeta, active_slots: Collection[int] | None = None,
+                           meta: LoraMeta, resources: LaunchResources, active_slots: Collection[int] | None = None,
                            merged: tuple[Tensor, Tensor | None] | None = None,
                            ) -> tuple[list[Tensor], list[Tensor | None]]:
     """`scute_linears_triton`, each output's plain low-rank delta left for its consumer to add (`DeferPlan`).
@@ -74,22 +77,23 @@ def scute_linears_deferred(x: Tensor, weights: Sequence[Tensor], biases: Sequenc
     ds[p] is None and zs are complete. Shapes: as in `scute_linears_triton`; ds[p] [T, out_p] contiguous, in
     `SlotPool.delta_dtype`.
     """
-    return _call(x, weights, biases, pool, meta, None, None, None, active_slots, merged, True)
+    return _call(x, weights, biases, pool, meta, resources, None, None, None, active_slots, merged, True)
 
 
 def _call(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], pool: SlotPool, meta: LoraMeta,
-          half_n: int | None, block_k: int | None, tile_half_n: int | None, active_slots: Collection[int] | None,
-          merged: tuple[Tensor, Tensor | None] | None, consumer_adds: bool,
+          resources: LaunchResources, half_n: int | None, block_k: int | None, tile_half_n: int | None,
+          active_slots: Collection[int] | None, merged: tuple[Tensor, Tensor | None] | None, consumer_adds: bool,
           ) -> tuple[list[Tensor], list[Tensor | None]]:
     """The layer call: its outputs, and the deltas its consumers add (all None unless deferred)."""
     x = x.contiguous()
     passes = call_plan(x, pool, meta, active_slots, merged is not None, half_n, block_k, tile_half_n, consumer_adds)
     none = [None] * len(weights)
+    side = resources.side_streams(x.device)
     if not passes.kinds.expand:
-        xs = _input_transform(x, pool, meta) if passes.input_transform is not None else None
+        xs = _input_transform(x, pool, meta, side) if passes.input_transform is not None else None
         return _base_gemms(x, xs, weights, biases, merged if passes.merged_gemm else None), none
     if passes.fold is not None:
-        return _folded(x, weights, biases, pool, meta, passes), none
+        return _folded(x, weights, biases, pool, meta, resources, passes), none
     # The low-rank deltas read only x: in a captured graph the shrink and the one-token delta run on a side stream
     # beside the base GEMMs (bandwidth-bound too, but they leave part of it, and SMs, unused), the multi-token delta
     # on a second one beside the one-token delta (they write disjoint rows; at decode it usually has nothing to do,
@@ -99,19 +103,19 @@ def _call(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None],
     # the epilogues have joined, else the allocator hands its memory to the next allocation on this stream (the
     # GEMM's output) while a side stream still writes it. The shrink reads x, not x', so the side stream forks
     # before the input transform, which runs on this stream beside it. Eager steps and torch.compile run the
-    # passes in line (`side_streams`).
+    # passes in line (`LaunchResources.side_streams`).
     deltas = passes.lowrank is not None or passes.shared is not None
-    side = side_streams(x.device) if deltas else None
+    forked = side if deltas else None
     ds = [x.new_empty((x.shape[0], w.shape[0]), dtype=pool.delta_dtype(x.dtype)) for w in weights] \
         if deltas else [x.new_empty((1, 1), dtype=torch.float32)]
     scratch = []
     if passes.shared is not None:
-        scratch += _shared_delta(ds, x, pool, meta, side)
+        scratch += _shared_delta(ds, x, pool, meta, forked)
     if passes.lowrank is not None:
         zero = [d for d, add in zip(ds, passes.defer.adds) if add] if passes.defer and passes.defer.zero else []
-        scratch += _lowrank_delta(ds, x, pool, meta, side, passes.lowrank, zero)
-    xs = _input_transform(x, pool, meta) if passes.input_transform is not None else None
-    zs = _gemms_then_epilogues(x, xs, ds, weights, biases, merged, pool, meta, side, passes)
+        scratch += _lowrank_delta(ds, x, pool, meta, resources, forked, passes.lowrank, zero)
+    xs = _input_transform(x, pool, meta, side) if passes.input_transform is not None else None
+    zs = _gemms_then_epilogues(x, xs, ds, weights, biases, merged, pool, meta, forked, passes)
     del scratch  # joined: the side streams are done with it
     return zs, none if passes.defer is None else [d if add else None for d, add in zip(ds, passes.defer.adds)]
 
@@ -127,13 +131,13 @@ def call_plan(x: Tensor, pool: SlotPool, meta: LoraMeta, active_slots: Collectio
 
 
 def _folded(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], pool: SlotPool, meta: LoraMeta,
-            passes: Plan) -> list[Tensor]:
+            resources: LaunchResources, passes: Plan) -> list[Tensor]:
     """The fold (`FoldPlan`): the deltas, in line, into buffers of the outputs' shapes and dtype (every row
     written), then ``z_p = d_p (+ b_p) + x W_pᵀ`` with d_p as cuBLAS's C: the product and the delta summed in
     float32 and rounded once, d_p rounded to the output's dtype first (a plain low-rank slot's delta is its
     effect: `SlotPool.delta_dtype`). A projection without deltas is the plain GEMM."""
     ds = [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
-    _lowrank_delta(ds, x, pool, meta, None, passes.lowrank)
+    _lowrank_delta(ds, x, pool, meta, resources, None, passes.lowrank)
     # in place: torch.addmm(d, ...) would first copy d into a new output (a pass over z of its own)
     return [((d if b is None else d.add_(b)).addmm_(x, w.t()) if add else F.linear(x, w, b))
             for d, w, b, add in zip(ds, weights, biases, passes.fold.adds)]
@@ -153,8 +157,8 @@ def _shared_delta(ds: list[Tensor], x: Tensor, pool: SlotPool, meta: LoraMeta,
     return [hv, hs]
 
 
-def _lowrank_delta(ds: list[Tensor], x: Tensor, pool: SlotPool, meta: LoraMeta, side: SideStreams | None,
-                   lp: LowrankPlan, zero: Sequence[Tensor] = ()) -> list[Tensor]:
+def _lowrank_delta(ds: list[Tensor], x: Tensor, pool: SlotPool, meta: LoraMeta, resources: LaunchResources,
+                   side: SideStreams | None, lp: LowrankPlan, zero: Sequence[Tensor] = ()) -> list[Tensor]:
     """The shrink, then the one-token and multi-token deltas (beside each other) into ds (the buffers in `zero`
     zero-filled first, on the same stream); returns the shrink's partials."""
     h = x.new_empty((lp.split_k, x.shape[0], pool.h_width), dtype=torch.float32)
@@ -166,8 +170,9 @@ def _lowrank_delta(ds: list[Tensor], x: Tensor, pool: SlotPool, meta: LoraMeta, 
     with on(lowrank):
         for d in zero:
             d.zero_()
-        shrink_(h, x, pool.table, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end, pool.num_proj,
-                pool.max_rank, lp.block_k, lp.block_m)
+        counters = resources.counters(x.device, shrink_counters(meta.tile_group.shape[0], pool.max_rank, pool.num_proj))
+        shrink_(h, counters, x, pool.table, meta.sorted_idx, meta.tile_group, meta.tile_start, meta.tile_end,
+                pool.num_proj, pool.max_rank, lp.block_k, lp.block_m)
     if beside is not None:
         beside.wait_stream(lowrank)
     with on(beside if beside is not None else lowrank):
@@ -222,10 +227,21 @@ def merged_gemm(x: Tensor, weight: Tensor, bias: Tensor | None, out_features: Se
     return list(F.linear(x, weight, bias).split(list(out_features), dim=1))
 
 
-def _input_transform(x: Tensor, pool: SlotPool, meta: LoraMeta) -> Tensor:
-    """x' of every projection."""
-    return input_transform(x, pool.table, meta.token_slots, meta.sorted_idx, meta.sorted_slots,
-                           meta.num_tokens_per_slot, meta.slot_start, pool.num_proj, pool.block_b, pool.min_block)
+def _input_transform(x: Tensor, pool: SlotPool, meta: LoraMeta, side: SideStreams | None) -> Tensor:
+    """x' of every projection. Its two launches write disjoint tokens: in a CUDA graph the windows run on a side
+    stream beside the row kernel (in line, where no slot has enough tokens, 256 tokens of 64 OFT adapters, their
+    launches alone took 13 µs of a layer's critical path; beside it the layer still pays 13-22 µs for the forks
+    and joins)."""
+    args = (meta.sorted_idx, meta.sorted_slots, meta.num_tokens_per_slot, meta.slot_start)
+    if side is None or not windowed(x.shape[0], pool.block_b):
+        return input_transform(x, pool.table, meta.token_slots, *args, pool.num_proj, pool.block_b, pool.min_block)
+    out = x.new_empty((pool.num_proj, *x.shape))
+    side.windows.wait_stream(torch.cuda.current_stream(x.device))
+    with on(side.windows):
+        input_windows(out, x, pool.table, *args, pool.block_b, pool.min_block)
+    input_rows(out, x, pool.table, meta.token_slots, meta.num_tokens_per_slot, pool.block_b, pool.min_block, True)
+    torch.cuda.current_stream(x.device).wait_stream(side.windows)
+    return out
 
 
 def call_transient_bytes(num_tokens: int, in_features: int, out_features: Sequence[int], num_slots: int,
@@ -242,6 +258,6 @@ def call_transient_bytes(num_tokens: int, in_features: int, out_features: Sequen
 
 
 def scute_linear_triton(x: Tensor, weight: Tensor, bias: Tensor | None, pool: SlotPool, meta: LoraMeta,
-                        active_slots: Collection[int] | None = None) -> Tensor:
+                        resources: LaunchResources, active_slots: Collection[int] | None = None) -> Tensor:
     """One adapted linear layer (``pool.num_proj == 1``); semantics of `scute_linear_ref`."""
-    return scute_linears_triton(x, [weight], [bias], pool, meta, active_slots=active_slots)[0]
+    return scute_linears_triton(x, [weight], [bias], pool, meta, resources, active_slots=active_slots)[0]

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
 
 from scute.model.context import ForwardContext, forward_context  # noqa: E402
 from scute.model.linear import ScuteLinear  # noqa: E402
-from scute.ops import SlotPool, build_lora_meta, scute_linear_ref, scute_linears_triton  # noqa: E402
+from scute.ops import LaunchResources, SlotPool, build_lora_meta, scute_linear_ref, scute_linears_triton  # noqa: E402
 from scute.ops.launch import tile_tokens  # noqa: E402
 from scute.ops.testing import POPULARITY, random_slots, token_slots, vera_pair  # noqa: E402
 
@@ -70,7 +70,7 @@ def test_llama_projection_bf16(proj, num_tokens):
     pool = SlotPool(in_f, (out_f,), len(slots), "cuda", DT)
     pool.update([slots])
     meta = build_lora_meta(ts, pool.slot_group, block_m=tile_tokens(num_tokens))
-    (y,) = scute_linears_triton(x, [w], [None], pool, meta)
+    (y,) = scute_linears_triton(x, [w], [None], pool, meta, LaunchResources())
     rel, rel32 = effect_errors(y, x, w, slots, ts)
     print(f"{proj}: max err / effect vs reference {rel.max().item():.2e}, vs all-fp32 {rel32.max().item():.2e}")
     # bf16 rounding of the output against a small effect (the rank-1 slot's): over 1024 tokens the largest ratio
@@ -91,9 +91,11 @@ def test_cuda_graph_replay_with_new_metadata(grouped):
     pool.update(per_proj)
     x_s = torch.randn(33, in_f, generator=gen).to("cuda", DT)
     ts_s = torch.zeros(33, dtype=torch.long, device="cuda")
+    resources = LaunchResources()  # its side streams run the captured call's passes
 
     def step():
-        return scute_linears_triton(x_s, ws, [None] * len(ws), pool, build_lora_meta(ts_s, pool.slot_group))
+        return scute_linears_triton(x_s, ws, [None] * len(ws), pool, build_lora_meta(ts_s, pool.slot_group),
+                                    resources)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

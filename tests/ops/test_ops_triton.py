@@ -35,8 +35,9 @@ from scute.ops.meta import BLOCK_M, LoraMeta, max_tiles  # noqa: E402
 from scute.ops.pool_rows import F_RANK  # noqa: E402
 from scute.ops.reference import input_transform_ref  # noqa: E402
 from scute.ops.testing import POPULARITY, random_slots, token_slots, vera_pair  # noqa: E402
-from scute.ops import input_transform as input_transform_mod, launch, shared_delta, shrink as shrink_mod  # noqa: E402
+from scute.ops import input_transform as input_transform_mod, launch, shared_delta  # noqa: E402
 from scute.ops.epilogue import epilogue_  # noqa: E402
+from scute.ops.launch import LaunchResources  # noqa: E402
 from scute.ops.input_transform import input_transform  # noqa: E402
 
 IN, OUT = 32, 48
@@ -48,6 +49,7 @@ def set_config(monkeypatch, **changes) -> None:
 
 # Small tiles keep the interpreter fast and make the tiny layers span several tiles.
 HALF_N, BLOCK_K = 16, 16
+RESOURCES = LaunchResources()  # what every call here shares, as one model's layers do
 # tf32 dots on the GPU; exact fp32 products in the interpreter.
 FP32_TOL = 5e-3 if DEVICE == "cuda" else 2e-5
 
@@ -80,7 +82,8 @@ def run_triton(x, weights, biases, slots_per_proj, ts, dtype, **kw):
     pool = SlotPool(x.shape[1], [w.shape[0] for w in weights], len(slots_per_proj[0]), DEVICE, dtype)
     pool.update(slots_per_proj)
     meta = build_lora_meta(ts, pool.slot_group, block_m=kw.get("block_m", BLOCK_M))
-    return scute_linears_triton(x, weights, biases, pool, meta, half_n=kw.get("half_n", HALF_N),
+    return scute_linears_triton(x, weights, biases, pool, meta, kw.get("resources", RESOURCES),
+                                half_n=kw.get("half_n", HALF_N),
                                 block_k=kw.get("block_k", BLOCK_K), tile_half_n=kw.get("tile_half_n", HALF_N))
 
 
@@ -266,12 +269,13 @@ def test_split_partials(split, monkeypatch):
     b = torch.randn(OUT, generator=gen).to(DEVICE)
     slots = mixed_slots(torch.float32, gen, in_f)
     assert launch.choose_split_k(in_f, 1, BLOCK_K) == split
+    resources = LaunchResources()
     for law in ("distinct", "identical", "skewed"):
         ts = token_slots(law, 33, len(slots), generator=gen).to(DEVICE)
         x = torch.randn(33, in_f, generator=gen).to(DEVICE)
-        (y,) = run_triton(x, [w], [b], [slots], ts, torch.float32)
+        (y,) = run_triton(x, [w], [b], [slots], ts, torch.float32, resources=resources)
         check(y, x, w, b, slots, ts, FP32_TOL)
-        assert all(int(c.abs().sum()) == 0 for bufs in shrink_mod._COUNTERS.values() for c in bufs)
+        assert int(resources.counters(x.device, 1).abs().sum()) == 0  # the buffer the call used
 
 
 @pytest.mark.parametrize("expand_programs", [1024, 1])
@@ -491,7 +495,7 @@ def test_step_runs_the_passes_of_its_slots(tokens, active, passes, monkeypatch):
         monkeypatch.setattr(triton_ops, name, spy)
     ts = torch.tensor(tokens, device=DEVICE)
     x = torch.randn(len(tokens), IN, generator=gen).to(DEVICE)
-    (y,) = scute_linears_triton(x, [w], [b], pool, build_lora_meta(ts, pool.slot_group), half_n=HALF_N,
+    (y,) = scute_linears_triton(x, [w], [b], pool, build_lora_meta(ts, pool.slot_group), RESOURCES, half_n=HALF_N,
                                 block_k=BLOCK_K, active_slots=active)
     assert called == passes
     check(y, x, w, b, slots, ts, FP32_TOL)
@@ -538,7 +542,7 @@ def test_fold(case, folds, monkeypatch):
         assert passes.fold.adds == (True, case != "k_unadapted", True)
     epilogues = []
     monkeypatch.setattr(triton_ops, "epilogue_", lambda *a, **k: epilogues.append(1) or epilogue_(*a, **k))
-    ys = scute_linears_triton(x, ws, bs, pool, meta, half_n=HALF_N, block_k=BLOCK_K, tile_half_n=HALF_N,
+    ys = scute_linears_triton(x, ws, bs, pool, meta, RESOURCES, half_n=HALF_N, block_k=BLOCK_K, tile_half_n=HALF_N,
                               active_slots=active)
     assert bool(epilogues) != folds
     for y, w, b, slots in zip(ys, ws, bs, per_proj):
@@ -563,10 +567,10 @@ def test_deferred(case, adds, zero, monkeypatch):
         assert passes.defer == (adds, zero) and passes.epilogue is None
     epilogues = []
     monkeypatch.setattr(triton_ops, "epilogue_", lambda *a, **k: epilogues.append(1) or epilogue_(*a, **k))
-    zs, ds = scute_linears_deferred(x, ws, [None] * 3, pool, meta, active_slots=active)
+    zs, ds = scute_linears_deferred(x, ws, [None] * 3, pool, meta, RESOURCES, active_slots=active)
     assert bool(epilogues) == (adds is None and case != "long")
     assert [d is not None for d in ds] == list(adds or (False,) * 3)
-    ys = scute_linears_triton(x, ws, [None] * 3, pool, meta, active_slots=active)
+    ys = scute_linears_triton(x, ws, [None] * 3, pool, meta, RESOURCES, active_slots=active)
     for y, z, d, w, slots in zip(ys, zs, ds, ws, per_proj):
         assert torch.equal(plus(z, d), y)
         check(y, x, w, None, slots, ts, FP32_TOL)
@@ -623,7 +627,7 @@ def test_custom_ops_trace_under_torch_compile(known_slots):
     active = frozenset({-1}) if known_slots else None
 
     def layer(x):
-        return scute_linears_triton(x, [w], [b], pool, meta, half_n=HALF_N, block_k=BLOCK_K,
+        return scute_linears_triton(x, [w], [b], pool, meta, RESOURCES, half_n=HALF_N, block_k=BLOCK_K,
                                     active_slots=active)[0] * 1.0
 
     torch._dynamo.reset()
@@ -639,7 +643,7 @@ def test_passes_are_custom_ops_under_compile_and_plain_calls_in_eager(monkeypatc
     w, b, slots, pool, ts, x, meta = _mixed_layer(seed=9, num_tokens=5)
 
     def layer(x):
-        return scute_linears_triton(x, [w], [b], pool, meta)[0] * 1.0
+        return scute_linears_triton(x, [w], [b], pool, meta, RESOURCES)[0] * 1.0
 
     traced = []
 

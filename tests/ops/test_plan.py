@@ -20,7 +20,8 @@ pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 
-from scute.ops import SlotPool, build_lora_meta, scute_linears_deferred, scute_linears_triton, triton_ops  # noqa: E402
+from scute.ops import (  # noqa: E402
+    LaunchResources, SlotPool, build_lora_meta, scute_linears_deferred, scute_linears_triton, triton_ops)
 from scute.ops import input_transform as input_transform_mod, launch, lora_delta  # noqa: E402
 from scute.ops.cost import layer_call_bytes  # noqa: E402
 from scute.ops.groups import pool_facts  # noqa: E402
@@ -87,7 +88,8 @@ def _check_call(monkeypatch, kind: str, num_tokens: int, merged: bool = False, a
     assert (passes.fold is not None) == fold and (passes.defer is not None) == bool(defers)
     launched, products = _spy(monkeypatch)
     call = scute_linears_deferred if deferred else scute_linears_triton
-    call(x, ws, bs, pool, meta, active_slots=active, merged=(torch.cat(ws), None) if merged else None)
+    merged_weights = (torch.cat(ws), None) if merged else None
+    call(x, ws, bs, pool, meta, LaunchResources(), active_slots=active, merged=merged_weights)
     config = launch.CONFIG  # the test's (undone below with the spies); the byte model plans under it too
     monkeypatch.undo()
     assert launched == list(passes.kernel_launches())
