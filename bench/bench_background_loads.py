@@ -24,8 +24,7 @@ how long it ran the step (`Clock`: slower GPU work, or a host that launched late
 the quiet median, and (the figure) p99 of each loading step's time over the quiet steps' linear fit in their KV
 tokens at its own (the context grows as the phases run, and a decode step with it). ``--switch-interval`` sets
 `AdapterLoader.switch_interval` (``default`` keeps it), ``--max-pause`` `Turns.max_pause` (0: the loader never
-waits for the step loop's turn), ``--between`` `Turns.between` (0: the turn ends with the step), ``--stream-priority``
-`ModelRunner.stream_priority` (0: the steps' stream at the loader's priority).
+waits for the step loop's turn).
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/bench_background_loads.py --out background_loads.json``.
 """
@@ -94,7 +93,7 @@ class Clock:
         end = None
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
-            end.record(engine.runner.stream)  # the steps' stream
+            end.record()
         self.marks.append((wall, kv, self._launch_event, end, self._segments()))
         return len(self.marks) - 1
 
@@ -233,22 +232,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--switch-interval", default="default")
     p.add_argument("--max-pause", type=float, default=None, help="Turns.max_pause in seconds (0: the loader never "
                    "waits for the step loop's turn; default: the engine's)")
-    p.add_argument("--between", type=float, default=None, help="Turns.between in seconds")
-    p.add_argument("--stream-priority", type=int, default=None, help="ModelRunner.stream_priority")
     p.add_argument("--root", default="/tmp/scute-bench-background")
     p.add_argument("--out", default="background_loads.json")
     args = p.parse_args(argv)
     from scute import Engine, SamplingParams
     from scute.engine.adapter_loader import AdapterLoader, Turns
 
-    from scute.engine.model_runner import ModelRunner
-
     if args.max_pause is not None:
         Turns.max_pause = args.max_pause
-    if args.between is not None:
-        Turns.between = args.between
-    if args.stream_priority is not None:
-        ModelRunner.stream_priority = args.stream_priority
     if args.switch_interval != "default":
         AdapterLoader.switch_interval = None if args.switch_interval == "none" else float(args.switch_interval)
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
@@ -296,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
                   command=" ".join(sys.argv), layers=args.layers, batch=args.batch, methods=methods,
                   interval_s=args.interval, placed=placed, switch_interval=AdapterLoader.switch_interval,
-                  max_pause_s=Turns.max_pause, between_s=Turns.between, stream_priority=ModelRunner.stream_priority)
+                  max_pause_s=Turns.max_pause)
     return B.save({**result, **summary(rounds)}, args.out, "rounds")
 
 

@@ -14,19 +14,16 @@ The loader's Python (validation, conversion) shares the interpreter lock with th
 the interpreter's thread switch interval is `switch_interval` (Python's default, 5 ms, would let a load keep the
 lock that long while the step loop waits to launch its next step), then restored. Two threads that both run
 Python still take the lock in turns, each at half speed; so while the step loop holds its turn (`Turns`: the host
-work of a decode step launched behind the one in flight, whose outputs the requests wait for, and the caller's work
-until its next step), the loader stops at its next pause point (`Turns.pause`: between two layers it converts,
-moves or prepares) until the step loop waits for the GPU. The steps' CUDA stream has a higher priority than the
-loader's (`ModelRunner.stream_priority`), so that the loader's kernels take the SMs the step leaves.
+work of a decode step launched behind the one in flight, whose outputs the requests wait for), the loader stops at
+its next pause point (`Turns.pause`: between two layers it converts, moves or prepares) until the step loop waits
+for the GPU.
 """
 
 from __future__ import annotations
 
-import math
 import queue
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
@@ -125,51 +122,41 @@ class Staging:
 
 
 class Turns:
-    """The step loop's turn at the interpreter lock. Inside `step_loop`, and for `between` seconds after it (the
-    host work between two steps of a caller stepping in a loop), another thread's `pause` waits until the step loop
-    waits (`waiting`), its turn lapses, or `max_pause` seconds pass (so that a step loop that never waits for the
-    GPU only slows a load); on the step loop's own thread `pause` returns at once."""
+    """The step loop's turn at the interpreter lock. Inside `step_loop` another thread's `pause` waits (at most
+    `max_pause` seconds, so that a step loop that never waits for the GPU only slows a load) until the step loop
+    waits (`waiting`) or leaves its turn; outside, and on the step loop's own thread, `pause` returns at once."""
 
     max_pause: float = 0.05  # seconds; 0: the loader never pauses
-    between: float = 0.002  # seconds the turn outlasts a step, unless the next step takes it first
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._until = 0.0  # the turn lasts until this time.monotonic() (inf: in a step, 0: free)
+        self._free = threading.Event()  # set: the loader may run
+        self._free.set()
         self._holder: int | None = None  # the thread in `step_loop`
 
     @contextmanager
     def step_loop(self) -> Iterator[None]:
-        with self._cond:
-            self._holder, self._until = threading.get_ident(), math.inf
+        self._holder = threading.get_ident()
+        self._free.clear()
         try:
             yield
         finally:
-            self._set(time.monotonic() + self.between)
+            self._free.set()
 
     @contextmanager
     def waiting(self) -> Iterator[None]:
         """The step loop waits (for the GPU, for a load): the loader runs meanwhile."""
-        held = self._until
-        self._set(0.0)
+        held = not self._free.is_set()
+        self._free.set()
         try:
             yield
         finally:
-            self._set(held)
+            if held:
+                self._free.clear()
 
     def pause(self) -> None:
         """A pause point of the loader's work: waits while the step loop holds its turn."""
-        if self._until <= time.monotonic() or threading.get_ident() == self._holder:
-            return
-        deadline = time.monotonic() + self.max_pause
-        with self._cond:
-            while (left := min(self._until, deadline) - time.monotonic()) > 0:
-                self._cond.wait(left)
-
-    def _set(self, until: float) -> None:
-        with self._cond:
-            self._until = until
-            self._cond.notify_all()
+        if not self._free.is_set() and threading.get_ident() != self._holder:
+            self._free.wait(self.max_pause)
 
 
 class AdapterLoader:

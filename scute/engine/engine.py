@@ -12,7 +12,6 @@ import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 
-import torch
 from tqdm.auto import tqdm
 
 from scute.adapters import Adapter, AdapterError
@@ -161,9 +160,8 @@ class Engine:
         return self._step(stream=True)
 
     def _step(self, stream: bool) -> list[RequestOutput]:
-        """`_schedule_and_run` on the runner's stream, in the step loop's turn while a decode step is in flight."""
-        turn = self.adapters.loader.turns.step_loop() if self._in_flight is not None else nullcontext()
-        with torch.cuda.stream(self.runner.stream), turn:
+        """`_schedule_and_run`; while a decode step is in flight the loader's Python waits for it (`Turns`)."""
+        with self.adapters.loader.turns.step_loop() if self._in_flight is not None else nullcontext():
             return self._schedule_and_run(stream)
 
     def _schedule_and_run(self, stream: bool) -> list[RequestOutput]:
@@ -233,8 +231,9 @@ class Engine:
 
     def _append_tokens(self, sampling: list[Request], result) -> None:
         self.output_processor.append_tokens(sampling, result)
-        for req in (r for r in sampling if r.is_finished):
-            self.scheduler.finish(req)
+        for req in sampling:
+            if req.is_finished:
+                self.scheduler.finish(req)
 
     def _fail_unschedulable(self) -> list[Request]:
         """Nothing runs and the head request cannot start (max_model_len above the KV cache): fail it, unless
@@ -257,7 +256,8 @@ class Engine:
                 self._reported.append(parent.head)
 
     def _outputs(self, reqs: list[Request], stream: bool) -> list[RequestOutput]:
-        """One output per request, its n samples together (by sample 0's id); unfinished ones only when streaming."""
+        """One output per request, its n samples together (reported by the id of sample 0); a request not
+        finished is reported only when streaming."""
         heads = dict.fromkeys(r if r.parent is None else r.parent.head for r in reqs)
         return [self._output(h) for h in heads if stream or all(s.is_finished for s in h.samples)]
 

@@ -50,10 +50,6 @@ class InFlight:
 
 
 class ModelRunner:
-    # The steps' CUDA stream runs at this priority (lower is higher; 0 is the default streams', the adapter
-    # loader's among them): where the loader's kernels and a step's wait for the same SMs, the step's go first.
-    stream_priority: int = -1
-
     def __init__(self, loaded: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int,
                  broadcast: Callable[[StepInputs | DecodeStep], None] | None = None) -> None:
         """`broadcast`: tensor parallelism, rank 0: sends each step's inputs to the workers before it runs."""
@@ -100,7 +96,6 @@ class ModelRunner:
         self._host_token_bufs = [torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)] \
             if padded else []
         self.broadcast = broadcast
-        self.stream = torch.cuda.Stream(self.device, self.stream_priority) if self.device.type == "cuda" else None
 
     def _zeros(self, shape, dtype: torch.dtype) -> Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.device)

@@ -169,25 +169,6 @@ def test_turns_open_for_a_wait_and_close_after_it_only_inside_the_step_loop():
     assert len(passed) == 3  # the turn's end lets the held pause through
 
 
-def test_the_turn_outlasts_a_step_until_the_next_one_takes_it():
-    """For `between` seconds after `step_loop` (a caller's work between two steps) pauses still wait; a step loop
-    entered meanwhile keeps them waiting, and the turn lapses `between` after the last one."""
-    turns, passed = Turns(), []
-    turns.max_pause, turns.between = 30.0, 0.5
-    with turns.step_loop():
-        pass
-    thread = threading.Thread(target=lambda: (turns.pause(), passed.append(time.monotonic())))
-    thread.start()
-    thread.join(0.2)
-    assert not passed  # held between two steps
-    with turns.step_loop():
-        time.sleep(0.5)
-        assert not passed  # the next step took the turn before it lapsed
-        left = time.monotonic()
-    thread.join(5)
-    assert passed and passed[0] - left >= 0.45  # lapsed `between` after the last step
-
-
 def test_a_failed_load_fails_only_its_requests(oracle, tmp_path, gate):
     """Each request of an adapter whose load fails on the loader ends with finish_reason "error" and the message
     the synchronous load raises; the other requests complete."""
