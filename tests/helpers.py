@@ -438,7 +438,6 @@ class StandInRunner:
 
     def __init__(self, overlap: bool = True) -> None:
         self.overlap, self.graphs, self.launched = overlap, None, 0
-        self.stream = None  # the steps run on the caller's stream
 
     def next_token(self, req, position: int, token: int) -> int:
         return stand_in_model(token, position)
