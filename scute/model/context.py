@@ -11,9 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import Tensor
+
+if TYPE_CHECKING:  # attention.py reads the context: a runtime import would be a cycle
+    from scute.model.attention import AttentionMetadata
 
 
 @dataclass
@@ -38,7 +41,7 @@ class ForwardContext:
     token_adapter_slots: Tensor
     sample_adapter_slots: Tensor | None = None
     active_adapter_slots: frozenset[int] | None = None
-    attn: Any = None
+    attn: AttentionMetadata | None = None
     _rows: dict = field(default_factory=dict, repr=False)  # "token" / "sample" -> the reference op's rows
     _metas: dict = field(default_factory=dict, repr=False)  # ("token" / "sample", group key) -> LoraMeta
 
