@@ -16,9 +16,10 @@ begin with a placement in progress) are among them. Both phases alternate ``--ro
 median, the loading phase's median / p90 / p99 / max, p99 over the quiet median, the placement steps' median,
 each load's latency (asked → placed), the garbage collector's full collections during the loading phases
 (their count and longest: one holds the interpreter lock, so the step loop waits it out), and for the slow
-loading steps (over `SLOW` quiet medians) which phases of the loader's work ran during them and how long the
-step's own parts took (schedule, launch, the wait for the GPU, placements; `Trace`: the functions of `TRACED`
-wrapped while the loading phases run), beside those parts' median in the other loading steps; on CUDA, for the
+loading steps and the slow quiet ones (over `SLOW` quiet medians) which phases of the loader's work and which
+collections of the garbage collector (any generation) ran during them and how long the step's own parts took
+(schedule, launch, the wait for the GPU, placements; `Trace`: the functions of `TRACED` wrapped while both phases
+run), beside those parts' median in the phase's other steps; on CUDA, for the
 slow steps, the other loading steps and the quiet ones, how long the GPU sat idle before each step's launch and
 how long it ran the step (`Clock`: slower GPU work, or a host that launched late). The ratios: p99 over
 the quiet median, and (the figure) p99 of each loading step's time over the quiet steps' linear fit in their KV
@@ -130,8 +131,9 @@ TRACED = (  # (module, attribute): the adapter loader's phases, timed on whichev
 
 
 class Trace:
-    """While entered: the wall time span of each call of the `TRACED` functions and of each full collection of
-    the garbage collector (one holds the interpreter lock, so the step loop waits it out), as (name, start, end)."""
+    """While entered: the wall time span of each call of the `TRACED` functions and of each collection of the
+    garbage collector (``collection gen<N>``: one holds the interpreter lock, so the step loop waits it out), as
+    (name, start, end)."""
 
     def __init__(self) -> None:
         self.spans: list[tuple[str, float, float]] = []
@@ -139,10 +141,11 @@ class Trace:
         self._saved: list[tuple[object, str, object]] = []
 
     def _collections(self, phase: str, info: dict) -> None:
-        if info["generation"] == 2 and phase == "start":
+        if phase == "start":
             self._gc[threading.get_ident()] = time.perf_counter()
-        elif info["generation"] == 2 and threading.get_ident() in self._gc:
-            self.spans.append(("full collection", self._gc.pop(threading.get_ident()), time.perf_counter()))
+        elif threading.get_ident() in self._gc:
+            name = f"collection gen{info['generation']}"
+            self.spans.append((name, self._gc.pop(threading.get_ident()), time.perf_counter()))
 
     def _timed(self, name: str, fn):
         def timed(*args, **kwargs):
@@ -207,7 +210,31 @@ def loading_phase(engine, clock: Clock, cold: list[str], args) -> dict:
             if len(steps) > args.max_loading_steps:
                 raise RuntimeError(f"loads did not finish in {len(steps)} steps ({len(waiting) + len(todo)} to go)")
     return dict(steps=steps, placing=placing, latency=latency, phases=[trace.overlaps(*sp) for sp in spans],
-                full_collections_ms=[1e3 * (b - a) for name, a, b in trace.spans if name == "full collection"])
+                full_collections_ms=[1e3 * (b - a) for name, a, b in trace.spans if name == "collection gen2"])
+
+
+def quiet_phase(clock: Clock, steps: int) -> dict:
+    """`steps` decode steps with nothing loading, each step's parts traced as in a loading phase."""
+    spans, quiet = [], []
+    with Trace() as trace:
+        for _ in range(steps):
+            start = time.perf_counter()
+            quiet.append(clock.step())
+            spans.append((start, time.perf_counter()))
+    return dict(quiet=quiet, quiet_phases=[trace.overlaps(*sp) for sp in spans])
+
+
+def slow_steps(steps: list[tuple], med: float, phase: str) -> tuple[list, list, dict]:
+    """The (row, phases) of `steps` over `SLOW` quiet medians (`med`), the others, and for each traced name in the
+    slow ones: their count, its median ms there and in the others (printed)."""
+    slow, others = [(s, ph) for s, ph in steps if s[0] > SLOW * med], [(s, ph) for s, ph in steps if s[0] <= SLOW * med]
+    overlapped = {n: [ph[n] for _, ph in slow if n in ph] for n in {n for _, ph in slow for n in ph}}
+    typical = {n: statistics.median(ph.get(n, 0.0) for _, ph in others) for n in overlapped} if others else {}
+    for name, ms in sorted(overlapped.items(), key=lambda kv: -len(kv[1])):
+        print(f"  {name} overlapped {len(ms)} of the {len(slow)} slow {phase} steps (median "
+              f"{statistics.median(ms):.1f} ms; {typical.get(name, 0.0):.1f} ms in the other {phase} steps)")
+    return slow, others, {n: dict(steps=len(ms), median_ms=statistics.median(ms), other_steps_median_ms=typical.get(n))
+                          for n, ms in overlapped.items()}
 
 
 def relative(steps: list[tuple], fit: tuple[float, float]) -> list[float]:
@@ -271,11 +298,10 @@ def main(argv: list[str] | None = None) -> dict:
     rounds = []
     with Clock(engine) as clock:
         for r in range(args.rounds):
-            quiet = [clock.step() for _ in range(args.steps)]
-            rounds.append(dict(quiet=quiet, **loading_phase(engine, clock, cold[r * args.cold:(r + 1) * args.cold],
-                                                            args)))
-            x = rounds[-1]
-            print(f"  round {r}: quiet median {1e3 * statistics.median(clock.marks[i][0] for i in quiet):.2f} ms, "
+            x = dict(**quiet_phase(clock, args.steps),
+                     **loading_phase(engine, clock, cold[r * args.cold:(r + 1) * args.cold], args))
+            rounds.append(x)
+            print(f"  round {r}: quiet median {1e3 * statistics.median(clock.marks[i][0] for i in x['quiet']):.2f} ms, "
                   f"loading median {1e3 * statistics.median(clock.marks[i][0] for i in x['steps']):.2f} / max "
                   f"{1e3 * max(clock.marks[i][0] for i in x['steps']):.2f} ms over {len(x['steps'])} steps",
                   flush=True)
@@ -301,12 +327,9 @@ def summary(rounds: list[dict]) -> dict:
     rel, rel_quiet = relative(loading, fit), relative(quiet, fit)
     walls, med = [s[0] for s in loading], statistics.median(s[0] for s in quiet)
     steps = [(s, ph) for x in rounds for s, ph in zip(x["steps"], x["phases"])]
-    slow, others = [(s, ph) for s, ph in steps if s[0] > SLOW * med], [(s, ph) for s, ph in steps if s[0] <= SLOW * med]
-    overlapped = {n: [ph[n] for _, ph in slow if n in ph] for n in {n for _, ph in slow for n in ph}}
-    typical = {n: statistics.median(ph.get(n, 0.0) for _, ph in others) for n in overlapped} if others else {}
-    for name, ms in sorted(overlapped.items(), key=lambda kv: -len(kv[1])):
-        print(f"  {name} overlapped {len(ms)} of the {len(slow)} slow steps (median {statistics.median(ms):.1f} ms; "
-              f"{typical.get(name, 0.0):.1f} ms in the other loading steps)")
+    slow, others, slow_phases = slow_steps(steps, med, "loading")
+    quiet_steps = [(s, ph) for x in rounds for s, ph in zip(x["quiet"], x["quiet_phases"])]
+    quiet_slow, _, quiet_slow_phases = slow_steps(quiet_steps, med, "quiet")
     gpu = {}
     for label, group in (("slow", slow), ("other", others), ("quiet", [(s, {}) for s in quiet])):
         rows = [s for s, _ in group if s[2] is not None]
@@ -328,13 +351,12 @@ def summary(rounds: list[dict]) -> dict:
         placement_median_ms=1e3 * statistics.median(s[0] for s in placing) if placing else None,
         load_latency_median_ms=1e3 * statistics.median(latency), load_latency_max_ms=1e3 * max(latency),
         full_collections=len(full := [t for x in rounds for t in x["full_collections_ms"]]),
-        full_collection_max_ms=max(full, default=0.0), slow_steps=len(slow), gpu=gpu,
-        slow_step_phases={n: dict(steps=len(ms), median_ms=statistics.median(ms), other_steps_median_ms=typical.get(n))
-                          for n, ms in overlapped.items()},
+        full_collection_max_ms=max(full, default=0.0), slow_steps=len(slow), gpu=gpu, slow_step_phases=slow_phases,
+        slow_quiet_steps=len(quiet_slow), slow_quiet_step_phases=quiet_slow_phases,
         rounds=[{k: [[round(1e3 * s[0], 3), s[1], *(None if t is None else round(t, 3) for t in s[2:4]), s[4]]
                      for s in v] if k in ("quiet", "steps") else
                  [round(1e3 * t, 2) for t in v] if k == "latency" else
-                 [{n: round(ms, 2) for n, ms in o.items()} for o in v] if k == "phases" else v
+                 [{n: round(ms, 2) for n, ms in o.items()} for o in v] if k in ("phases", "quiet_phases") else v
                  for k, v in x.items()} for x in rounds])
 
 

@@ -24,6 +24,10 @@ def test_background_loads_bench_places_every_cold_adapter(tmp_path):
 
     assert any("convert_checkpoint" in o for r in saved["rounds"] for o in r["phases"])
     assert conversion.convert_checkpoint.__name__ == "convert_checkpoint" and "slow_step_phases" in saved
+    # so were the quiet steps' own parts (the step loop's: no loader phase among them)
+    assert all(len(r["quiet_phases"]) == 5 and all("schedule" in o for o in r["quiet_phases"]) for r in saved["rounds"])
+    assert not any("convert_checkpoint" in o for r in saved["rounds"] for o in r["quiet_phases"])
+    assert "slow_quiet_step_phases" in saved
 
 
 def test_resident_bench_fills_every_slot(tmp_path):
