@@ -132,6 +132,23 @@ def test_ungroupable_siblings_stay_alone():
     assert linears["ffn.up_proj"].group.name == "gate_up_proj"
 
 
+def test_one_launch_resources_per_model():
+    """`swap_linears` hands one `LaunchResources` to every layer of a model (their shrinks share its counters,
+    their captured calls its side streams); another model, or a layer made alone, has its own. The counters grow
+    for a larger call and serve every smaller one after; off the GPU there are no side streams."""
+    one, other = (swap_linears(tiny_model("llama"), 2) for _ in range(2))
+    resources = {id(m.resources) for m in one.values()}
+    assert len(resources) == 1 and resources.isdisjoint(id(m.resources) for m in other.values())
+    alone = ScuteLinear(torch.nn.Linear(8, 8), 2)
+    assert id(alone.resources) not in resources
+    r = alone.resources
+    small = r.counters(torch.device("cpu"), 10)
+    assert small.numel() >= 10 and not small.any() and r.counters(torch.device("cpu"), 5) is small
+    large = r.counters(torch.device("cpu"), small.numel() + 1)
+    assert large.numel() > small.numel() and r.counters(torch.device("cpu"), 10) is large
+    assert r.side_streams(torch.device("cpu")) is None
+
+
 # ---------------------------------------------------------------------------------------------- one group
 def _qkv(seed: int):
     gen = torch.Generator().manual_seed(seed)
