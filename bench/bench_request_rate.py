@@ -10,7 +10,9 @@ stops, its requests aborted, as soon as one has waited longer, so an overloaded 
 then bisecting; every run's TTFT and TPOT percentiles are recorded, with the engine's counts of what bounds it
 (`engine_counts`: steps, those that ran eagerly, graphs captured). Before each (variant, N), one request per
 adapter the device slots hold warms them and a shrinking batch captures the graphs of every batch size up to
-``--requests`` (`warm_graphs`: a server's steady state), then one request alone gives the unloaded TPOT.
+``--requests`` (`warm_graphs`: a server's steady state), ``--warm-arrivals`` requests arriving at ``--start-rate``
+run unmeasured (mixed steps, prompts beside decodes, whose kernels compile on first use), then one request alone
+gives the unloaded TPOT.
 
 Variants: ``native`` (the method's own adapters) and ``lora-rR`` for each ``--ranks`` R. A conversion's adapters
 are N LoRA checkpoints of the conversion's shape (rank R on the same modules; random tensors: what the engine
@@ -210,6 +212,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--start-rate", type=float, default=4.0)
     p.add_argument("--max-rate", type=float, default=4096.0)
     p.add_argument("--bisect", type=int, default=3)
+    p.add_argument("--warm-arrivals", type=int, default=0,
+                   help="requests arriving at --start-rate before each variant's runs, unmeasured (0: none)")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU")
     p.add_argument("--root", default="/tmp/scute-bench-rate")
@@ -228,7 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
     counts = [int(n) for n in args.adapters.split(",")]
     result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", layers=cfg.num_hidden_layers,
                   prompt=args.prompt, new_tokens=args.new_tokens, popularity=args.popularity, slo=args.slo,
-                  max_adapters=args.max_adapters, command="PYTHONPATH=. python3 " + " ".join(sys.argv), rows=[])
+                  max_adapters=args.max_adapters, warm_arrivals=args.warm_arrivals,
+                  command="PYTHONPATH=. python3 " + " ".join(sys.argv), rows=[])
     variants = {}  # every adapter is written (and converted) before the engine takes the model over
     for method in args.methods.split(","):
         native = B.make_adapters(model, method, max(counts), os.path.join(args.root, method))
@@ -251,6 +256,10 @@ def main(argv: list[str] | None = None) -> dict:
                                          "max_queue_s": float("inf")})
             run_load(engine, paths[:n], float("inf"), warm, seed=20_000)  # loads the adapters the slots hold
             warm_graphs(engine, paths[:n], args)
+            if args.warm_arrivals:  # mixed steps (prompts beside decodes) as a server has run them, unmeasured
+                arrivals = argparse.Namespace(**{**vars(warm), "requests": args.warm_arrivals,
+                                                 "popularity": args.popularity})
+                run_load(engine, paths[:n], args.start_rate, arrivals, seed=30_000)
             solo = run_load(engine, paths[:n], float("inf"), argparse.Namespace(**{**vars(args), "requests": 1}),
                             seed=10_000)
             rate, runs = max_rate(engine, paths[:n], args, solo["tpot_p50"])
