@@ -88,9 +88,8 @@ def _call(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None],
     x = x.contiguous()
     passes = call_plan(x, pool, meta, active_slots, merged is not None, half_n, block_k, tile_half_n, consumer_adds)
     none = [None] * len(weights)
-    side = resources.side_streams(x.device)
     if not passes.kinds.expand:
-        xs = _input_transform(x, pool, meta, side) if passes.input_transform is not None else None
+        xs = _input_transform(x, pool, meta, resources) if passes.input_transform is not None else None
         return _base_gemms(x, xs, weights, biases, merged if passes.merged_gemm else None), none
     if passes.fold is not None:
         return _folded(x, weights, biases, pool, meta, resources, passes), none
@@ -105,17 +104,17 @@ def _call(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None],
     # before the input transform, which runs on this stream beside it. Eager steps and torch.compile run the
     # passes in line (`LaunchResources.side_streams`).
     deltas = passes.lowrank is not None or passes.shared is not None
-    forked = side if deltas else None
+    side = resources.side_streams(x.device) if deltas else None
     ds = [x.new_empty((x.shape[0], w.shape[0]), dtype=pool.delta_dtype(x.dtype)) for w in weights] \
         if deltas else [x.new_empty((1, 1), dtype=torch.float32)]
     scratch = []
     if passes.shared is not None:
-        scratch += _shared_delta(ds, x, pool, meta, forked)
+        scratch += _shared_delta(ds, x, pool, meta, side)
     if passes.lowrank is not None:
         zero = [d for d, add in zip(ds, passes.defer.adds) if add] if passes.defer and passes.defer.zero else []
-        scratch += _lowrank_delta(ds, x, pool, meta, resources, forked, passes.lowrank, zero)
-    xs = _input_transform(x, pool, meta, side) if passes.input_transform is not None else None
-    zs = _gemms_then_epilogues(x, xs, ds, weights, biases, merged, pool, meta, forked, passes)
+        scratch += _lowrank_delta(ds, x, pool, meta, resources, side, passes.lowrank, zero)
+    xs = _input_transform(x, pool, meta, resources) if passes.input_transform is not None else None
+    zs = _gemms_then_epilogues(x, xs, ds, weights, biases, merged, pool, meta, side, passes)
     del scratch  # joined: the side streams are done with it
     return zs, none if passes.defer is None else [d if add else None for d, add in zip(ds, passes.defer.adds)]
 
@@ -227,13 +226,14 @@ def merged_gemm(x: Tensor, weight: Tensor, bias: Tensor | None, out_features: Se
     return list(F.linear(x, weight, bias).split(list(out_features), dim=1))
 
 
-def _input_transform(x: Tensor, pool: SlotPool, meta: LoraMeta, side: SideStreams | None) -> Tensor:
+def _input_transform(x: Tensor, pool: SlotPool, meta: LoraMeta, resources: LaunchResources) -> Tensor:
     """x' of every projection. Its two launches write disjoint tokens: in a CUDA graph the windows run on a side
     stream beside the row kernel (in line, where no slot has enough tokens, 256 tokens of 64 OFT adapters, their
     launches alone took 13 µs of a layer's critical path; beside it the layer still pays 13-22 µs for the forks
     and joins)."""
     args = (meta.sorted_idx, meta.sorted_slots, meta.num_tokens_per_slot, meta.slot_start)
-    if side is None or not windowed(x.shape[0], pool.block_b):
+    side = resources.side_streams(x.device) if windowed(x.shape[0], pool.block_b) else None
+    if side is None:
         return input_transform(x, pool.table, meta.token_slots, *args, pool.num_proj, pool.block_b, pool.min_block)
     out = x.new_empty((pool.num_proj, *x.shape))
     side.windows.wait_stream(torch.cuda.current_stream(x.device))

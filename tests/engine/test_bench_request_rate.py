@@ -8,16 +8,23 @@ import json
 from tests.helpers import bench_module
 
 
-def test_request_rate_bench_runs_and_records_rows(tmp_path):
+def test_request_rate_bench_runs_and_records_rows(tmp_path, monkeypatch):
     bench_request_rate = bench_module("bench_request_rate")
     out = tmp_path / "rate.json"
+    loads, run_load = [], bench_request_rate.run_load
+
+    def counted(engine, paths, rate, args, seed):
+        loads.append((rate, args.requests, args.max_queue_s))
+        return run_load(engine, paths, rate, args, seed)
+    monkeypatch.setattr(bench_request_rate, "run_load", counted)
     result = bench_request_rate.main([
         "--tiny", "--methods", "ia3", "--adapters", "3", "--ranks", "4", "--convert", "1", "--requests", "6",
         "--prompt", "8", "--new-tokens", "4", "--start-rate", "1000", "--max-rate", "1000", "--bisect", "1",
         "--slo", "1000", "--max-queue-s", "1000", "--warm-arrivals", "3", "--root", str(tmp_path / "adapters"),
         "--out", str(out)])
     saved = json.loads(out.read_text())
-    assert saved["warm_arrivals"] == 3
+    assert saved["warm_arrivals"] == 3  # each variant ran 3 unmeasured arrivals at the first rate, waiting for all
+    assert loads.count((1000, 3, float("inf"))) == 2
     assert [(r["variant"], r["adapters"]) for r in saved["rows"]] == [("native", 3), ("lora-r4", 3)]
     for row in result["rows"]:
         assert row["max_rate"] == 1000 and row["unloaded_tpot"] > 0  # a bound this loose is always met
