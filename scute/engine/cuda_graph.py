@@ -1,12 +1,17 @@
-"""Decode steps replayed as CUDA graphs: one graph per (adapter layout, step kinds, padded batch size).
+"""Steps replayed as CUDA graphs: one graph per (adapter layout, step kinds, padded shape).
 
 A decode step of B requests (one new token each) runs as the replay of a graph captured for the smallest
 bucket >= B (`capture_sizes`: 1, 2, 4, 8, then steps of 16, as nano-vllm does) with the rows past B padded:
-slot −1 (no adapter, no KV store), a one-token sequence reading page 0. Every per-step input lives in the model
-runner's fixed-address buffers, written before the replay; the adapter kernels' token metadata is computed
-inside the graph from the token slots, and every grid is sized from the bucket and the slot count, never from
-the data. So one replay launches the whole forward (224 adapted projections of a Llama-3-8B: thousands of
-kernels) for a few microseconds of host time.
+slot −1 (no adapter, no KV store), a one-token sequence reading page 0. A mixed step (prompt chunks, possibly
+beside decode tokens) of T tokens runs as the graph of the smallest `mixed_sizes` bucket >= T, its padding
+tokens one request of length 0 (the attention gives it zeros) and its padding requests empty; its graph has
+room for every request a step of that many tokens can hold, and its LM head reads the kept rows (each sampling
+request's last token) through an index buffer. Every per-step input lives in the model runner's fixed-address
+buffers, written before the replay; the adapter kernels' token metadata is computed inside the graph from the
+token slots, and every grid is sized from the shape and the slot count, never from the data (the attention's
+too: `scute.model.attention_triton`). So one replay launches the whole forward (224 adapted projections of a
+Llama-3-8B: thousands of kernels) for a few microseconds of host time, where an eager step of a Llama-3-8B
+with adapters spends tens of milliseconds launching them.
 
 What a graph bakes in, and so what keys it:
 * the adapter *layout*: each adapted call's `SlotPool.signature` (every size and buffer its launches are built
@@ -17,7 +22,7 @@ What a graph bakes in, and so what keys it:
   adapters need anywhere (`slot_kinds`), so that a step of base requests replays a graph of plain GEMMs even
   while adapters are resident. A graph is captured with every slot whose kinds are among the key's as the
   step's active slots, so it serves any step whose slots need no other pass;
-* the bucket.
+* the shape: tokens, and whether the step is a decode or a mixed one.
 
 A graph also records what its calls' plans read of those active slots (each pool's `StepFacts`: which passes
 they need there, whether they are all plain low-rank deltas, which projections have deltas). A placement that
@@ -25,10 +30,10 @@ changes them (a first IA3 adapter among LoRA ones: the LoRA graphs' slots are no
 graph be captured again when a step next needs it; one that does not (a LoRA adapter into a free slot beside
 other LoRA ones: the common case) keeps every graph.
 
-Graphs are captured largest bucket first into one shared memory pool (their intermediates overlap; one runs at
-a time). The base model's graphs are captured at start-up; graphs of other kinds or layouts when a step first
-needs them (one eager forward first: it builds any missing pool and compiles the kernels). Prefill and mixed
-steps stay eager: their shapes vary with every step, and their cost is the GEMMs', not the host's.
+Graphs are captured largest first into one shared memory pool (their intermediates overlap; one runs at a
+time). The base model's graphs are captured at start-up; graphs of other kinds or layouts when a step first
+needs them (one eager forward first: it builds any missing pool and compiles the kernels). Steps of more than
+`MIXED_MAX_TOKENS` tokens, and those computing prompt logprobs, run eagerly.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -45,6 +51,31 @@ from scute.model.linear import ScuteLinear
 from scute.ops.groups import ActiveSlots
 from scute.ops.plan import bucket_facts, step_facts
 from scute.ops.pool import StepKinds
+
+MIXED_MAX_TOKENS = 1024  # mixed steps up to this many tokens replay graphs (more: eager, bound by their GEMMs)
+
+
+class GraphShape(NamedTuple):
+    """The padded shape a graph is captured for: `tokens` rows; `mixed`: a mixed step's graph (requests of any
+    query length) rather than a decode step's (one token per request, `tokens` requests)."""
+
+    tokens: int
+    mixed: bool = False
+
+
+def mixed_sizes(max_num_batched_tokens: int) -> list[int]:
+    """The padded token counts of mixed steps' graphs: 16, 32, 64, then every 64 to 512 and every 256 to
+    `MIXED_MAX_TOKENS`, none above max_num_batched_tokens (padding costs GEMM rows: finer where they are cheap)."""
+    sizes = [16, 32, *range(64, 513, 64), *range(768, MIXED_MAX_TOKENS + 1, 256)]
+    return [s for s in sizes if s <= max_num_batched_tokens]
+
+
+def mixed_rows(tokens: int, max_num_seqs: int) -> tuple[int, int]:
+    """A mixed graph of `tokens` tokens: its requests (as many as such a step holds, plus the padding one) and the
+    LM head's rows (one per sampling request at most: fewer than its tokens, since some request has two or more
+    or does not sample, so that a layer tells the LM head's rows from the step's tokens by their count)."""
+    return min(tokens, max_num_seqs + 1), min(tokens - 1, max_num_seqs)
+
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """The padded decode batch sizes a graph is captured for: 1, 2, 4, 8, then every 16 up to max_num_seqs."""
@@ -108,17 +139,17 @@ class AdapterLayout:
                 [-1] + [s for s in range(self.num_slots) if not other >> s & 1])
         return active
 
-    def graph_key(self, step_key: int, bucket: int) -> tuple:
-        """Each pool's `StepFacts` for the active slots of `step_key`, as far as the plans of a `bucket`-token step
-        read them (`bucket_facts`): a graph captured under another key would launch other passes than this
-        layout's step does. Worked out once per layout (`rekey`: again)."""
-        key = self._graph_keys.get((step_key, bucket))
+    def graph_key(self, step_key: int, tokens: int) -> tuple:
+        """Each pool's `StepFacts` for the active slots of `step_key`, as far as the plans of a step of `tokens`
+        tokens read them (`bucket_facts`): a graph captured under another key would launch other passes than
+        this layout's step does. Worked out once per layout (`rekey`: again)."""
+        key = self._graph_keys.get((step_key, tokens))
         if key is None:
             facts = self._step_facts.get(step_key)
             if facts is None:
                 active = self.active_slots(step_key)
                 facts = self._step_facts[step_key] = tuple(step_facts(p.facts, active) for p in self.pools)
-            key = self._graph_keys[step_key, bucket] = tuple(bucket_facts(f, bucket) for f in facts)
+            key = self._graph_keys[step_key, tokens] = tuple(bucket_facts(f, tokens) for f in facts)
         return key
 
     def rekey(self, step_key: int) -> None:
@@ -130,30 +161,31 @@ class AdapterLayout:
             del self._graph_keys[k]
 
 
-class DecodeGraphs:
-    """The captured graphs of decode steps. `forward(bucket, active_slots)` runs the model's forward over the
-    first `bucket` rows of the runner's buffers and returns the logits [bucket, vocab]; `replay` runs a step."""
+class StepGraphs:
+    """The captured graphs of steps. `forward(shape, active_slots)` runs the model's forward over the runner's
+    buffers at a `GraphShape` and returns the logits of its kept rows; `pad(shape)` writes inputs of padding alone
+    at a shape into them (what a capture runs over: it stores no KV of real requests); `replay` runs a step."""
 
-    def __init__(self, forward: Callable[[int, frozenset[int] | None], Tensor], max_num_seqs: int,
-                 device: torch.device) -> None:
-        self.forward, self.device = forward, device
-        self.sizes = capture_sizes(max_num_seqs)
+    def __init__(self, forward: Callable[[GraphShape, frozenset[int] | None], Tensor],
+                 pad: Callable[[GraphShape], None], shapes: Sequence[GraphShape], device: torch.device) -> None:
+        self.forward, self.pad, self.device = forward, pad, device
+        self.shapes = sorted(shapes)
         self.pool = torch.cuda.graph_pool_handle()
         self.layout_key: tuple | None = None
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor, tuple]] = {}  # and its graph key
+        self.graphs: dict[tuple[int, GraphShape], tuple[torch.cuda.CUDAGraph, Tensor, tuple]] = {}  # + graph key
         self.capture_seconds, self.num_captured, self.num_replays = 0.0, 0, 0
 
-    def has(self, layout: AdapterLayout, step_key: int, bucket: int) -> bool:
-        """Whether the graph of this layout, step key and bucket is captured (under its current graph key)."""
+    def has(self, layout: AdapterLayout, step_key: int, shape: GraphShape) -> bool:
+        """Whether the graph of this layout, step key and shape is captured (under its current graph key)."""
         self._use(layout)
-        entry = self.graphs.get((step_key, bucket))
-        return entry is not None and entry[2] == layout.graph_key(step_key, bucket)
+        entry = self.graphs.get((step_key, shape))
+        return entry is not None and entry[2] == layout.graph_key(step_key, shape.tokens)
 
-    def replay(self, layout: AdapterLayout, step_key: int, bucket: int) -> Tensor:
-        """Replay a captured graph over the inputs in the buffers; returns its logits [bucket, vocab] (valid until
-        the next replay)."""
+    def replay(self, layout: AdapterLayout, step_key: int, shape: GraphShape) -> Tensor:
+        """Replay a captured graph over the inputs in the buffers; returns its logits (valid until the next
+        replay)."""
         self._use(layout)
-        graph, logits, _ = self.graphs[(step_key, bucket)]
+        graph, logits, _ = self.graphs[(step_key, shape)]
         graph.replay()
         self.num_replays += 1
         return logits
@@ -165,24 +197,25 @@ class DecodeGraphs:
             self.layout_key = layout.key
 
     @torch.inference_mode()
-    def capture(self, layout: AdapterLayout, step_key: int, sizes: Sequence[int], progress: bool = False,
+    def capture(self, layout: AdapterLayout, step_key: int, shapes: Sequence[GraphShape], progress: bool = False,
                 ) -> None:
-        """Capture the graphs of `sizes` (largest first, into the shared pool) for a step key (replacing any
+        """Capture the graphs of `shapes` (largest first, into the shared pool) for a step key (replacing any
         captured under another graph key)."""
         self._use(layout)
         start = time.perf_counter()
         active = layout.active_slots(step_key)
         layout.rekey(step_key)
-        for size in tqdm(sorted(sizes, reverse=True), desc="Capturing decode CUDA graphs", unit="graph",
-                         disable=not progress, file=sys.stderr):
-            self.forward(size, active)  # eager: compiles the kernels, builds missing pools and per-size state
+        for shape in tqdm(sorted(shapes, reverse=True), desc="Capturing CUDA graphs", unit="graph",
+                          disable=not progress, file=sys.stderr):
+            self.pad(shape)
+            self.forward(shape, active)  # eager: compiles the kernels, builds missing pools and per-shape state
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the adapter loader's thread may allocate and copy on its own stream meanwhile (the
             # default, global, would make those calls fail while this thread captures)
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                logits = self.forward(size, active)
-            self.graphs[(step_key, size)] = (graph, logits, layout.graph_key(step_key, size))
+                logits = self.forward(shape, active)
+            self.graphs[(step_key, shape)] = (graph, logits, layout.graph_key(step_key, shape.tokens))
             self.num_captured += 1
         torch.cuda.synchronize(self.device)
         self.capture_seconds += time.perf_counter() - start

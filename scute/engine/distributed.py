@@ -5,7 +5,7 @@ and its share of the model. Each worker (`torch.multiprocessing`, spawn) loads t
 share (`scute.model.tp`: the model's tp plan), plans the same KV blocks and then loops: receive a step, apply the
 adapter placements it carries, run the same forward, drop the logits (the LM head is replicated and the hidden
 states are equal on every rank after each all-reduce). One broadcast per step carries the step (`StepInputs` or
-a `DecodeStep`, plain lists) and the placements made since the step before (slot, full folded adapter on the
+a `GraphStep`, plain lists) and the placements made since the step before (slot, full folded adapter on the
 CPU); each rank shards the slots itself as it places them.
 
 Groups: the default one (gloo on the CPU, NCCL on CUDA) runs the row-parallel layers' all-reduces, with
@@ -38,7 +38,7 @@ from scute.engine.adapter_manager import MAX_PREFETCH, AdapterManager
 from scute.engine.adapter_memory import adapter_budget
 from scute.engine.kv_plan import plan_kv_cache
 from scute.engine.model_runner import ModelRunner
-from scute.engine.step_inputs import DecodeStep, StepInputs
+from scute.engine.step_inputs import GraphStep, StepInputs
 from scute.model.hf import place_adapter
 from scute.model.loader import NEEDS_A_PATH, load_model
 from scute.model.tp import check_adapter, check_tp_size
@@ -107,10 +107,10 @@ class TensorParallel:
     def adapter_manager(self, *args, **kwargs) -> ShardedAdapterManager:
         return ShardedAdapterManager(self.placements, *args, **kwargs)
 
-    def send(self, step: StepInputs | DecodeStep) -> None:
+    def send(self, step: StepInputs | GraphStep) -> None:
         """Broadcast a step, and the placements made since the last one, to the workers (one collective)."""
         self.check()
-        if isinstance(step, DecodeStep) and step.gather[0]:
+        if isinstance(step, GraphStep) and step.gather[0]:
             raise RuntimeError("a tensor-parallel decode step takes its tokens from the host: land the step in "
                                "flight first")
         message = [(list(self.placements), step)]
@@ -236,6 +236,6 @@ def _worker(rank: int, port: int, model: str, config: EngineConfig, threads: int
         for slot, adapter in placements:
             place_adapter(loaded.linears, slot, adapter and loader.to_device(_reshare(adapter, interned), memo))
         with torch.inference_mode():
-            runner.replay(step) if isinstance(step, DecodeStep) else runner.forward(step)
+            runner.replay(step) if isinstance(step, GraphStep) else runner.forward(step)
     dist.destroy_process_group()
 

@@ -3,12 +3,13 @@
 A step's tokens (prompt chunks and decode tokens of many requests) are one row ``[1, T]`` fed to the HF model
 with their positions; the adapter slot of every token and the paged-attention metadata travel in the forward
 context. Logits are computed only at each sampling request's last token (``logits_to_keep``). Host-side inputs
-are built as Python lists, then copied once per tensor into buffers allocated at start-up (fixed addresses:
-what decode CUDA graphs need). On CUDA with the Triton attention, unless `enforce_eager`, decode steps replay
-CUDA graphs (`scute.engine.cuda_graph`); prefill and mixed steps run eagerly. There a decode step is the same
-either way: padded to a graph's batch size (the same GEMM shapes, grids and split-K choices, so the same
-rounding) and launched ahead of the previous step's tokens (the same batches: see `Engine._step`), so
-`enforce_eager` changes how its kernels are launched, never its tokens.
+are built as Python lists, then copied into buffers allocated at start-up (fixed addresses: what CUDA graphs
+need). On CUDA with the Triton attention, unless `enforce_eager`, decode steps and mixed steps (prompt chunks
+beside decode tokens) of up to `MIXED_MAX_TOKENS` tokens replay CUDA graphs (`scute.engine.cuda_graph`); longer
+steps, and steps computing prompt logprobs, run eagerly (`execute`). A graph step is the same either way: padded
+to a graph's shape (the same GEMM shapes, grids and split-K choices, so the same rounding) and launched ahead of
+the previous step's tokens (the same batches: see `Engine._step`), so `enforce_eager` changes how its kernels
+are launched, never its tokens.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from torch import Tensor
 
 from scute.config import EngineConfig
 from scute.model.context import ForwardContext, forward_context
-from scute.engine.cuda_graph import AdapterLayout, DecodeGraphs, bucket_of, capture_sizes
+from scute.engine.cuda_graph import (AdapterLayout, GraphShape, StepGraphs, bucket_of, capture_sizes, mixed_rows,
+                                     mixed_sizes)
 from scute.engine.request import Request
 from scute.engine.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
 from scute.engine.scheduler import SchedulerOutput
-from scute.engine.step_inputs import DecodeStep, StepInputs, decode_step, device_inputs, eager_inputs
+from scute.engine.step_inputs import GraphStep, StepInputs, device_inputs, eager_inputs, graph_step, write_padded
 from scute.engine.utils import host_to_device
 from scute.model.attention import AttentionMetadata, flash_attn_available
 from scute.model.loader import LoadedModel
@@ -51,7 +53,7 @@ class InFlight:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int,
-                 broadcast: Callable[[StepInputs | DecodeStep], None] | None = None) -> None:
+                 broadcast: Callable[[StepInputs | GraphStep], None] | None = None) -> None:
         """`broadcast`: tensor parallelism, rank 0: sends each step's inputs to the workers before it runs."""
         self.model, self.device, self.dtype = loaded.model, loaded.device, loaded.dtype
         self.block_size = config.block_size
@@ -65,20 +67,21 @@ class ModelRunner:
         max_tokens, max_seqs = config.max_num_batched_tokens, config.max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
         # Fixed-address inputs; each step fills a prefix of each. The per-token int64 ones are the rows of one
-        # tensor, and the per-sequence int32 ones of another, so that a decode step writes all of them with three
-        # copies from pinned host mirrors (`_write_decode_inputs`).
-        self._tokens, self._seqs = self._zeros((4, max_tokens), torch.int64), self._zeros((2, max_seqs + 1), torch.int32)
+        # tensor, the per-sequence int32 ones (room for a mixed graph's padding request) of another and the LM
+        # head's kept rows and their slots of a third, so that a graph step writes all of them with four copies
+        # from pinned host mirrors (`_write_inputs`).
+        self._tokens, self._seqs = self._zeros((4, max_tokens), torch.int64), self._zeros((2, max_seqs + 2), torch.int32)
+        self._rows = self._zeros((2, max_seqs), torch.int64)
         self.buffers = {
             "input_ids": self._tokens[0], "positions": self._tokens[1], "slot_mapping": self._tokens[2],
-            "token_slots": self._tokens[3], "query_start_loc": self._seqs[0], "seq_lens": self._seqs[1][:max_seqs],
-            "block_tables": self._zeros((max_seqs, self.max_blocks_per_seq), torch.int32),
-            "logits_indices": self._zeros(max_seqs, torch.int64),
-            "sample_slots": self._zeros(max_seqs, torch.int64),
+            "token_slots": self._tokens[3], "query_start_loc": self._seqs[0], "seq_lens": self._seqs[1],
+            "block_tables": self._zeros((max_seqs + 1, self.max_blocks_per_seq), torch.int32),
+            "logits_indices": self._rows[0], "sample_slots": self._rows[1],
         }
-        # Two sets of pinned host mirrors, used in turn: a decode step's copies may still be queued behind the step
+        # Two sets of pinned host mirrors, used in turn: a graph step's copies may still be queued behind the step
         # in flight when the next step writes its inputs, but the copies of the step before it are done (the host
         # waited for that step's tokens).
-        self._inputs = (self._tokens, self._seqs, self.buffers["block_tables"])
+        self._inputs = (self._tokens, self._seqs, self.buffers["block_tables"], self._rows)
         pinned = self.device.type == "cuda"
         self._mirrors = [[torch.zeros(t.shape, dtype=t.dtype, pin_memory=pinned) for t in self._inputs]
                          for _ in range(2)]
@@ -91,8 +94,12 @@ class ModelRunner:
         self._layout_version = -1
         padded = self.device.type == "cuda" and self.backend == "triton"
         self.decode_sizes = capture_sizes(max_seqs) if padded else []  # decode steps run at these batch sizes
+        # mixed steps at these token counts (tensor parallelism: decode steps only, as its workers run them)
+        self.mixed_sizes = mixed_sizes(max_tokens) if padded and config.tensor_parallel_size == 1 else []
+        self.max_num_seqs = max_seqs
         use_graphs = padded and not config.enforce_eager
-        self.graphs = DecodeGraphs(self._graph_forward, max_seqs, self.device) if use_graphs else None
+        shapes = [GraphShape(n) for n in self.decode_sizes] + [GraphShape(n, True) for n in self.mixed_sizes]
+        self.graphs = StepGraphs(self._graph_forward, self._pad_inputs, shapes, self.device) if use_graphs else None
         self._host_token_bufs = [torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)] \
             if padded else []
         self.broadcast = broadcast
@@ -132,14 +139,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, sampling: list[Request], flight: InFlight | None) -> InFlight | None:
-        """Start a decode step on the GPU (its graph, or with `enforce_eager` the same forward launched from
+        """Start a graph step on the GPU (its graph, or with `enforce_eager` the same forward launched from
         Python, and the sampler) without waiting for it: the caller reads its tokens later (`InFlight.wait`),
         after preparing other work. `flight`: the step launched before, whose tokens are this step's inputs
-        (taken on the device). None if this is not a decode step on CUDA (`execute` runs it)."""
-        bucket = self._decode_bucket(sched, sampling)
-        if bucket is None:
+        (taken on the device). None if the step has no graph shape (`execute` runs it)."""
+        shape = self._graph_shape(sched, sampling)
+        if shape is None:
             return None
-        logits = self._replay(sched, bucket, flight)[: len(sampling)]
+        logits = self._replay(sched, shape, flight)[: len(sampling)]
         result = self.sampler(logits, self.sampling_batch(sampling))
         self._host_token_bufs.reverse()  # two buffers: the other one may still hold the previous step's tokens
         host = self._host_token_bufs[0]
@@ -156,95 +163,88 @@ class ModelRunner:
             self._layout, self._layout_version = AdapterLayout(self.linears, self.num_slots), version
         return self._layout
 
-    def _decode_bucket(self, sched: SchedulerOutput, sampling: list[Request]) -> int | None:
-        """The padded size of a decode step (every request computes one token and samples), else None."""
-        if not self.decode_sizes or len(sampling) != len(sched.scheduled) or sched.num_batched_tokens != len(sampling):
+    def _graph_shape(self, sched: SchedulerOutput, sampling: list[Request]) -> GraphShape | None:
+        """The padded shape a step runs at: a decode step (every request computes one token and samples), or a
+        mixed one of at most the largest `mixed_sizes` tokens, with a sampling request and no prompt logprobs
+        owed; else None."""
+        tokens = sched.num_batched_tokens
+        if not self.decode_sizes or not sampling or not self.layout().complete:
             return None
-        return bucket_of(self.decode_sizes, len(sampling)) if self.layout().complete else None
+        if tokens == len(sched.scheduled) == len(sampling):
+            return GraphShape(bucket_of(self.decode_sizes, tokens))
+        size = bucket_of(self.mixed_sizes, tokens)
+        if size is None or any(req.needs_prompt_logprobs for req, _ in sched.scheduled):
+            return None
+        return GraphShape(size, True)
 
     def capture_graphs(self, progress: bool = True) -> None:
-        """Capture the base model's decode graphs for every size (start-up), and log what they took."""
+        """Capture the base model's graphs for every shape (start-up), and log what they took."""
         torch.cuda.empty_cache()  # capturing empties the allocator's cache: count only what the graphs keep
         before = torch.cuda.memory_reserved(self.device)
-        self._pad_inputs(max(self.graphs.sizes))
-        self.graphs.capture(self.layout(), 0, self.graphs.sizes, progress=progress)
+        self.graphs.capture(self.layout(), 0, self.graphs.shapes, progress=progress)
         used, graphs = torch.cuda.memory_reserved(self.device) - before, self.graphs  # on stderr: a start-up log
-        print(f"scute: captured {graphs.num_captured} decode CUDA graphs (batch sizes {graphs.sizes[0]}-"
-              f"{graphs.sizes[-1]}) on {self.device} in {graphs.capture_seconds:.1f} s, {used / 2**30:.2f} GiB; "
-              "enforce_eager=True runs without them", file=sys.stderr)
+        mixed = f", mixed steps of {self.mixed_sizes[0]}-{self.mixed_sizes[-1]} tokens" if self.mixed_sizes else ""
+        print(f"scute: captured {graphs.num_captured} CUDA graphs (decode batch sizes {self.decode_sizes[0]}-"
+              f"{self.decode_sizes[-1]}{mixed}) on {self.device} in {graphs.capture_seconds:.1f} s, "
+              f"{used / 2**30:.2f} GiB; enforce_eager=True runs without them", file=sys.stderr)
 
-    def _replay(self, sched: SchedulerOutput, bucket: int, flight: InFlight | None = None) -> Tensor:
-        step = decode_step(sched, bucket, self.block_size, flight and flight.rows)
+    def _replay(self, sched: SchedulerOutput, shape: GraphShape, flight: InFlight | None = None) -> Tensor:
+        step = graph_step(sched, shape, self.block_size, flight and flight.rows)
         layout = self.layout()
         step.capture = self.graphs is not None and not self.graphs.has(layout, layout.step_key(step.token_slots),
-                                                                          bucket)
+                                                                          shape)
         if self.broadcast is not None:
             self.broadcast(step)
         return self.replay(step, flight)
 
-    def replay(self, step: DecodeStep, flight: InFlight | None = None) -> Tensor:
-        """Run a decode step's graph over its inputs, capturing it first if `step.capture`; returns its logits
-        [bucket, vocab]. A tensor-parallel worker captures when rank 0 does (the collectives of the warm-up
+    def replay(self, step: GraphStep, flight: InFlight | None = None) -> Tensor:
+        """Run a graph step's graph over its inputs, capturing it first if `step.capture`; returns the logits of
+        its kept rows. A tensor-parallel worker captures when rank 0 does (the collectives of the warm-up
         match); one without the graph then (its layout changed when rank 0's did not) runs the step eagerly."""
         layout = self.layout()
         key = layout.step_key(step.token_slots)
         if step.capture:
-            self._pad_inputs(step.bucket)  # the eager warm-up and the capture must store no KV of real requests
-            self.graphs.capture(layout, key, [step.bucket])
-        self._write_decode_inputs(step.bucket, step.input_ids, step.positions, step.slot_mapping, step.token_slots,
-                                  step.block_tables)
+            self.graphs.capture(layout, key, [step.shape])
+        self._write_inputs(step)
         if step.gather[0]:
             index = host_to_device(list(step.gather), torch.int64, self.device)
             self.buffers["input_ids"].index_copy_(0, index[0], flight.result.token_ids[index[1]])
-        if self.graphs is None or not self.graphs.has(layout, key, step.bucket):
-            return self._graph_forward(step.bucket, layout.active_slots(key))
-        return self.graphs.replay(layout, key, step.bucket)
+        if self.graphs is None or not self.graphs.has(layout, key, step.shape):
+            return self._graph_forward(step.shape, layout.active_slots(key))
+        return self.graphs.replay(layout, key, step.shape)
 
-    def _prepare_decode(self, sched: SchedulerOutput, bucket: int) -> list[int]:
-        """Write a decode step's inputs into the buffers, padded to `bucket` rows; returns the token slots."""
-        step = decode_step(sched, bucket, self.block_size)
-        self._write_decode_inputs(bucket, step.input_ids, step.positions, step.slot_mapping, step.token_slots,
-                                  step.block_tables)
-        return step.token_slots
+    def _pad_inputs(self, shape: GraphShape) -> None:
+        """Inputs of padding alone (what the eager warm-up and a capture run over)."""
+        self._write_inputs(GraphStep(shape))
 
-    def _pad_inputs(self, rows: int) -> None:
-        """Inputs of `rows` padding rows (what the eager warm-up and a capture run over)."""
-        self._write_decode_inputs(rows, [], [], [], [], [])
-
-    def _write_decode_inputs(self, bucket: int, ids: list[int], positions: list[int], slot_mapping: list[int],
-                             token_slots: list[int], tables: list[list[int]]) -> None:
-        """The rows given, then padding rows up to `bucket` (token 0 at position 0, no adapter, no KV store, one
-        token of page 0), written into the next host mirrors (numpy views) and copied whole, asynchronously."""
-        n = len(ids)
+    def _write_inputs(self, step: GraphStep) -> None:
+        """A graph step's inputs and padding (`write_padded`) into the next host mirrors, copied whole,
+        asynchronously."""
         self._mirrors.reverse()
-        mirrors = self._mirrors[0]
-        tokens, seqs, host_tables = (m.numpy() for m in mirrors)
-        tokens[0, :n], tokens[1, :n], tokens[2, :n], tokens[3, :n] = ids, positions, slot_mapping, token_slots
-        tokens[:2, n:bucket], tokens[2:, n:bucket] = 0, -1
-        seqs[0, : bucket + 1] = range(bucket + 1)
-        seqs[1, :n] = positions
-        seqs[1, :n] += 1
-        seqs[1, n:bucket] = 1
-        for row, table in enumerate(tables):
-            host_tables[row, : len(table)] = table
-        host_tables[n:bucket, 0] = 0
-        for dst, src in zip(self._inputs, mirrors):
+        write_padded(step, [m.numpy() for m in self._mirrors[0]], self.max_num_seqs)
+        for dst, src in zip(self._inputs, self._mirrors[0]):
             dst.copy_(src, non_blocking=True)
 
-    def _graph_forward(self, rows: int, active_slots: frozenset[int]) -> Tensor:
-        """The forward a decode graph captures: the first `rows` rows of the buffers, logits of every row."""
-        buf = self.buffers
+    def _graph_forward(self, shape: GraphShape, active_slots: frozenset[int]) -> Tensor:
+        """The forward a graph captures, over the buffers at `shape`: the logits of every row (decode), or of the
+        kept rows (mixed). The host lists of the attention's metadata only give the request count (all the
+        Triton attention reads of them)."""
+        buf, size = self.buffers, shape.tokens
+        num_seqs, num_rows = mixed_rows(size, self.max_num_seqs) if shape.mixed else (size, size)
         meta = AttentionMetadata(
-            slot_mapping=buf["slot_mapping"][:rows], query_start_loc=buf["query_start_loc"][: rows + 1],
-            seq_lens=buf["seq_lens"][:rows], block_tables=buf["block_tables"][:rows], max_query_len=1,
-            max_seq_len=self.max_model_len, query_start_loc_host=list(range(rows + 1)), seq_lens_host=[1] * rows,
-            kv_caches=self.kv_caches, backend=self.backend,
+            slot_mapping=buf["slot_mapping"][:size], query_start_loc=buf["query_start_loc"][: num_seqs + 1],
+            seq_lens=buf["seq_lens"][:num_seqs], block_tables=buf["block_tables"][:num_seqs],
+            max_query_len=size if shape.mixed else 1, max_seq_len=self.max_model_len,
+            query_start_loc_host=[0] * (num_seqs + 1), seq_lens_host=[0] * num_seqs, kv_caches=self.kv_caches,
+            backend=self.backend,
         )
-        ctx = ForwardContext(token_adapter_slots=buf["token_slots"][:rows], active_adapter_slots=active_slots,
-                             attn=meta)
+        ctx = ForwardContext(token_adapter_slots=buf["token_slots"][:size],
+                             sample_adapter_slots=buf["sample_slots"][:num_rows] if shape.mixed else None,
+                             active_adapter_slots=active_slots, attn=meta)
+        keep = buf["logits_indices"][:num_rows] if shape.mixed else 0
         with forward_context(ctx):
-            return self.model(input_ids=buf["input_ids"][None, :rows], position_ids=buf["positions"][None, :rows],
-                              logits_to_keep=0, use_cache=False).logits[0]
+            return self.model(input_ids=buf["input_ids"][None, :size], position_ids=buf["positions"][None, :size],
+                              logits_to_keep=keep, use_cache=False).logits[0]
 
     def prepare(self, sched: SchedulerOutput, sampling: list[Request]):
         """`device_inputs` of the step, and its `PromptRows` (or None)."""

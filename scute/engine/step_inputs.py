@@ -3,18 +3,20 @@ tensor-parallel engine sends its workers (plain lists, no request objects).
 
 An eager step (`StepInputs`) packs every scheduled token into one row with its position, KV slot and adapter
 slot, its requests' query starts, lengths and block tables, and the LM head's kept rows: each sampling request's
-last token, plus the prompt positions of requests owed prompt logprobs (`PromptRows`). A decode graph step
-(`DecodeStep`) has one token per request, padded to its bucket when written. `device_inputs` copies an eager
+last token, plus the prompt positions of requests owed prompt logprobs (`PromptRows`). A graph step
+(`GraphStep`) holds the same for a step run at a CUDA graph's padded shape, padded when written. `device_inputs` copies an eager
 step's lists into the runner's fixed-address buffers, one copy per tensor.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from scute.engine.cuda_graph import GraphShape, mixed_rows
 from scute.engine.prompt_logprobs import PromptRows
 from scute.engine.request import Request
 from scute.engine.scheduler import SchedulerOutput
@@ -41,17 +43,24 @@ class StepInputs:
 
 
 @dataclass
-class DecodeStep:
-    """A decode graph step's inputs (one row per request, padded to `bucket` when written), whether its graph is
-    captured first, and the rows whose token comes from the step in flight (`gather`: rows, rows of its output)."""
+class GraphStep:
+    """A step run at a CUDA graph's padded shape (`GraphShape`: a decode step, one token per request, or a mixed
+    one, prompt chunks beside decode tokens), unpadded: its tokens, its requests' query lengths, lengths and block
+    tables, the LM head's kept rows and their slots (each sampling request's last token), whether its graph is
+    captured first, and the tokens the host does not have yet (`gather`: token rows, rows of the output of the
+    step in flight that sampled them). Padding is added when the runner writes it."""
 
-    bucket: int
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    token_slots: list[int]
-    block_tables: list[list[int]]
-    gather: tuple[list[int], list[int]]
+    shape: GraphShape
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    token_slots: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    logits_rows: list[int] = field(default_factory=list)
+    sample_slots: list[int] = field(default_factory=list)
+    gather: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
     capture: bool = False
 
 
@@ -80,25 +89,56 @@ def eager_inputs(sched: SchedulerOutput, block_size: int) -> tuple[StepInputs, P
     return x, prompt_rows
 
 
-def decode_step(sched: SchedulerOutput, bucket: int, block_size: int,
-                flight_rows: dict[Request, int] | None = None) -> DecodeStep:
-    """A decode step's inputs; a token the host does not have yet (sampled by the step in flight, whose output
+def graph_step(sched: SchedulerOutput, shape: GraphShape, block_size: int,
+               flight_rows: dict[Request, int] | None = None) -> GraphStep:
+    """A graph step's inputs; a token the host does not have yet (sampled by the step in flight, whose output
     rows are `flight_rows`) is taken on the device from that step's output (`gather`)."""
     bs = block_size
-    step = DecodeStep(bucket, [], [], [], [], [], ([], []))
-    for row, (req, _) in enumerate(sched.scheduled):
-        pos, table = req.num_computed_tokens, req.block_table
-        if pos < len(req.all_token_ids):
-            step.input_ids.append(req.all_token_ids[pos])
-        else:
-            step.input_ids.append(0)
-            step.gather[0].append(row)
+    step = GraphStep(shape)
+    for req, num_new in sched.scheduled:
+        start, table, row = req.num_computed_tokens, req.block_table, len(step.input_ids)
+        known = req.all_token_ids[start:start + num_new]
+        for i in range(len(known), num_new):
+            step.gather[0].append(row + i)
             step.gather[1].append(flight_rows[req])
-        step.positions.append(pos)
-        step.slot_mapping.append(table[pos // bs] * bs + pos % bs)
-        step.token_slots.append(req.token_adapter_slots(pos, 1)[0])
+        step.input_ids += known + [0] * (num_new - len(known))
+        step.positions += range(start, start + num_new)
+        step.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + num_new)]
+        step.token_slots += req.token_adapter_slots(start, num_new)
+        step.query_lens.append(num_new)
+        step.seq_lens.append(start + num_new)
         step.block_tables.append(table)
+        if start + num_new == req.num_tokens:
+            step.logits_rows.append(len(step.input_ids) - 1)
+            step.sample_slots.append(step.token_slots[-1])
     return step
+
+
+def write_padded(step: GraphStep, mirrors: list[np.ndarray], max_num_seqs: int) -> None:
+    """Write a graph step's inputs and its padding up to its shape into the runner's host mirrors (tokens [4, ·]:
+    ids, positions, KV slots, adapter slots; requests [2, ·]: query starts, lengths; block tables; LM head rows
+    [2, ·]: kept rows, their slots). Padding tokens are token 0 at position 0, no adapter, no KV store; a decode
+    step's padding rows are one-token requests reading page 0, a mixed step's one request of length 0 (zeros
+    from the attention), then empty requests; the LM head's padding rows read row 0."""
+    tokens, seqs, tables, rows = mirrors
+    num_tokens, num_seqs, num_rows, size = len(step.input_ids), len(step.seq_lens), len(step.logits_rows), step.shape.tokens
+    tokens[0, :num_tokens], tokens[1, :num_tokens] = step.input_ids, step.positions
+    tokens[2, :num_tokens], tokens[3, :num_tokens] = step.slot_mapping, step.token_slots
+    tokens[:2, num_tokens:size], tokens[2:, num_tokens:size] = 0, -1
+    seqs[0, 0] = 0
+    np.cumsum(step.query_lens, out=seqs[0, 1 : num_seqs + 1])
+    seqs[1, :num_seqs] = step.seq_lens
+    for row, table in enumerate(step.block_tables):
+        tables[row, : len(table)] = table
+    if step.shape.mixed:
+        graph_seqs, graph_rows = mixed_rows(size, max_num_seqs)
+        seqs[0, num_seqs + 1 : graph_seqs + 1], seqs[1, num_seqs:graph_seqs] = size, 0
+        rows[0, :num_rows], rows[1, :num_rows] = step.logits_rows, step.sample_slots
+        rows[0, num_rows:graph_rows], rows[1, num_rows:graph_rows] = 0, -1
+    else:
+        seqs[0, num_seqs + 1 : size + 1] = range(num_seqs + 1, size + 1)
+        seqs[1, num_seqs:size] = 1
+        tables[num_seqs:size, 0] = 0
 
 
 def device_inputs(x: StepInputs, buffers: dict[str, Tensor], device: torch.device,

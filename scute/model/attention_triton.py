@@ -6,6 +6,14 @@ dot, so each K/V page is loaded once per group), and walks the request's pages f
 online softmax, BLOCK_N positions (several pages) per step. Accumulation is float32; float32 inputs use IEEE
 dots (no TF32), so fp32 results match the PyTorch reference to rounding.
 
+A decode step has one program per request (and KV head). Any other step has T // BLOCK_Q + S programs for T
+tokens of S requests, whatever their lengths: program p finds its request s, the last one with
+f(s) = query_start_loc[s] // BLOCK_Q + s <= p (a binary search), and takes its query block p − f(s); f leaves
+each request at least as many programs as it has blocks, and the extra ones return at once. So the grid depends
+on T and S only, and a CUDA graph of a mixed step (prompt chunks beside decode tokens, padded to T tokens and S
+requests) serves every such step. A request's blocks start at multiples of BLOCK_Q of its own tokens in either
+mapping, so a token's result is the same in both.
+
 At decode (one query token per request) of a few requests (`split_max_seqs`: 16 with 8 KV heads) the KV
 positions are also split (flash-decoding): a request of n
 positions is cut into min(MAX_SPLITS, ceil(n / SPLIT_TOKENS)) ranges, each a program writing its unnormalized
@@ -19,7 +27,6 @@ replayed.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
@@ -67,16 +74,29 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_ptr, qsl_ptr, seq_lens_ptr, block_tables_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, scale_log2, num_q_blocks, num_tokens,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, scale_log2, num_seqs, num_tokens,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SPLIT_TOKENS: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     """Program (request and block of its queries, KV head, split): softmax(q Kᵀ) V over its KV range. With
     SPLIT, the range is one of the token's splits and the program stores acc (unnormalized), the running max and
-    the sum (part, stats) for `_combine_kernel`; else the normalized output."""
-    seq = tl.program_id(0) // num_q_blocks
-    qb = tl.program_id(0) % num_q_blocks
+    the sum (part, stats) for `_combine_kernel`; else the normalized output. DECODE: program i is request i's
+    one block; else the block is found from the program's index (the module's docstring)."""
+    seq = tl.program_id(0)
+    qb = 0
+    if not DECODE:  # the last request s with f(s) = qsl[s] // BLOCK_Q + s <= program (f strictly increases)
+        lo = 0
+        hi = num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= seq:
+                lo = mid
+            else:
+                hi = mid - 1
+        qb = seq - (tl.load(qsl_ptr + lo) // BLOCK_Q + lo)
+        seq = lo
     kvh = tl.program_id(1)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
@@ -174,7 +194,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta, scale: fl
     """Semantics: `scute.model.attention.torch_paged_attention` (after the store). q [T, H, D] (unit last
     stride); k_cache/v_cache [num_blocks, PAGE, Hkv, D]; returns out [T, H, D] in q.dtype. A decode step (one
     query token per request) of at most `split_max_seqs` requests splits each request's KV positions and merges
-    the splits (`_combine_kernel`)."""
+    the splits (`_combine_kernel`). A request may have no query tokens, and one with seq_len 0 (a CUDA graph's
+    padding) gets zeros."""
     num_tokens, num_heads, head_dim = q.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -183,7 +204,6 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta, scale: fl
     split = decode and meta.num_seqs <= split_max_seqs(num_kv_heads)
     rows = 16 if decode else 64  # dot M >= 16 on NVIDIA; decode needs few rows
     block_q = max(1, rows // group_pad)
-    num_q_blocks = math.ceil(meta.max_query_len / block_q)
     block_d = max(16, triton.next_power_of_2(head_dim))
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -193,15 +213,16 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta, scale: fl
         stats = torch.empty((splits, num_tokens, num_heads, 2), dtype=torch.float32, device=q.device)
     else:
         part = stats = out
-    grid = (meta.num_seqs * num_q_blocks, num_kv_heads, splits)
+    programs = meta.num_seqs if decode else num_tokens // block_q + meta.num_seqs
+    grid = (programs, num_kv_heads, splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part, stats, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
-        scale * LOG2E, num_q_blocks, num_tokens,
+        scale * LOG2E, meta.num_seqs, num_tokens,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         BLOCK_D=block_d, PAGE=page, WINDOW=window or 0, IEEE=q.dtype == torch.float32,
         BLOCK_N=max(BLOCK_N, triton.next_power_of_2(page)) if decode else triton.next_power_of_2(page),
-        SPLIT=split, SPLIT_TOKENS=SPLIT_TOKENS, MAX_SPLITS=MAX_SPLITS,
+        SPLIT=split, SPLIT_TOKENS=SPLIT_TOKENS, MAX_SPLITS=MAX_SPLITS, DECODE=decode,
     )
     if split:
         _combine_kernel[(num_tokens, num_heads)](

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from scute.engine.cuda_graph import AdapterLayout, capture_sizes
+from scute.engine.cuda_graph import AdapterLayout, GraphShape, capture_sizes, mixed_rows, mixed_sizes
+from scute.engine.step_inputs import graph_step
 from scute.model.hf import swap_linears
 from scute.ops.pool import SlotPool
 from scute.ops.testing import random_slots
@@ -62,6 +63,13 @@ def test_merged_parameters_are_views():
     assert group.merged() is None
 
 
+def _graph_inputs(runner, sched, shape):
+    """Write a step's graph inputs as `ModelRunner.replay` does; returns the step."""
+    step = graph_step(sched, shape, runner.block_size)
+    runner._write_inputs(step)
+    return step
+
+
 def test_decode_inputs_padded_to_the_bucket():
     """The decode step's inputs as a graph reads them: the eager `prepare`'s values for the real rows, padding
     rows that store no KV and use no adapter (checked on the CPU, where the same buffers are filled)."""
@@ -79,7 +87,7 @@ def test_decode_inputs_padded_to_the_bucket():
     want = [t.clone() for t in (ids, positions, ctx.attn.slot_mapping, ctx.token_adapter_slots, ctx.attn.seq_lens)]
     tables = ctx.attn.block_tables.clone()
     buf["slot_mapping"].fill_(7)  # stale values, which the padding must overwrite
-    assert runner._prepare_decode(sched, 4) == [-1, -1, -1]
+    assert _graph_inputs(runner, sched, GraphShape(4)).token_slots == [-1, -1, -1]
     for name, w in zip(("input_ids", "positions", "slot_mapping", "token_slots", "seq_lens"), want):
         assert buf[name][:3].tolist() == w.tolist(), name
         assert buf[name][3].item() == {"input_ids": 0, "positions": 0, "seq_lens": 1}.get(name, -1), name
@@ -88,8 +96,45 @@ def test_decode_inputs_padded_to_the_bucket():
     assert buf["block_tables"][3, 0].item() == 0
     # the next step writes the other host mirrors: this step's copies may still be queued behind the step in flight
     used = runner._mirrors[0]
-    runner._pad_inputs(4)
+    runner._pad_inputs(GraphShape(4))
     assert runner._mirrors[0] is not used and runner._mirrors[1] is used
+
+
+def test_mixed_inputs_padded_to_the_graph():
+    """A mixed step (a prompt beside decode tokens) as its graph reads it: the eager inputs for the real tokens
+    and requests, the padding tokens as one request of length 0 that stores no KV, empty requests up to the
+    graph's, and the LM head's kept rows (each sampling request's last token) padded to the graph's row count."""
+    from scute import Engine, SamplingParams
+
+    engine = Engine(tiny_model(), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=8)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i, n in enumerate([3, 5]):
+        engine.add_request(f"r{i}", list(range(1, n + 1)), sp)
+    engine.step()  # the prompts
+    engine.add_request("new", list(range(1, 12)), sp)
+    sched = engine.scheduler.schedule()
+    assert [n for _, n in sched.scheduled] == [1, 1, 11]
+    runner, buf = engine.runner, engine.runner.buffers
+    ids, positions, ctx, logits, _ = runner.prepare(sched, [r for r, _ in sched.scheduled])
+    want = [t.clone() for t in (ids, positions, ctx.attn.slot_mapping, ctx.token_adapter_slots)]
+    qsl, lens, keep = ctx.attn.query_start_loc.tolist(), ctx.attn.seq_lens.tolist(), logits.tolist()
+    buf["slot_mapping"].fill_(7)
+    step = _graph_inputs(runner, sched, GraphShape(16, True))
+    graph_seqs, graph_rows = mixed_rows(16, 8)
+    assert (graph_seqs, graph_rows) == (9, 8)
+    for name, w in zip(("input_ids", "positions", "slot_mapping", "token_slots"), want):
+        assert buf[name][:13].tolist() == w.tolist(), name
+        assert buf[name][13:16].tolist() == [{"input_ids": 0, "positions": 0}.get(name, -1)] * 3, name
+    assert buf["query_start_loc"][: graph_seqs + 1].tolist() == qsl + [16] * (graph_seqs + 1 - len(qsl))
+    assert buf["seq_lens"][:graph_seqs].tolist() == lens + [0] * (graph_seqs - len(lens))
+    assert step.logits_rows == keep == [0, 1, 12]
+    assert buf["logits_indices"][:graph_rows].tolist() == keep + [0] * (graph_rows - 3)
+    assert buf["sample_slots"][:graph_rows].tolist() == [-1] * graph_rows
+
+
+def test_mixed_sizes():
+    assert mixed_sizes(8192) == [16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 768, 1024]
+    assert mixed_sizes(100) == [16, 32, 64]
 
 
 def test_graph_key_follows_what_the_plans_read():

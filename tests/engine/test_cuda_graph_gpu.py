@@ -67,7 +67,7 @@ def test_graphs_follow_adapter_placements(oracle):
         want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, specs, use_tqdm=False)]
         assert got == want, pair
     graphs = graphed.runner.graphs
-    assert graphs.num_replays > 0 and graphs.num_captured > len(graphs.sizes)  # captured again after placements
+    assert graphs.num_replays > 0 and graphs.num_captured > len(graphs.shapes)  # captured again after placements
 
 
 def test_placements_that_keep_the_plans_keep_the_graphs(oracle, tmp_path):
@@ -88,7 +88,8 @@ def test_placements_that_keep_the_plans_keep_the_graphs(oracle, tmp_path):
     for batch in ([paths[0]], [paths[0], paths[1]], [paths[1], paths[2]], [paths[2], oracle.paths["ia3"]]):
         specs = [batch[i % len(batch)] for i in range(len(prompts))]
         for engine in (graphed, eager):  # placed first, as `_run` does: the batches, and so the rounding, match
-            engine.generate([prompts[0]] * len(batch), SamplingParams(max_tokens=1), batch, use_tqdm=False)
+            # (two requests each time: the same shapes, so that a capture comes only from the placements)
+            engine.generate([prompts[0]] * 2, SamplingParams(max_tokens=1), (batch * 2)[:2], use_tqdm=False)
         got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, specs, use_tqdm=False)]
         want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, specs, use_tqdm=False)]
         assert got == want, batch

@@ -101,6 +101,12 @@ def check_triton(device: str) -> None:
         out = mod.paged_attention(q, kc2, vc2, meta, 16 ** -0.5, window)
         where = f"{case}, window {window}"
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4, msg=lambda m, where=where: f"{where}: {m}")
+        if case == "chunked + decode":  # as a mixed step's CUDA graph runs it: the same results, padding zeros
+            padded = padded_meta(meta, extra_tokens=5, extra_seqs=3)
+            qp = torch.cat([q, torch.randn(5, *q.shape[1:], device=device)])
+            out_padded = mod.paged_attention(qp, kc2, vc2, padded, 16 ** -0.5, window)
+            assert torch.equal(out_padded[: q.shape[0]], out), f"{where}: padded differs"
+            assert not out_padded[q.shape[0]:].any(), f"{where}: padding rows not zero"
         if case == "long decode":  # a decode token's result does not depend on the rest of the batch
             for i in range(meta.num_seqs):
                 alone = mod.paged_attention(q[i:i + 1], kc2, vc2, one_request(meta, i), 16 ** -0.5, window)
@@ -114,6 +120,22 @@ def one_request(meta: AttentionMetadata, i: int) -> AttentionMetadata:
         slot_mapping=meta.slot_mapping[i:i + 1], query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev),
         seq_lens=meta.seq_lens[i:i + 1], block_tables=meta.block_tables[i:i + 1], max_query_len=1,
         max_seq_len=meta.seq_lens_host[i], query_start_loc_host=[0, 1], seq_lens_host=[meta.seq_lens_host[i]],
+        kv_caches=[])
+
+
+def padded_meta(meta: AttentionMetadata, extra_tokens: int, extra_seqs: int) -> AttentionMetadata:
+    """`meta` padded as a mixed step's CUDA graph is (`ModelRunner`): one more request holds `extra_tokens`
+    padding tokens at seq_len 0, and `extra_seqs` − 1 more have none."""
+    dev, qsl = meta.seq_lens.device, meta.query_start_loc_host
+    total = qsl[-1] + extra_tokens
+    qsl = qsl + [total] * extra_seqs
+    lens = meta.seq_lens_host + [0] * extra_seqs
+    tables = torch.cat([meta.block_tables, meta.block_tables.new_zeros(extra_seqs, meta.block_tables.shape[1])])
+    return AttentionMetadata(
+        slot_mapping=torch.cat([meta.slot_mapping, meta.slot_mapping.new_full((extra_tokens,), -1)]),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), block_tables=tables,
+        max_query_len=total, max_seq_len=meta.max_seq_len, query_start_loc_host=qsl, seq_lens_host=lens,
         kv_caches=[])
 
 
