@@ -197,8 +197,10 @@ class StepClock:
             batched, lens = engine.stats["batched_tokens"], [r.num_tokens for r in engine.scheduler.running]
             self.wait, t0 = 0.0, time.perf_counter()
             engine.step()
-            wall = time.perf_counter() - t0
             new = engine.stats["batched_tokens"] - batched
+            if new != len(lens) and torch.cuda.is_available():  # prompt tokens: a step launched from a graph
+                torch.cuda.synchronize()  # returns before its GPU work ends, and its time is the prompt's
+            wall = time.perf_counter() - t0
             if new == len(lens) == len(prompts):  # every request decodes
                 decode.append(wall)
                 host.append(wall - self.wait)

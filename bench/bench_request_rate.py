@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -63,14 +64,16 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def run_load(engine, paths: list[str], rate: float, args, seed: int) -> dict:
-    """One run: ``--requests`` requests at `rate` per second; per-request TTFT, TPOT and queueing delay."""
+    """One run: ``--requests`` requests at `rate` per second, or more to last ``--min-duration`` seconds (a queue
+    that grows shows over seconds, not in a burst); per-request TTFT, TPOT and queueing delay."""
     from scute import SamplingParams
 
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
     vocab = engine.vocab_size
     sp = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     arrivals, t = [], 0.0
-    for _ in range(args.requests):
+    count = args.requests if rate == float("inf") else max(args.requests, math.ceil(rate * args.min_duration))
+    for _ in range(count):
         t += rng.gammavariate(args.burstiness, 1.0 / (rate * args.burstiness)) if rate != float("inf") else 0.0
         arrivals.append(t)
     specs = [paths[pick(args.popularity, len(paths), rng, i)] for i in range(len(arrivals))]
@@ -214,6 +217,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--bisect", type=int, default=3)
     p.add_argument("--warm-arrivals", type=int, default=0,
                    help="requests arriving at --start-rate before each variant's runs, unmeasured (0: none)")
+    p.add_argument("--warm-rate", type=float, default=None,
+                   help="the warm arrivals' rate (default: --start-rate); a high one meets the larger mixed steps "
+                        "(and their kernels' first compilation) before the measured runs")
+    p.add_argument("--min-duration", type=float, default=0.0,
+                   help="each run has enough requests to last this many seconds of arrivals")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU")
     p.add_argument("--root", default="/tmp/scute-bench-rate")
@@ -233,6 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", layers=cfg.num_hidden_layers,
                   prompt=args.prompt, new_tokens=args.new_tokens, popularity=args.popularity, slo=args.slo,
                   max_adapters=args.max_adapters, warm_arrivals=args.warm_arrivals,
+                  warm_rate=args.warm_rate, min_duration=args.min_duration,
                   command="PYTHONPATH=. python3 " + " ".join(sys.argv), rows=[])
     variants = {}  # every adapter is written (and converted) before the engine takes the model over
     for method in args.methods.split(","):
@@ -258,8 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
             warm_graphs(engine, paths[:n], args)
             if args.warm_arrivals:  # mixed steps (prompts beside decodes) as a server has run them, unmeasured
                 arrivals = argparse.Namespace(**{**vars(warm), "requests": args.warm_arrivals,
-                                                 "popularity": args.popularity})
-                run_load(engine, paths[:n], args.start_rate, arrivals, seed=30_000)
+                                                 "popularity": args.popularity, "min_duration": 0.0})
+                run_load(engine, paths[:n], args.warm_rate or args.start_rate, arrivals, seed=30_000)
             solo = run_load(engine, paths[:n], float("inf"), argparse.Namespace(**{**vars(args), "requests": 1}),
                             seed=10_000)
             rate, runs = max_rate(engine, paths[:n], args, solo["tpot_p50"])

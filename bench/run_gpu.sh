@@ -6,8 +6,8 @@
 #   engine   the engine's GPU tests: greedy tokens equal to PEFT's, further methods, attention backends
 #   e2e      bench/bench_engine.py --eager 64: the served step's table (engine_h200.json, e2e.log)
 #   baselines bench/bench_engine.py --cases lora --batches 64 --peft --static: transformers + PEFT and static cache
-#   rate     bench/bench_request_rate.py over IA3 and VeRA, N = 64 and 256 on 8 layers, native vs rank 16/64 LoRA
-#            (rate.json; the disk holds 256 conversions of 8 layers, not 1024 of 32)
+#   rate     bench/bench_request_rate.py for IA3, then VeRA: N = 64 on 8 layers, native vs rank-64 LoRA conversions
+#            (rate_ia3.json, rate_vera.json: docs/performance.md's table)
 #   decode   bench/profile_decode.py: GPU time per kernel and idle gaps of graph-replayed decode steps (decode.json)
 #   profile  bench/profile_ops.py: per-kernel times of one layer call (torch profiler)
 #   bench    bench/bench_ops.py: the layer table of docs/performance.md (bench_ops.json, bench.log)
@@ -34,8 +34,11 @@ for step in $steps; do
     baselines) timeout 560 python3 bench/bench_engine.py --cases lora --batches 64 --new-tokens 32 --peft \
                  --peft-tokens 4 --static --out "$OUT/engine_baselines.json" > "$OUT/baselines.log" 2>&1
                tail -8 "$OUT/baselines.log" ;;
-    rate) timeout 560 python3 bench/bench_request_rate.py --methods ia3,vera --adapters 64,256 --layers 8 \
-            --out "$OUT/rate.json" > "$OUT/rate.log" 2>&1; tail -12 "$OUT/rate.log" ;;
+    rate) for m in ia3 vera; do
+            timeout 420 python3 bench/bench_request_rate.py --methods $m --adapters 64 --ranks 64 --layers 8 --convert 1 \
+              --requests 100 --bisect 2 --start-rate 8 --warm-arrivals 200 --warm-rate 256 --min-duration 6 \
+              --out "$OUT/rate_$m.json" 2>&1 | grep -v Capturing > "$OUT/rate_$m.log"; tail -4 "$OUT/rate_$m.log"
+          done ;;
     decode) timeout 300 python3 bench/profile_decode.py --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1
             grep -v "^{" "$OUT/decode.log" | tail -110 ;;
     profile) timeout 200 python3 bench/profile_ops.py > "$OUT/profile.log" 2>&1; grep -v "^expand\|^shrink\|^input" "$OUT/profile.log" | tail -40 ;;

@@ -155,7 +155,7 @@ class ModelRunner:
         event.record()
         return InFlight(sampling, result, host, event, {req: row for row, req in enumerate(sampling)})
 
-    # ------------------------------------------------------------------ decode graphs
+    # ------------------------------------------------------------------ graph steps
     def layout(self) -> AdapterLayout:
         """The adapter layout of the graphs, rebuilt after any `ScuteLinear.set_slot`."""
         version = sum(lin.version for lin in self.linears)

@@ -93,5 +93,9 @@ def test_placements_that_keep_the_plans_keep_the_graphs(oracle, tmp_path):
         got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, specs, use_tqdm=False)]
         want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, specs, use_tqdm=False)]
         assert got == want, batch
-        captured.append(graphed.runner.graphs.num_captured)
-    assert captured[0] == captured[1] == captured[2] < captured[3], captured
+        captured.append(dict(graphed.runner.graphs.graphs))  # (step key, shape) -> (graph, logits, graph key)
+    # every graph of a batch is kept by the LoRA placements after it (a batch may add graphs of new shapes: the
+    # prefix cache shortens its prompts), and the IA3 adapter's batch captures graphs
+    for before, after in zip(captured, captured[1:3]):
+        assert all(after.get(k) is v for k, v in before.items())
+    assert {id(v) for v in captured[3].values()} - {id(v) for v in captured[2].values()}
