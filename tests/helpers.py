@@ -432,12 +432,13 @@ class _Done:
 
 class StandInRunner:
     """`ModelRunner`'s two entry points over `next_token` (the stand-in model; subclasses change it). `launch`
-    plays a decode step on the GPU: it returns an `InFlight` whose tokens the engine reads one call later, and an
-    input token the host does not have yet comes from the step in flight, as on the device. `overlap=False`:
-    `launch` declines, as for eager steps, and every step runs to its end."""
+    plays a graph step on the GPU: it returns an `InFlight` whose tokens the engine reads one call later, and an
+    input token the host does not have yet comes from the step in flight, as on the device. It plays decode steps,
+    and with `mixed` also steps with prompt tokens (as `ModelRunner` plays mixed steps); `overlap=False`: `launch`
+    declines, as for eager steps, and every step runs to its end."""
 
-    def __init__(self, overlap: bool = True) -> None:
-        self.overlap, self.graphs, self.launched = overlap, None, 0
+    def __init__(self, overlap: bool = True, mixed: bool = False) -> None:
+        self.overlap, self.mixed, self.graphs, self.launched = overlap, mixed, None, 0
 
     def next_token(self, req, position: int, token: int) -> int:
         return stand_in_model(token, position)
@@ -452,11 +453,12 @@ class StandInRunner:
         from scute.engine.model_runner import InFlight
         from scute.engine.sampler import SamplerOutput
 
-        if not self.overlap or any(n != 1 for _, n in sched.scheduled) or len(sampling) != len(sched.scheduled):
+        decode = all(n == 1 for _, n in sched.scheduled) and len(sampling) == len(sched.scheduled)
+        if not self.overlap or not sampling or not (decode or self.mixed):
             return None
         tokens = []
         for req in sampling:
-            pos = req.num_computed_tokens
+            pos = req.num_tokens - 1  # a sampling request's last scheduled token
             token = req.all_token_ids[pos] if pos < len(req.all_token_ids) else \
                 int(flight.result.token_ids[flight.rows[req]])  # in flight: taken "on the device"
             tokens.append(self.next_token(req, pos, token))

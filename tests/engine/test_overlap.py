@@ -11,15 +11,17 @@ landed: the one in flight, which no output showed yet, is dropped.
 
 from __future__ import annotations
 
+import pytest
+
 from scute import Engine, SamplingParams
 from tests.helpers import StandInRunner, random_prompts, stand_in_model, tiny_model
 
 model = stand_in_model
 
 
-def _run(overlap: bool, min_length: int = 4, **options):
+def _run(overlap: bool, min_length: int = 4, mixed: bool = False, **options):
     engine = Engine(tiny_model(), device="cpu", dtype="float32", max_model_len=64, **options)
-    engine.runner = runner = StandInRunner(overlap)
+    engine.runner = runner = StandInRunner(overlap, mixed)
     prompts = random_prompts([3, 9, 17, 5, 12, 30], seed=3)
     params = [SamplingParams(temperature=0, max_tokens=min_length + 3 * i, ignore_eos=True) for i in range(len(prompts))]
     params[2] = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[model(5, 20), 17, 40, 64])
@@ -53,11 +55,23 @@ def test_overlapped_steps_give_the_tokens_of_steps_run_to_their_end():
     assert engine.stats["generated_tokens"] == eager.stats["generated_tokens"] - dropped
 
 
-def test_overlap_with_preemption():
+@pytest.mark.parametrize("mixed", [False, True], ids=["decode", "mixed"])
+def test_overlap_with_preemption(mixed):
+    """With `mixed`, steps with prompt tokens are launched too: a request whose prompt a step in flight completes
+    decodes next from its token in flight, and one preempted with a token in flight recomputes it."""
     bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4  # K+V, 2 layers, 16 tokens, 2 kv heads, head_dim 16, fp32
     options = dict(kv_cache_memory_bytes=4 * bytes_per_block, max_num_batched_tokens=32, max_num_seqs=6)
     want, _, _ = _run(False, min_length=20, **options)
-    got, engine, runner = _run(True, min_length=20, **options)
+    got, engine, runner = _run(True, min_length=20, mixed=mixed, **options)
     assert runner.launched > 0 and engine.stats["preemptions"] > 0
+    got.pop("r5"), want.pop("r5")
+    assert got == want
+
+
+def test_overlapped_mixed_steps_give_the_tokens_of_steps_run_to_their_end():
+    want, _, _ = _run(False)
+    got, engine, runner = _run(True, mixed=True)
+    decode_only, _, decode_runner = _run(True)
+    assert runner.launched > decode_runner.launched  # steps with prompt tokens were launched too
     got.pop("r5"), want.pop("r5")
     assert got == want
