@@ -19,7 +19,8 @@ from scute.ops.slots import Slots
 # (storage address, device, dtype) -> (the source storage, its moved copy). Holding the source keeps it alive,
 # so its address names no other tensor while the entry exists.
 SharedMemo = dict[tuple, tuple[Tensor, Tensor]]
-Interned = dict[tuple, Tensor]  # shared matrices by content, (dtype, shape, sha256) -> the one tensor (`intern_shared`)
+Interned = dict[tuple, list[Tensor]]  # shared matrices by content: (dtype, shape, device, sample hash) -> the tensors
+# of that key, each of its own content (`intern_shared`)
 Transfer = Callable[[Tensor, torch.device], Tensor]  # a contiguous buffer copied to a device, on the current stream
 Pause = Callable[[], None]  # called between the layers a long load works through (the engine's loader: its turns)
 T = TypeVar("T")
