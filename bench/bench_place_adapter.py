@@ -3,8 +3,9 @@ beside a thread that runs Python all the time (as the adapter loader does while 
 with the adapter's rows prepared ahead (`prepare_adapter`, what the loader does as it stages an adapter) or not.
 
 A Llama-shaped model of ``--layers`` layers with tiny widths (the host work of a placement depends on the number
-of pools, 4 a layer: q/k/v, o, gate/up, down, not on their widths), ``--slots`` adapter slots, LoRA r16 adapters
-on all seven projections (PEFT saves, re-randomized: `bench_engine.make_adapters`). The pools are the Triton
+of pools, 4 a layer: q/k/v, o, gate/up, down, not on their widths), ``--slots`` adapter slots, adapters of
+``--method`` (LoRA r16 by default; any of `bench_engine.MIX`) on all seven projections (PEFT saves, re-randomized:
+`bench_engine.make_adapters`). The pools are the Triton
 path's: on the CPU Triton's CPU tables (``SCUTE_TRITON_CPU=1`` with the interpreter, set here), where
 `TableWrites` writes each row by itself; on a GPU its device tables, written in one copy and one kernel. The
 thread beside: ``sys.setswitchinterval`` as the loader sets it during a job (`AdapterLoader.switch_interval`).
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--slots", type=int, default=64)
+    p.add_argument("--method", default="lora", help="the adapters' method (lora, dora, ia3, vera, oft)")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--root", default="/tmp/scute-bench-place-adapter")
     p.add_argument("--out", default="place_adapter.json")
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     with torch.device(args.device):
         model = LlamaForCausalLM._from_config(cfg, torch_dtype=torch.float32).eval()
-    paths = B.make_adapters(model, "lora", 4, args.root)
+    paths = B.make_adapters(model, args.method, 4, os.path.join(args.root, args.method))
     engine = Engine(model, device=args.device, dtype="float32", max_adapters=args.slots, enforce_eager=True)
     adapters = [engine.adapters.loader.to_device(engine.adapters.get_by_path(p), engine.adapters._moved)
                 for p in paths]
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     thread.join()
     sys.setswitchinterval(interval)
     result = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
-                  command=" ".join(sys.argv), layers=args.layers, pools=len(pools), slots=args.slots,
+                  command=" ".join(sys.argv), method=args.method, layers=args.layers, pools=len(pools), slots=args.slots,
                   prepared_pools=len(prepared[0]), switch_interval=AdapterLoader.switch_interval, ms=rows)
     print(f"{len(pools)} pools, {args.slots} slots; ms per placement (median of {args.repeats})")
     print(f"{'':24s} {'rows built':>10s} {'prepared':>10s}")
