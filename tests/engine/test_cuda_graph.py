@@ -194,3 +194,40 @@ def test_filling_the_last_free_slot_keeps_the_graphs_of_many_tokens():
     after = {n: state(n) for n in (1, 2, 64)}
     assert after[2] == before[2] and after[64] == before[64]
     assert after[1][0] == before[1][0] and after[1][1] != before[1][1] and after[1][2] != before[1][2]
+
+
+
+def test_which_steps_run_at_a_graph_shape():
+    """Decode steps at their batch's bucket; steps with prompt tokens at their token count's mixed bucket, unless
+    they owe prompt logprobs or have more tokens than the largest mixed graph (then eager, `execute`). Shown on the
+    CPU runner with the GPU's sizes set (its own are empty: the CPU runs every step eagerly)."""
+    from scute import Engine, SamplingParams
+    from scute.engine.scheduler import SchedulerOutput
+
+    engine = Engine(tiny_model(), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=8)
+    runner = engine.runner
+    assert runner.decode_sizes == runner.mixed_sizes == []
+    runner.decode_sizes, runner.mixed_sizes = capture_sizes(8), mixed_sizes(64)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for name, n in (("decoding", 19), ("prompt", 4), ("long", 70), ("logprobs", 6)):
+        engine.add_request(name, list(range(1, n + 1)), sp if name != "logprobs" else
+                           SamplingParams(max_tokens=8, prompt_logprobs=1))
+    req = engine.requests
+    req["decoding"].num_computed_tokens = 18  # its last prompt token left: one token, which samples
+    assert not any(r.is_finished for r in req.values())
+
+    def shape(*scheduled):
+        sched = SchedulerOutput(scheduled=[(req[name], n) for name, n in scheduled],
+                                num_batched_tokens=sum(n for _, n in scheduled))
+        sampling = [r for r, n in sched.scheduled if r.num_computed_tokens + n == r.num_tokens]
+        return runner._graph_shape(sched, sampling)
+
+    assert shape(("decoding", 1)) == GraphShape(1)
+    assert shape(("decoding", 1), ("prompt", 4)) == GraphShape(16, True)
+    assert shape(("prompt", 4)) == GraphShape(16, True)
+    assert shape(("long", 64)) is None  # samples nothing: eager
+    assert shape(("decoding", 1), ("long", 40)) == GraphShape(64, True)  # a chunk beside a sampling request
+    assert shape(("logprobs", 6)) is None  # owes prompt logprobs: eager
+    runner.mixed_sizes = mixed_sizes(16)
+    assert shape(("decoding", 1), ("prompt", 4)) == GraphShape(16, True)
+    assert shape(("decoding", 1), ("long", 40)) is None  # more tokens than the largest mixed graph: eager
