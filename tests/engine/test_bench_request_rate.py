@@ -20,16 +20,16 @@ def test_request_rate_bench_runs_and_records_rows(tmp_path, monkeypatch):
     result = bench_request_rate.main([
         "--tiny", "--methods", "ia3", "--adapters", "3", "--ranks", "4", "--convert", "1", "--requests", "6",
         "--prompt", "8", "--new-tokens", "4", "--start-rate", "1000", "--max-rate", "1000", "--bisect", "1",
-        "--slo", "1000", "--max-queue-s", "1000", "--warm-arrivals", "3", "--root", str(tmp_path / "adapters"),
-        "--out", str(out)])
+        "--slo", "1000", "--max-queue-s", "1000", "--warm-arrivals", "3", "--warm-rate", "500",
+        "--min-duration", "0.008", "--root", str(tmp_path / "adapters"), "--out", str(out)])
     saved = json.loads(out.read_text())
-    assert saved["warm_arrivals"] == 3  # each variant ran 3 unmeasured arrivals at the first rate, waiting for all
-    assert loads.count((1000, 3, float("inf"))) == 2
+    assert (saved["warm_arrivals"], saved["warm_rate"], saved["min_duration"]) == (3, 500, 0.008)
+    assert loads.count((500, 3, float("inf"))) == 2  # each variant ran 3 unmeasured arrivals, waiting for all
     assert [(r["variant"], r["adapters"]) for r in saved["rows"]] == [("native", 3), ("lora-r4", 3)]
     for row in result["rows"]:
         assert row["max_rate"] == 1000 and row["unloaded_tpot"] > 0  # a bound this loose is always met
         run = row["runs"][0]
-        assert run["requests"] == 6 and run["ttft_p50"] <= run["ttft_p90"] <= run["ttft_p99"]
+        assert run["requests"] == 8 and run["ttft_p50"]  # 1000 requests/s for 8 ms: more than --requests <= run["ttft_p90"] <= run["ttft_p99"]
     native, lora = saved["rows"]
     assert native["conversion_error"] is None and 0 < lora["conversion_error"] < 1  # IA3 is not rank 4
 
