@@ -52,7 +52,9 @@ from scute.ops.groups import ActiveSlots
 from scute.ops.plan import bucket_facts, step_facts
 from scute.ops.pool import StepKinds
 
-MIXED_MAX_TOKENS = 1024  # mixed steps up to this many tokens replay graphs (more: eager, bound by their GEMMs)
+# mixed steps up to this many tokens replay graphs; longer ones run eagerly (each size is one more graph per step
+# key, its memory kept while the graph lives)
+MIXED_MAX_TOKENS = 1024
 
 
 class GraphShape(NamedTuple):

@@ -4,8 +4,8 @@ tensor-parallel engine sends its workers (plain lists, no request objects).
 An eager step (`StepInputs`) packs every scheduled token into one row with its position, KV slot and adapter
 slot, its requests' query starts, lengths and block tables, and the LM head's kept rows: each sampling request's
 last token, plus the prompt positions of requests owed prompt logprobs (`PromptRows`). A graph step
-(`GraphStep`) holds the same for a step run at a CUDA graph's padded shape, padded when written. `device_inputs` copies an eager
-step's lists into the runner's fixed-address buffers, one copy per tensor.
+(`GraphStep`) holds the same for a step run at a CUDA graph's padded shape, padded when written (`write_padded`).
+`device_inputs` copies an eager step's lists into the runner's fixed-address buffers, one copy per tensor.
 """
 
 from __future__ import annotations
@@ -121,7 +121,8 @@ def write_padded(step: GraphStep, mirrors: list[np.ndarray], max_num_seqs: int) 
     step's padding rows are one-token requests reading page 0, a mixed step's one request of length 0 (zeros
     from the attention), then empty requests; the LM head's padding rows read row 0."""
     tokens, seqs, tables, rows = mirrors
-    num_tokens, num_seqs, num_rows, size = len(step.input_ids), len(step.seq_lens), len(step.logits_rows), step.shape.tokens
+    num_tokens, num_seqs, num_rows = len(step.input_ids), len(step.seq_lens), len(step.logits_rows)
+    size = step.shape.tokens
     tokens[0, :num_tokens], tokens[1, :num_tokens] = step.input_ids, step.positions
     tokens[2, :num_tokens], tokens[3, :num_tokens] = step.slot_mapping, step.token_slots
     tokens[:2, num_tokens:size], tokens[2:, num_tokens:size] = 0, -1

@@ -27,7 +27,6 @@ replayed.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
