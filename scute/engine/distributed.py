@@ -204,10 +204,15 @@ def _join(store: dist.TCPStore, rank: int, world_size: int, device: torch.device
 
 def _reshare(adapter: Adapter, interned: Interned) -> Adapter:
     """`adapter` with each shared matrix (VeRA's) the one tensor of its content in `interned` (this worker's), as
-    the adapters sharing it on rank 0 share one: each placement arrives in its own message."""
+    the adapters sharing it on rank 0 share one: each placement arrives in its own message. Each storage of the
+    message is interned once, whatever the number of layers that view it."""
+    bases: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
     def whole(x: torch.Tensor) -> torch.Tensor:
-        base = intern_shared(torch.empty(0, dtype=x.dtype).set_(x.untyped_storage()), interned)
-        return base.as_strided(x.size(), x.stride(), x.storage_offset())
+        key = (x.untyped_storage().data_ptr(), x.dtype)
+        if key not in bases:
+            bases[key] = intern_shared(torch.empty(0, dtype=x.dtype).set_(x.untyped_storage()), interned)
+        return bases[key].as_strided(x.size(), x.stride(), x.storage_offset())
 
     return replace(adapter, layers={n: replace(s, **{k: whole(getattr(s, k)) for k in s.shared})
                                     for n, s in adapter.layers.items()})
