@@ -68,8 +68,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
         # Fixed-address inputs; each step fills a prefix of each. The per-token int64 ones are the rows of one
         # tensor, the per-sequence int32 ones (room for a mixed graph's padding request) of another and the LM
-        # head's kept rows and their slots of a third, so that a graph step writes all of them with four copies
-        # from pinned host mirrors (`_write_inputs`).
+        # head's kept rows and their slots of a third, so that a graph step writes all of them with three copies
+        # from pinned host mirrors, four for a mixed step (`_write_inputs`).
         self._tokens, self._seqs = self._zeros((4, max_tokens), torch.int64), self._zeros((2, max_seqs + 2), torch.int32)
         self._rows = self._zeros((2, max_seqs), torch.int64)
         self.buffers = {
@@ -219,10 +219,10 @@ class ModelRunner:
 
     def _write_inputs(self, step: GraphStep) -> None:
         """A graph step's inputs and padding (`write_padded`) into the next host mirrors, copied whole,
-        asynchronously."""
+        asynchronously (the LM head's rows only for a mixed step: a decode graph keeps every row)."""
         self._mirrors.reverse()
         write_padded(step, [m.numpy() for m in self._mirrors[0]], self.max_num_seqs)
-        for dst, src in zip(self._inputs, self._mirrors[0]):
+        for dst, src in zip(self._inputs[: 4 if step.shape.mixed else 3], self._mirrors[0]):
             dst.copy_(src, non_blocking=True)
 
     def _graph_forward(self, shape: GraphShape, active_slots: frozenset[int]) -> Tensor:
