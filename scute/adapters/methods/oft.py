@@ -5,11 +5,15 @@ PEFT forward (eval): x is cut into chunks of the block size b and chunk k become
 Cayley map ``(I − Q)(I + Q)⁻¹``, or — PEFT's default — by its truncated Neumann series
 ``I + 2Q + 2Q² + … + Q^{k−1}``, which is reproduced term for term (it is *not* the exact map). COFT projects Q
 first. Normal form: ``T = blockdiag(R_kᵀ)`` (one block if `block_share`), live.
+
+A load converts every layer on W0's device, where each small op costs a kernel launch: Rᵀ is computed directly
+from Qᵀ = −Q, and the skew index map, the identity and the COFT radius are made once per block size and device.
 """
 
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -19,34 +23,67 @@ from scute.adapters.registry import register_method
 from scute.ops.slots import Slots
 
 
-def skew(vec: Tensor, b: int) -> Tensor:
-    """[n, b(b−1)/2] upper triangles (row-major) -> [n, b, b] skew-symmetric matrices."""
-    rows, cols = torch.triu_indices(b, b, 1, device=vec.device)
-    S = vec.new_zeros(vec.shape[0], b, b)
-    S[:, rows, cols] = vec
-    return S - S.transpose(-2, -1)
+@lru_cache(maxsize=32)
+def _skew_map(b: int, transposed: bool, device: str) -> tuple[Tensor, Tensor]:
+    """For the flattened [b·b] skew matrix: the index of each entry into ``[0, vec…]`` and its sign (int8)."""
+    rows, cols = torch.triu_indices(b, b, 1)
+    k = torch.arange(1, rows.numel() + 1)
+    index, sign = torch.zeros(b, b, dtype=torch.long), torch.zeros(b, b, dtype=torch.int8)
+    index[rows, cols], index[cols, rows] = k, k
+    sign[rows, cols], sign[cols, rows] = (-1, 1) if transposed else (1, -1)
+    return index.flatten().to(device), sign.flatten().to(device)
+
+
+@lru_cache(maxsize=32)
+def _identity(b: int, dtype: torch.dtype, device: str) -> Tensor:
+    return torch.eye(b, dtype=dtype, device=device)
+
+
+@lru_cache(maxsize=32)
+def _coft_radius(n: int, eps: float, device: str, default_dtype: torch.dtype) -> Tensor:
+    """PEFT's expression, on the device; its dtype is the default dtype, hence that key."""
+    return eps / torch.sqrt(torch.tensor(n, device=device))
+
+
+def skew(vec: Tensor, b: int, transposed: bool = False) -> Tensor:
+    """[n, b(b−1)/2] upper triangles (row-major) -> [n, b, b] skew matrices ``Q = S − Sᵀ`` (S the triangle),
+    or ``Qᵀ = −Q`` if `transposed`. Entries are exactly ±vec, with zeros on the diagonal (int8 signs keep
+    vec's dtype)."""
+    index, sign = _skew_map(b, transposed, str(vec.device))
+    padded = torch.nn.functional.pad(vec, (1, 0))  # entry 0 is the diagonal's zero
+    return (padded.index_select(1, index) * sign).view(vec.shape[0], b, b)
 
 
 def coft_project(Q: Tensor, eps: float) -> Tensor:
-    """COFT: blocks with ‖Q‖_F above eps/√n are scaled onto that radius (PEFT rounds the radius to float32)."""
-    radius = eps / torch.sqrt(torch.tensor(Q.shape[0], device=Q.device))
+    """COFT: blocks with ‖Q‖_F above eps/√n are scaled onto that radius (PEFT rounds the radius to float32).
+    Elementwise given the norm, so ``coft_project(Qᵀ) == coft_project(Q)ᵀ`` exactly."""
+    radius = _coft_radius(Q.shape[0], eps, str(Q.device), torch.get_default_dtype())
     norm = torch.linalg.norm(Q, dim=(1, 2), keepdim=True)
     return torch.where(norm <= radius, Q, radius * (Q / norm))
 
 
 def cayley(Q: Tensor, neumann_terms: int | None) -> Tensor:
-    """R from Q: the exact Cayley map if `neumann_terms` is None, else PEFT's truncated series."""
-    eye = torch.eye(Q.shape[-1], dtype=Q.dtype, device=Q.device).expand_as(Q)
+    """R from a batch of skew matrices Q [n, b, b]: the exact Cayley map ``(I − Q)(I + Q)⁻¹`` if `neumann_terms`
+    is None, else PEFT's truncated series ``I + 2Q + 2Q² + … + 2Q^{t−2} + Q^{t−1}`` (t = `neumann_terms`, summed
+    in that order).
+
+    Called with PEFT's Qᵀ it gives PEFT's Rᵀ bit for bit, with no transpose of the series: each power is
+    ``Q @ Q^{k−1}``, the transpose of PEFT's ``Q^{k−1} @ Q`` (the same products summed in the same order). The
+    exact map is PEFT's own solve on −Q (then PEFT's Q), transposed: a strided view, copied by the caller.
+    """
+    eye = _identity(Q.shape[-1], Q.dtype, str(Q.device))
     if neumann_terms is None:
-        return torch.linalg.solve(eye + Q, eye - Q, left=False)
-    R = torch.add(eye, Q, alpha=2) if neumann_terms > 1 else eye.clone()  # 2 Q is exact: R + 2 Q, one rounding
+        return torch.linalg.solve(eye - Q, eye + Q, left=False).mT
+    if neumann_terms <= 1:
+        return eye.repeat(Q.shape[0], 1, 1)
+    R = torch.add(eye, Q, alpha=2)  # 2 Q is exact: I + 2 Q, one rounding
     if neumann_terms > 2:
         power = Q @ Q
         R.add_(power, alpha=2)
         for _ in range(3, neumann_terms - 1):
-            power = power @ Q
+            power = Q @ power
             R.add_(power, alpha=2)
-        R.add_(power @ Q)
+        R.add_(Q @ power)
     return R
 
 
@@ -63,9 +100,9 @@ def convert_oft(layer: LayerCheckpoint) -> Slots:
                           f"in_features={layer.in_features} (adapter trained for another model?)")
     if n_stored != (1 if cfg.get("block_share") else layer.in_features // b):
         raise layer.error(f"oft_R.weight has {n_stored} blocks of size {b}; in_features={layer.in_features}")
-    Q = skew(vec, b)
+    Qt = skew(vec, b, transposed=True)
     if cfg.get("coft"):
-        Q = coft_project(Q, float(cfg.get("eps", 6e-5)))
+        Qt = coft_project(Qt, float(cfg.get("eps", 6e-5)))
     terms = int(cfg.get("num_cayley_neumann_terms", 5)) if cfg.get("use_cayley_neumann", True) else None
-    R = cayley(Q, terms)
-    return Slots(layer.in_features, layer.out_features, t_blocks=R.transpose(-2, -1).contiguous())
+    Rt = cayley(Qt, terms)  # = Rᵀ, see `cayley`
+    return Slots(layer.in_features, layer.out_features, t_blocks=Rt.contiguous())
