@@ -281,6 +281,8 @@ CASES: dict[str, Case] = {
                                                 save_projection=False, projection_prng_key=7), BOTH),
     "oft": Case(lambda: OFTConfig(r=0, oft_block_size=8, target_modules=ALL_LINEAR), BOTH),
     "oft_cayley": Case(lambda: OFTConfig(r=0, oft_block_size=8, use_cayley_neumann=False, target_modules=QKV), BOTH),
+    "oft_neumann2": Case(lambda: OFTConfig(r=0, oft_block_size=8, num_cayley_neumann_terms=2, target_modules=QKV),
+                         BOTH),
     "oft_neumann3": Case(lambda: OFTConfig(r=0, oft_block_size=8, num_cayley_neumann_terms=3, target_modules=QKV),
                          BOTH),
     "oft_neumann8": Case(lambda: OFTConfig(r=0, oft_block_size=16, num_cayley_neumann_terms=8, target_modules=QKV),

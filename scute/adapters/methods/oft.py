@@ -24,13 +24,13 @@ from scute.ops.slots import Slots
 
 
 @lru_cache(maxsize=32)
-def _skew_map(b: int, transposed: bool, device: str) -> tuple[Tensor, Tensor]:
-    """For the flattened [b·b] skew matrix: the index of each entry into ``[0, vec…]`` and its sign (int8)."""
+def _skew_t_map(b: int, device: str) -> tuple[Tensor, Tensor]:
+    """For the flattened [b·b] matrix Qᵀ: the index of each entry into ``[0, vec…]`` and its sign (int8)."""
     rows, cols = torch.triu_indices(b, b, 1)
     k = torch.arange(1, rows.numel() + 1)
     index, sign = torch.zeros(b, b, dtype=torch.long), torch.zeros(b, b, dtype=torch.int8)
     index[rows, cols], index[cols, rows] = k, k
-    sign[rows, cols], sign[cols, rows] = (-1, 1) if transposed else (1, -1)
+    sign[rows, cols], sign[cols, rows] = -1, 1
     return index.flatten().to(device), sign.flatten().to(device)
 
 
@@ -45,11 +45,10 @@ def _coft_radius(n: int, eps: float, device: str, default_dtype: torch.dtype) ->
     return eps / torch.sqrt(torch.tensor(n, device=device))
 
 
-def skew(vec: Tensor, b: int, transposed: bool = False) -> Tensor:
-    """[n, b(b−1)/2] upper triangles (row-major) -> [n, b, b] skew matrices ``Q = S − Sᵀ`` (S the triangle),
-    or ``Qᵀ = −Q`` if `transposed`. Entries are exactly ±vec, with zeros on the diagonal (int8 signs keep
-    vec's dtype)."""
-    index, sign = _skew_map(b, transposed, str(vec.device))
+def skew_t(vec: Tensor, b: int) -> Tensor:
+    """[n, b(b−1)/2] upper triangles (row-major) of PEFT's skew matrices Q = S − Sᵀ -> [n, b, b] their
+    transposes ``Qᵀ = Sᵀ − S``. Entries are exactly ±vec, zeros on the diagonal (int8 signs keep vec's dtype)."""
+    index, sign = _skew_t_map(b, str(vec.device))
     padded = torch.nn.functional.pad(vec, (1, 0))  # entry 0 is the diagonal's zero
     return (padded.index_select(1, index) * sign).view(vec.shape[0], b, b)
 
@@ -100,7 +99,7 @@ def convert_oft(layer: LayerCheckpoint) -> Slots:
                           f"in_features={layer.in_features} (adapter trained for another model?)")
     if n_stored != (1 if cfg.get("block_share") else layer.in_features // b):
         raise layer.error(f"oft_R.weight has {n_stored} blocks of size {b}; in_features={layer.in_features}")
-    Qt = skew(vec, b, transposed=True)
+    Qt = skew_t(vec, b)
     if cfg.get("coft"):
         Qt = coft_project(Qt, float(cfg.get("eps", 6e-5)))
     terms = int(cfg.get("num_cayley_neumann_terms", 5)) if cfg.get("use_cayley_neumann", True) else None
