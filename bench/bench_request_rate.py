@@ -168,8 +168,11 @@ def max_rate(engine, paths: list[str], args, unloaded_tpot: float) -> tuple[floa
 
 def lora_like(native: list[str], model, rank: int, root: str, convert: int, dtype: torch.dtype,
               ) -> tuple[list[str], float | None]:
-    """N LoRA folders of the conversions' shape, and the mean error of `convert` real conversions."""
+    """N LoRA folders of the conversions' shape, and the mean error of `convert` real conversions. The N files
+    are the first conversion's tensors, each scaled by its own random factors drawn on the model's device (a
+    thousand rank-64 files are tens of GB: drawn on a CPU they take minutes), in `dtype`."""
     from safetensors.torch import load_file, save_file
+    from tqdm.auto import tqdm
 
     from scute.adapters import load_adapter
     from scute.compat.convert import convert_adapter, save_lora
@@ -180,16 +183,19 @@ def lora_like(native: list[str], model, rank: int, root: str, convert: int, dtyp
         out = save_lora(conv, model, os.path.join(root, f"conv-r{rank}-{i}"), dtype=dtype)
         errors.append(conv.rel_error)
         first = first or out
-    tensors = load_file(os.path.join(first, "adapter_model.safetensors"))
+    device = next(model.parameters()).device
+    tensors = load_file(os.path.join(first, "adapter_model.safetensors"), device=str(device))
+    tensors = {k: v.float() for k, v in tensors.items()}
+    with open(os.path.join(first, "adapter_config.json")) as f:
+        config = f.read()
     paths = []
-    for i in range(len(native)):
+    for i in tqdm(range(len(native)), desc=f"LoRA r{rank} files", unit="file", file=sys.stderr):
         folder = os.path.join(root, f"lora-r{rank}-{i}")
         os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(first, "adapter_config.json")) as src, \
-                open(os.path.join(folder, "adapter_config.json"), "w") as dst:
-            dst.write(src.read())
-        g = torch.Generator().manual_seed(i)
-        save_file({k: (v.float() * (1 + 0.01 * torch.randn(v.shape, generator=g))).to(v.dtype).contiguous()
+        with open(os.path.join(folder, "adapter_config.json"), "w") as dst:
+            dst.write(config)
+        g = torch.Generator(device).manual_seed(i)
+        save_file({k: (v * (1 + 0.01 * torch.randn(v.shape, generator=g, device=device))).to(dtype).cpu()
                    for k, v in tensors.items()}, os.path.join(folder, "adapter_model.safetensors"))
         paths.append(folder)
     return paths, (statistics.mean(errors) if convert else None)
@@ -263,12 +269,18 @@ def main(argv: list[str] | None = None) -> dict:
             # every request of the warm-up waits as long as its adapter's load takes (loads run one at a time)
             warm = argparse.Namespace(**{**vars(args), "requests": min(n, args.max_adapters), "popularity": "cycle",
                                          "max_queue_s": float("inf")})
+            start = time.perf_counter()
             run_load(engine, paths[:n], float("inf"), warm, seed=20_000)  # loads the adapters the slots hold
+            loaded = time.perf_counter()
             warm_graphs(engine, paths[:n], args)
+            graphed = time.perf_counter()
             if args.warm_arrivals:  # mixed steps (prompts beside decodes) as a server has run them, unmeasured
                 arrivals = argparse.Namespace(**{**vars(warm), "requests": args.warm_arrivals,
                                                  "popularity": args.popularity, "min_duration": 0.0})
                 run_load(engine, paths[:n], args.warm_rate or args.start_rate, arrivals, seed=30_000)
+            print(f"  warm-up: {warm.requests} requests over as many adapters {loaded - start:.1f} s, graphs "
+                  f"{graphed - loaded:.1f} s, {args.warm_arrivals} arrivals {time.perf_counter() - graphed:.1f} s",
+                  flush=True)
             solo = run_load(engine, paths[:n], float("inf"), argparse.Namespace(**{**vars(args), "requests": 1}),
                             seed=10_000)
             rate, runs = max_rate(engine, paths[:n], args, solo["tpot_p50"])

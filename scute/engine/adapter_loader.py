@@ -15,15 +15,17 @@ the interpreter's thread switch interval is `switch_interval` (Python's default,
 lock that long while the step loop waits to launch its next step), then restored. Two threads that both run
 Python still take the lock in turns, each at half speed; so while the step loop holds its turn (`Turns`: the host
 work of a decode step launched behind the one in flight, whose outputs the requests wait for), the loader stops at
-its next pause point (`Turns.pause`: between two layers it converts, moves or prepares) until the step loop waits
-for the GPU.
+its next pause point (`Turns.pause`: between two layers it converts, moves or prepares) once it has run
+`Turns.slice_s` into that turn, until the step loop waits for the GPU or ends its turn.
 """
 
 from __future__ import annotations
 
+import math
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
@@ -123,15 +125,19 @@ class Staging:
 
 class Turns:
     """The step loop's turn at the interpreter lock. Inside `step_loop` another thread's `pause` waits (at most
-    `max_pause` seconds, so that a step loop that never waits for the GPU only slows a load) until the step loop
-    waits (`waiting`) or leaves its turn; outside, and on the step loop's own thread, `pause` returns at once."""
+    `max_pause` seconds) until the step loop waits (`waiting`) or leaves its turn, once that thread has run
+    `slice_s` seconds since it last went on: a step loop that never waits for the GPU (a small model's, host-bound)
+    gives a load that much of every step, where a wait at every pause point would make a load of a few hundred
+    pause points last as many steps. Outside a turn, and on the step loop's own thread, `pause` returns at once."""
 
     max_pause: float = 0.05  # seconds; 0: the loader never pauses
+    slice_s: float = 5e-4  # seconds the loader runs on into the step loop's turn, at most one pause point more
 
     def __init__(self) -> None:
         self._free = threading.Event()  # set: the loader may run
         self._free.set()
         self._holder: int | None = None  # the thread in `step_loop`
+        self._went_on = -math.inf  # when the pausing thread last went on (perf_counter)
 
     @contextmanager
     def step_loop(self) -> Iterator[None]:
@@ -154,9 +160,14 @@ class Turns:
                 self._free.clear()
 
     def pause(self) -> None:
-        """A pause point of the loader's work: waits while the step loop holds its turn."""
-        if not self._free.is_set() and threading.get_ident() != self._holder:
+        """A pause point of the loader's work: waits while the step loop holds its turn, once its slice is spent."""
+        if threading.get_ident() == self._holder:
+            return
+        if not self._free.is_set() and time.perf_counter() - self._went_on >= self.slice_s:
             self._free.wait(self.max_pause)
+            self._went_on = time.perf_counter()
+        elif self._free.is_set():
+            self._went_on = time.perf_counter()
 
 
 class AdapterLoader:

@@ -58,6 +58,8 @@ class AdapterManager:
         self.named: dict[str, Adapter] = {}
         self._by_path: OrderedDict[tuple, Adapter] = OrderedDict()
         self._slots: list[str | None] = [None] * max_adapters  # identity held by each device slot
+        self._slot_of: dict[str, int] = {}  # identity -> its slot (lookups cost the same for any max_adapters)
+        self._free_slots = list(range(max_adapters))  # heap of the empty slots
         self._refs: dict[str, int] = {}  # identity -> running requests using it
         self._unused: OrderedDict[str, None] = OrderedDict()  # placed, unused identities, LRU first
         self._moved: SharedMemo = {}  # shared matrices on the device, one copy for every adapter (loader thread)
@@ -148,7 +150,7 @@ class AdapterManager:
                     self._want(("path", *adapter.key), adapter.path, req)
                 return False
             adapter = req.bind_adapter(adapter.adapter)
-        if adapter is None or adapter.identity in self._slots:
+        if adapter is None or adapter.identity in self._slot_of:
             return adapter is None or adapter.identity not in self._placing
         if error := self.memory.too_large(adapter):
             self._failed.append((req, f"AdapterError: {error}"))
@@ -212,7 +214,7 @@ class AdapterManager:
                 continue
             if load.pending is not None:
                 load.pending.adapter = self._cache(load.pending.key, adapter)
-            if adapter.identity not in self._slots:  # else the copy is not needed: the slot still holds it
+            if adapter.identity not in self._slot_of:  # else the copy is not needed: the slot still holds it
                 self._staged.setdefault(adapter.identity, (staged, set()))[1].update(load.waiters)
         done = []
         for req, error in failed:
@@ -255,12 +257,12 @@ class AdapterManager:
         if adapter is None:
             return -1
         ident = adapter.identity
-        if ident not in self._slots or ident in self._placing:
+        if ident not in self._slot_of or ident in self._placing:
             raise RuntimeError(f"adapter {adapter.name!r} is not in a device slot: acquire only a ready one")
         self._unused.pop(ident, None)
         self._refs[ident] = self._refs.get(ident, 0) + 1
         self.memory.pin(adapter)
-        return self._slots.index(ident)
+        return self._slot_of[ident]
 
     def _begin(self, adapter: Adapter) -> None:
         """Give a staged adapter a slot, evicting unused adapters for memory, then for the slot (`can_activate`
@@ -270,12 +272,15 @@ class AdapterManager:
         emptied = []
         while not self.memory.fits(adapter, self.memory.held):
             emptied.append(self._evict())
-        slot = self._slots.index(None) if None in self._slots else self._evict()
+        if not self._free_slots:
+            self._evict()
+        slot = heapq.heappop(self._free_slots)  # the lowest empty slot
         for s in emptied:
             if s != slot:
                 self.placer.add(s, None)
         self.placer.add(slot, staged)
         self._slots[slot] = ident
+        self._slot_of[ident] = slot
         self._placing.add(ident)
         self.memory.hold(adapter)
         self._refs[ident] = 1
@@ -284,8 +289,9 @@ class AdapterManager:
     def _evict(self) -> int:
         """Empty the slot of the least recently used unused adapter; returns the slot."""
         evicted, _ = self._unused.popitem(last=False)
-        slot = self._slots.index(evicted)
+        slot = self._slot_of.pop(evicted)
         self._slots[slot] = None
+        heapq.heappush(self._free_slots, slot)
         self.memory.drop(evicted)
         return slot
 

@@ -31,7 +31,8 @@ graph be captured again when a step next needs it; one that does not (a LoRA ada
 other LoRA ones: the common case) keeps every graph.
 
 Graphs are captured largest first into one shared memory pool (their intermediates overlap; one runs at a
-time). The base model's graphs are captured at start-up; graphs of other kinds or layouts when a step first
+time), and each writes its logits into the rows of one buffer that every graph shares (`StepGraphs.logits`:
+kept per graph, the LM head's outputs alone would hold a gigabyte per step key on a 128k vocabulary). The base model's graphs are captured at start-up; graphs of other kinds or layouts when a step first
 needs them (one eager forward first: it builds any missing pool and compiles the kernels). Steps of more than
 `MIXED_MAX_TOKENS` tokens, and those computing prompt logprobs, run eagerly.
 """
@@ -165,13 +166,17 @@ class AdapterLayout:
 
 class StepGraphs:
     """The captured graphs of steps. `forward(shape, active_slots)` runs the model's forward over the runner's
-    buffers at a `GraphShape` and returns the logits of its kept rows; `pad(shape)` writes inputs of padding alone
-    at a shape into them (what a capture runs over: it stores no KV of real requests); `replay` runs a step."""
+    buffers at a `GraphShape` and returns the logits of its kept rows (at most `max_rows`); `pad(shape)` writes
+    inputs of padding alone at a shape into them (what a capture runs over: it stores no KV of real requests);
+    `replay` runs a step. Every graph copies its logits into the first rows of `logits`, allocated at the first
+    capture outside the graphs' pool."""
 
     def __init__(self, forward: Callable[[GraphShape, frozenset[int] | None], Tensor],
-                 pad: Callable[[GraphShape], None], shapes: Sequence[GraphShape], device: torch.device) -> None:
-        self.forward, self.pad, self.device = forward, pad, device
+                 pad: Callable[[GraphShape], None], shapes: Sequence[GraphShape], device: torch.device,
+                 max_rows: int) -> None:
+        self.forward, self.pad, self.device, self.max_rows = forward, pad, device, max_rows
         self.shapes = sorted(shapes)
+        self.logits: Tensor | None = None  # [max_rows, vocab]: the logits every graph writes
         self.pool = torch.cuda.graph_pool_handle()
         self.layout_key: tuple | None = None
         self.graphs: dict[tuple[int, GraphShape], tuple[torch.cuda.CUDAGraph, Tensor, tuple]] = {}  # + graph key
@@ -184,8 +189,8 @@ class StepGraphs:
         return entry is not None and entry[2] == layout.graph_key(step_key, shape.tokens)
 
     def replay(self, layout: AdapterLayout, step_key: int, shape: GraphShape) -> Tensor:
-        """Replay a captured graph over the inputs in the buffers; returns its logits (valid until the next
-        replay)."""
+        """Replay a captured graph over the inputs in the buffers; returns its logits (rows of `logits`: valid
+        until the next replay of any graph)."""
         self._use(layout)
         graph, logits, _ = self.graphs[(step_key, shape)]
         graph.replay()
@@ -210,13 +215,18 @@ class StepGraphs:
         for shape in tqdm(sorted(shapes, reverse=True), desc="Capturing CUDA graphs", unit="graph",
                           disable=not progress, file=sys.stderr):
             self.pad(shape)
-            self.forward(shape, active)  # eager: compiles the kernels, builds missing pools and per-shape state
+            eager = self.forward(shape, active)  # compiles the kernels, builds missing pools and per-shape state
+            if self.logits is None:
+                self.logits = torch.empty((self.max_rows, eager.shape[-1]), dtype=eager.dtype, device=self.device)
+            del eager
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the adapter loader's thread may allocate and copy on its own stream meanwhile (the
             # default, global, would make those calls fail while this thread captures)
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                logits = self.forward(shape, active)
+                rows = self.forward(shape, active)
+                logits = self.logits[: rows.shape[0]].copy_(rows)
+                del rows  # the graph's own copy: its pool memory is free for the next capture's intermediates
             self.graphs[(step_key, shape)] = (graph, logits, layout.graph_key(step_key, shape.tokens))
             self.num_captured += 1
         torch.cuda.synchronize(self.device)

@@ -99,7 +99,8 @@ class ModelRunner:
         self.max_num_seqs = max_seqs
         use_graphs = padded and not config.enforce_eager
         shapes = [GraphShape(n) for n in self.decode_sizes] + [GraphShape(n, True) for n in self.mixed_sizes]
-        self.graphs = StepGraphs(self._graph_forward, self._pad_inputs, shapes, self.device) if use_graphs else None
+        self.graphs = StepGraphs(self._graph_forward, self._pad_inputs, shapes, self.device, max_seqs) \
+            if use_graphs else None
         self._host_token_bufs = [torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)] \
             if padded else []
         self.broadcast = broadcast

@@ -145,7 +145,7 @@ def test_turns_open_for_a_wait_and_close_after_it_only_inside_the_step_loop():
     """`waiting` inside `step_loop` lets other threads' pauses through and closes again after; outside a turn it
     leaves them free (a loader waited for from outside a step never pauses)."""
     turns, passed = Turns(), []
-    turns.max_pause = 30.0
+    turns.max_pause, turns.slice_s = 30.0, 0.0  # every held pause waits
 
     def pause_elsewhere() -> None:  # a pause on another thread, given 0.2 s to pass
         thread = threading.Thread(target=lambda: (turns.pause(), passed.append(True)))
@@ -263,3 +263,42 @@ def test_placed_adapters_leave_the_collectors_generations(oracle):
     placed = engine.adapters.linears[next(iter(engine.adapters.get_by_path(oracle.paths["lora"]).layers))]
     tracked = {id(o) for o in gc.get_objects()}
     assert gc.get_freeze_count() > 0 and id(placed.slots) not in tracked and id(slots) not in tracked
+
+
+def test_a_held_turn_lets_the_loader_run_its_slice_then_waits():
+    """Inside the step loop's turn, a thread whose wait ended runs on through its pause points for `slice_s`
+    seconds (a host-bound step loop never waits for the GPU: a load still advances every step), then waits
+    again until the turn ends."""
+    turns, passed, go = Turns(), [], threading.Event()
+    turns.max_pause, turns.slice_s = 30.0, 0.5
+
+    def loader() -> None:
+        turns.pause()  # held, no slice yet: waits
+        passed.append(1)
+        go.wait(5)
+        turns.pause()  # held again, within its slice: goes on
+        passed.append(2)
+        time.sleep(0.6)
+        turns.pause()  # its slice spent: waits for the turn's end
+        passed.append(3)
+
+    def until(n: int) -> None:
+        for _ in range(500):
+            if len(passed) >= n:
+                return
+            time.sleep(0.01)
+
+    with turns.step_loop():
+        thread = threading.Thread(target=loader)
+        thread.start()
+        time.sleep(0.2)
+        assert passed == []
+        with turns.waiting():
+            until(1)
+        go.set()
+        until(2)
+        assert passed == [1, 2]
+        time.sleep(1.0)
+        assert passed == [1, 2]
+    thread.join(5)
+    assert passed == [1, 2, 3]

@@ -56,7 +56,8 @@ def test_graph_tokens_equal_eager(oracle, dtype, pressure):
 
 def test_graphs_follow_adapter_placements(oracle):
     """Two adapter slots, five methods: each batch evicts and places adapters, so the layout (and the set of
-    passes a step needs) changes between batches; every batch's tokens still equal the eager engine's."""
+    passes a step needs) changes between batches; every batch's tokens still equal the eager engine's, and every
+    graph writes its logits into the one buffer the graphs share."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = mixed_requests()[0][:6]
     graphed = oracle.engine(device="cuda", max_adapters=2)
@@ -68,6 +69,9 @@ def test_graphs_follow_adapter_placements(oracle):
         assert got == want, pair
     graphs = graphed.runner.graphs
     assert graphs.num_replays > 0 and graphs.num_captured > len(graphs.shapes)  # captured again after placements
+    # every graph (of every step key and shape) writes its logits into the one shared buffer
+    assert len({key for key, _ in graphs.graphs}) > 1
+    assert all(logits.data_ptr() == graphs.logits.data_ptr() for _, logits, _ in graphs.graphs.values())
 
 
 def test_placements_that_keep_the_plans_keep_the_graphs(oracle, tmp_path):
