@@ -20,7 +20,8 @@ serves costs the same); its error is the mean `rel_error` of ``--convert`` real 
 layer's effective change) of the native adapters, written beside the rows. Where the N adapters do not fit the
 device at once (``--max-adapters``), they swap through the CPU tier (``max_cpu_adapters = N``) and the disk, as a
 user's would. Disk: a LoRA of rank R on all seven projections of the 8B shape is R x 5.2 MB in bf16, so 1024
-conversions at rank 64 need 340 GB; use ``--layers`` fewer (the rates scale alike) or fewer adapters there.
+conversions at rank 64 need 340 GB; ``--layers 4`` needs 43 GB, and ``--adapter-memory-gib`` scaled by the same
+factor (1.75 on the H200) keeps as many adapters of each kind on the device as the 32-layer default budget does.
 
 Run on a GPU (Llama-3-8B shape, random bf16 weights):
 ``PYTHONPATH=. python3 bench/bench_request_rate.py --methods ia3,vera --adapters 64,1024 --out rate.json``;
