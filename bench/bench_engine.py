@@ -58,6 +58,8 @@ def peft_config(method: str):
 
 def randomized(name: str, x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """A random, non-trivial value for one saved adapter tensor (scales near 1, deltas small)."""
+    if name.startswith("base_model.vera_"):  # VeRA's shared projections: as PEFT made them (seeded)
+        return x
     noise = torch.randn(x.shape, generator=g, dtype=torch.float32)
     if "magnitude" in name or "ia3_l" in name:
         return (x.float() * (1 + 0.1 * noise)).to(x.dtype)
@@ -65,8 +67,6 @@ def randomized(name: str, x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
         return (0.1 * noise).to(x.dtype)
     if "oft_R" in name:
         return (0.02 * noise).to(x.dtype)
-    if name.startswith("base_model.vera_"):  # VeRA's shared projections: as PEFT made them (seeded)
-        return x
     return (0.01 * noise).to(x.dtype)
 
 
