@@ -167,12 +167,16 @@ class AdapterManager:
     prefetch = ready  # on arrival: a cold adapter starts loading while the requests ahead of it run
 
     def _want(self, key: tuple, source: str | Adapter, req: Request) -> None:
-        load = self._loads.setdefault(key, Load(source))
+        """`req` waits for the load of `key` (queued if new). A request asking again each step costs a lookup:
+        loads start as others end (`poll`, `_begin`), not as requests ask."""
+        load = self._loads.get(key)
+        if load is None:
+            load = self._loads[key] = Load(source)
         if req not in load.waiters:
             load.waiters.add(req)
             if load.future is None:
                 heapq.heappush(self._queue, (req.arrival, next(self._seq), key))
-        self._start()
+            self._start()
 
     def _start(self) -> None:
         """Give queued loads to the loader, earliest waiting request first, while fewer than `MAX_PREFETCH` are
@@ -269,6 +273,7 @@ class AdapterManager:
         guarantees enough can be), and begin its placement; it counts as in use until the placement ends."""
         ident = adapter.identity
         staged, _ = self._staged.pop(ident)
+        self._start()  # a load may take the staged copy's place
         emptied = []
         while not self.memory.fits(adapter, self.memory.held):
             emptied.append(self._evict())
