@@ -75,6 +75,9 @@ class AdapterManager:
         self.placer = Placer(linears)  # the placements `ready` began, advanced by `place`
         self._placing: set[str] = set()  # identities in a slot whose placement has not ended
         self._failed: list[tuple[Request, str]] = []
+        # bumped whenever a request not ready may have become so (a load or a placement ended, a load failed): a
+        # request `ready` refused needs asking again only after that (`Scheduler`)
+        self.version = 0
 
     # ------------------------------------------------------------------ CPU tier
     def load(self, path: str | os.PathLike, name: str | None = None, **options: object) -> Adapter:
@@ -205,7 +208,10 @@ class AdapterManager:
         and its device copy is staged; each waiting request of a failed load is finished with the error (its
         type and message, as the synchronous load raises it), taken out of the queue by `finish`, and returned."""
         failed, self._failed = self._failed, []
-        for key in [k for k in self._started if self._loads[k].future.done()]:
+        finished = [k for k in self._started if self._loads[k].future.done()]
+        if finished or failed:
+            self.version += 1
+        for key in finished:
             self._started.remove(key)
             load = self._loads.pop(key)
             try:
@@ -247,6 +253,7 @@ class AdapterManager:
         for adapter in self.placer.run(more):
             self._placing.discard(adapter.identity)
             self.release(adapter)
+            self.version += 1
         return True
 
     # ------------------------------------------------------------------ device slots

@@ -10,7 +10,8 @@ tokens recomputed later, nothing dropped) and goes back to the head of the queue
 progresses. A waiting request blocked only by the adapter cap lets later requests pass, but once it has waited
 `STARVATION_STEPS` steps nothing passes it any more: the running adapters drain and it gets a slot. A request
 whose adapter is not on the device yet (loading on the adapter loader since it arrived) is passed too, and
-counts no steps: it waits for its own adapter only. The scheduler places nothing: `acquire` gives a slot, the
+counts no steps: it waits for its own adapter only, and is asked again only once a load or a placement has ended
+(`AdapterManager.version`): a thousand requests waiting on loads cost a step a glance each. The scheduler places nothing: `acquire` gives a slot, the
 engine fills it between steps.
 """
 
@@ -47,6 +48,7 @@ class Scheduler:
         # Free blocks kept back when admitting, so running requests can grow a little before preempting.
         self.watermark = max(1, block_manager.num_blocks // 100)
         self._blocked_steps: dict[str, int] = {}
+        self._loading: dict[str, int] = {}  # request id -> the adapters' `version` when `ready` last refused it
 
     def add_request(self, req: Request) -> None:
         """Queue a request in arrival order: a parallel sample, queued once its first sample computed the
@@ -87,9 +89,11 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         passed: list[Request] = []
+        version = self.adapters.version
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if not self.adapters.ready(req):  # its adapter is loading: it waits for it alone, later ones pass
+            if self._loading.get(req.request_id, -1) == version or not self.adapters.ready(req):
+                self._loading[req.request_id] = version  # its adapter is loading: it waits for it alone
                 passed.append(self.waiting.popleft())
                 continue
             if not self.adapters.can_activate(req.adapter):
@@ -112,6 +116,7 @@ class Scheduler:
     def _admit(self, req: Request, num_computed: int, num_new: int, out: SchedulerOutput) -> None:
         self.waiting.popleft()
         self._blocked_steps.pop(req.request_id, None)
+        self._loading.pop(req.request_id, None)
         req.num_computed_tokens = num_computed
         if req.num_preemptions == 0:
             req.num_cached_tokens = num_computed
@@ -139,3 +144,4 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
             self._blocked_steps.pop(req.request_id, None)
+            self._loading.pop(req.request_id, None)

@@ -16,6 +16,7 @@ class Slots:
 
     def __init__(self, cap: int) -> None:
         self.cap, self.refs = cap, {}
+        self.version = 0  # never bumped: `ready` refuses no request
 
     def ready(self, req) -> bool:  # every adapter is on the device at once
         return True
@@ -116,3 +117,26 @@ def test_preemption_takes_the_newest_and_keeps_order():
     assert new.num_preemptions > 0 and old.num_preemptions == 0
     assert all(r.num_computed_tokens <= r.num_tokens for r in (old, new))
     assert new.output_token_ids  # kept across preemption: recomputed, not dropped
+
+
+def test_a_request_waiting_on_its_load_is_asked_again_only_after_a_load_or_placement_ends():
+    """`ready` refusing a request (its adapter loading) parks it: later steps pass it without asking, and ask
+    again once the adapters' `version` moves; it is then admitted, and a request behind it never waits for it."""
+    s = make()
+    asked, loading = [], set()
+
+    def ready(req) -> bool:
+        asked.append(req.request_id)
+        return req.request_id not in loading
+
+    slow, fast = add(s, 4, adapter="a"), add(s, 4, adapter="b")
+    loading.add(slow.request_id)
+    s.adapters.ready = ready
+    first = s.schedule()
+    assert [r for r, _ in first.scheduled] == [fast] and asked == [slow.request_id, fast.request_id]
+    for _ in range(3):
+        s.schedule()
+    assert asked == [slow.request_id, fast.request_id]  # parked: not asked while nothing ended
+    loading.clear()
+    s.adapters.version += 1
+    assert [r for r, _ in s.schedule().scheduled][-1] is slow and asked[-1] == slow.request_id
