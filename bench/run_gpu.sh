@@ -8,6 +8,9 @@
 #   baselines bench/bench_engine.py --cases lora --batches 64 --peft --static: transformers + PEFT and static cache
 #   rate     bench/bench_request_rate.py for IA3, then VeRA: N = 64 on 8 layers, native vs rank-64 LoRA conversions
 #            (rate_ia3.json, rate_vera.json: docs/performance.md's table)
+#   rate1024 bench/bench_request_rate.py at N = 1024 on 4 layers (budget scaled to them), native vs rank-64
+#            conversions, for each of $RATE_METHODS (default: ia3 vera; one method fills a 10-minute call, and its
+#            43 GB of files are deleted after it): rate_<method>_1024.json and .log
 #   decode   bench/profile_decode.py: GPU time per kernel and idle gaps of graph-replayed decode steps (decode.json)
 #   profile  bench/profile_ops.py: per-kernel times of one layer call (torch profiler)
 #   bench    bench/bench_ops.py: the layer table of docs/performance.md (bench_ops.json, bench.log)
@@ -38,6 +41,13 @@ for step in $steps; do
             timeout 420 python3 bench/bench_request_rate.py --methods $m --adapters 64 --ranks 64 --layers 8 --convert 1 \
               --requests 100 --bisect 2 --start-rate 8 --warm-arrivals 200 --warm-rate 256 --min-duration 6 \
               --out "$OUT/rate_$m.json" 2>&1 | grep -v Capturing > "$OUT/rate_$m.log"; tail -4 "$OUT/rate_$m.log"
+          done ;;
+    rate1024) for m in ${RATE_METHODS:-ia3 vera}; do
+            timeout 570 python3 bench/bench_request_rate.py --methods $m --adapters 1024 --ranks 64 --layers 4 \
+              --max-adapters 1024 --adapter-memory-gib 1.75 --convert 1 --requests 100 --bisect 2 --start-rate 8 \
+              --warm-arrivals 200 --warm-rate 256 --min-duration 6 --root /tmp/scute-rate-1024 \
+              --out "$OUT/rate_${m}_1024.json" 2>&1 | tr '\r' '\n' | grep -v "Capturing\|files:" > "$OUT/rate_${m}_1024.log"
+            tail -4 "$OUT/rate_${m}_1024.log"; rm -rf /tmp/scute-rate-1024
           done ;;
     decode) timeout 300 python3 bench/profile_decode.py --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1
             grep -v "^{" "$OUT/decode.log" | tail -110 ;;
