@@ -25,7 +25,7 @@ how long it ran the step (`Clock`: slower GPU work, or a host that launched late
 the quiet median, and (the figure) p99 of each loading step's time over the quiet steps' linear fit in their KV
 tokens at its own (the context grows as the phases run, and a decode step with it). ``--switch-interval`` sets
 `AdapterLoader.switch_interval` (``default`` keeps it), ``--max-pause`` `Turns.max_pause` (0: the loader never
-waits for the step loop's turn).
+waits for the step loop's turn), ``--slice`` `Turns.slice_s` (0: it waits at every pause point inside the turn).
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/bench_background_loads.py --out background_loads.json``.
 """
@@ -259,6 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--switch-interval", default="default")
     p.add_argument("--max-pause", type=float, default=None, help="Turns.max_pause in seconds (0: the loader never "
                    "waits for the step loop's turn; default: the engine's)")
+    p.add_argument("--slice", type=float, default=None, help="Turns.slice_s in seconds (0: the loader waits at "
+                   "every pause point inside the step loop's turn; default: the engine's)")
     p.add_argument("--root", default="/tmp/scute-bench-background")
     p.add_argument("--out", default="background_loads.json")
     args = p.parse_args(argv)
@@ -267,6 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.max_pause is not None:
         Turns.max_pause = args.max_pause
+    if args.slice is not None:
+        Turns.slice_s = args.slice
     if args.switch_interval != "default":
         AdapterLoader.switch_interval = None if args.switch_interval == "none" else float(args.switch_interval)
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
@@ -313,7 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
                   command=" ".join(sys.argv), layers=args.layers, batch=args.batch, methods=methods,
                   interval_s=args.interval, placed=placed, switch_interval=AdapterLoader.switch_interval,
-                  max_pause_s=Turns.max_pause)
+                  max_pause_s=Turns.max_pause, slice_s=Turns.slice_s)
     return B.save({**result, **summary(rounds)}, args.out, "rounds")
 
 
