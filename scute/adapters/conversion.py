@@ -86,6 +86,22 @@ class LayerCheckpoint:
         matrix every adapter of a kind holds alike (VeRA's projections) is then one storage, on the device too."""
         return intern_shared(x, self.interned)
 
+    def global_shape(self, key: str) -> tuple[int, ...]:
+        """The shape of the model-level tensor `key`; raises if it is missing."""
+        if key not in self.globals:
+            raise self.checkpoint.error(f"missing model-level tensor 'base_model.{key}'")
+        return tuple(self.globals[key].shape)
+
+    def interned_global(self, key: str) -> Tensor:
+        """`global_tensor(key)`, interned: found among the adapters' by the file's content before it is cast, so
+        that a matrix every adapter of a kind saves alike (VeRA's projections) is cast once, not at every load."""
+        self.global_shape(key)
+        read = intern_shared(self.globals[key], self.interned)  # the table keeps it: its address names it
+        cast = self.interned.setdefault(("cast", read.data_ptr(), self.dtype), [])
+        if not cast:
+            cast.append(self.intern(read.to(self.dtype)))
+        return cast[0]
+
     def has(self, key: str) -> bool:
         return key in self.tensors
 
@@ -156,7 +172,7 @@ def convert_checkpoint(
     device = weights_device(modules) if method.on_device else torch.device("cpu")
     tensors_here = ckpt.tensors_on(device)  # model-level tensors stay on the CPU (shared matrices are made there)
     acc = acc_dtype(next((m.weight.dtype for m in modules.values()), torch.float32))
-    groups, globals_ = _group_keys(ckpt, method, modules, cast_together(tensors_here, acc))  # `LayerCheckpoint.tensor`
+    groups, globals_ = _group_keys(ckpt, method, modules, tensors_here, acc)  # `LayerCheckpoint.tensor`
     if (bad := first_nonfinite(tensors_here)) is not None:
         raise ckpt.error(f"tensor {bad!r} has NaN or Inf values")
     expected = {n for n in modules if is_targeted(ckpt.config, n)}
@@ -219,14 +235,16 @@ def weights_device(modules: Mapping[str, nn.Module]) -> torch.device:
 
 
 def _group_keys(ckpt: AdapterCheckpoint, method: Method, modules: Mapping[str, nn.Module],
-                tensors: Mapping[str, Tensor]):
+                tensors: Mapping[str, Tensor], dtype: torch.dtype):
     """Split checkpoint keys into per-module tensors (suffix -> tensor, from `tensors`: the checkpoint's on the
-    conversion device) and global tensors (name -> tensor, on the CPU)."""
+    conversion device, floating ones cast to `dtype` together: `cast_together`) and global tensors (name ->
+    tensor, on the CPU, as the file has them: a method casts those it uses, `LayerCheckpoint.global_tensor`)."""
     # module.suffix with the shortest module, i.e. the longest suffix ("base_layer.bias" before "bias")
     layer_key = re.compile(rf"(.+?)\.({_names_pattern(method.keys + ('base_layer.bias', 'bias'))})")
     global_key = re.compile(_names_pattern(method.global_keys))
     groups: dict[str, dict[str, Tensor]] = {}
     globals_: dict[str, Tensor] = {}
+    keys: list[tuple[str, str, str]] = []  # (module, suffix, checkpoint key)
     for key, x in ckpt.tensors.items():
         if key.startswith(GLOBAL_PREFIX) and global_key.fullmatch(key[len(GLOBAL_PREFIX):]):
             globals_[key[len(GLOBAL_PREFIX):]] = x
@@ -251,7 +269,10 @@ def _group_keys(ckpt: AdapterCheckpoint, method: Method, modules: Mapping[str, n
                 f"tensor {key!r} is for module {module}, which the base model has no linear layer named: "
                 "was this adapter trained for another model?"
             )
-        groups.setdefault(module, {})[suffix] = tensors[key]
+        keys.append((module, suffix, key))
+    cast = cast_together({key: tensors[key] for _, _, key in keys}, dtype)
+    for module, suffix, key in keys:
+        groups.setdefault(module, {})[suffix] = cast[key]
     return groups, globals_
 
 

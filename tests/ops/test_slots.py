@@ -62,6 +62,9 @@ def test_vera_projections_are_shared_objects(tmp_path):
     a, b, c = (load_adapter(tmp_path / n, model, interned=interned) for n in "abc")
     bases = {s.A.untyped_storage().data_ptr() for ad in (a, b) for s in ad.layers.values()}
     assert len(bases) == 1, "same key, r and targets: one shared A across layers and adapters (saved or not)"
+    again = load_adapter(tmp_path / "a", model, interned=interned)  # found by the file's pair, cast once
+    assert {s.A.untyped_storage().data_ptr() for s in again.layers.values()} == bases
+    assert sum(key[0] == "cast" for key in interned) == 4, "one cast of each saved pair's matrices (a's, c's)"
     alone = load_adapter(tmp_path / "a", model)  # another table: its own copy
     assert not bases & {s.A.untyped_storage().data_ptr() for s in alone.layers.values()}
     assert not bases & {s.A.untyped_storage().data_ptr() for s in c.layers.values()}

@@ -32,17 +32,19 @@ def shared_projections(layer: LayerCheckpoint) -> tuple[Tensor, Tensor]:
         max_out = max(o for o, _ in layer.layer_shapes.values())
         max_in = max(i for _, i in layer.layer_shapes.values())
         if "vera_A" in layer.globals or "vera_B" in layer.globals:
-            A, B = layer.global_tensor("vera_A"), layer.global_tensor("vera_B")
-            if A.shape[0] != r or A.shape[1] < max_in or B.shape[1] != r or B.shape[0] < max_out:
+            A, B = layer.global_shape("vera_A"), layer.global_shape("vera_B")
+            if A[0] != r or A[1] < max_in or B[1] != r or B[0] < max_out:
                 raise layer.error(
-                    f"shared projections vera_A {tuple(A.shape)} / vera_B {tuple(B.shape)} do not fit r={r} "
+                    f"shared projections vera_A {A} / vera_B {B} do not fit r={r} "
                     f"and the adapted layers (max in {max_in}, max out {max_out})"
                 )
+            A, B = layer.interned_global("vera_A"), layer.interned_global("vera_B")
         else:
             g = torch.Generator(device="cpu").manual_seed(int(layer.config.get("projection_prng_key", 0)))
             A = kaiming_uniform((r, max_in), g)
             B = kaiming_uniform((max_out, r), g)
-        layer.shared["vera"] = (layer.intern(A.to(layer.dtype)), layer.intern(B.to(layer.dtype)))
+            A, B = layer.intern(A.to(layer.dtype)), layer.intern(B.to(layer.dtype))
+        layer.shared["vera"] = (A, B)
     return layer.shared["vera"]
 
 
