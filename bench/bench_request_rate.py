@@ -80,6 +80,7 @@ def run_load(engine, paths: list[str], rate: float, args, seed: int) -> dict:
     specs = [paths[pick(args.popularity, len(paths), rng, i)] for i in range(len(arrivals))]
     prompts = [torch.randint(0, vocab, (args.prompt,), generator=g).tolist() for _ in arrivals]
     first, last, started, nxt, waited = {}, {}, {}, 0, 0.0
+    oldest = 0  # the earliest arrival not started yet (arrivals are sorted: its wait is the longest)
     counts = engine_counts(engine)
     start = time.perf_counter()
     while nxt < len(arrivals) or engine.has_unfinished_requests():
@@ -87,7 +88,9 @@ def run_load(engine, paths: list[str], rate: float, args, seed: int) -> dict:
         while nxt < len(arrivals) and arrivals[nxt] <= now:
             engine.add_request(f"r{seed}-{nxt}", prompts[nxt], sp, specs[nxt])
             nxt += 1
-        waited = max((now - arrivals[i] for i in range(nxt) if i not in started), default=0.0)
+        while oldest < nxt and oldest in started:
+            oldest += 1
+        waited = now - arrivals[oldest] if oldest < nxt else 0.0
         if waited > args.max_queue_s:  # the queue grows: this rate is not sustained, stop the run here
             engine.abort_request([f"r{seed}-{i}" for i in range(nxt) if i not in last])
             while engine.has_unfinished_requests():
