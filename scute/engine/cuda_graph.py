@@ -30,11 +30,12 @@ changes them (a first IA3 adapter among LoRA ones: the LoRA graphs' slots are no
 graph be captured again when a step next needs it; one that does not (a LoRA adapter into a free slot beside
 other LoRA ones: the common case) keeps every graph.
 
-Graphs are captured largest first into one shared memory pool (their intermediates overlap; one runs at a
-time), and each writes its logits into the rows of one buffer that every graph shares (`StepGraphs.logits`:
-kept per graph, the LM head's outputs alone would hold a gigabyte per step key on a 128k vocabulary). The base model's graphs are captured at start-up; graphs of other kinds or layouts when a step first
-needs them (one eager forward first: it builds any missing pool and compiles the kernels). Steps of more than
-`MIXED_MAX_TOKENS` tokens, and those computing prompt logprobs, run eagerly.
+Graphs are captured largest first into one shared memory pool (their intermediates overlap; one runs at a time), and
+each writes its logits into the rows of one buffer that every graph shares (`StepGraphs.logits`: kept per graph, the
+LM head's outputs alone would hold a gigabyte per step key on a 128k vocabulary). The base model's graphs are
+captured at start-up; graphs of other kinds or layouts when a step first needs them (one eager forward first: it
+builds any missing pool and compiles the kernels). Steps of more than `MIXED_MAX_TOKENS` tokens, and those computing
+prompt logprobs, run eagerly.
 """
 
 from __future__ import annotations

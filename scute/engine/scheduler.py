@@ -5,14 +5,14 @@ a whole prompt, a chunk of one (chunked prefill falls out of the token budget), 
 step. Running requests go first, oldest first; then waiting requests are admitted in arrival order while the
 budget, `max_num_seqs`, the KV blocks and the adapter slots allow.
 
-Fairness and liveness: when KV blocks run out, the newest running request is preempted (its blocks freed, its
-tokens recomputed later, nothing dropped) and goes back to the head of the queue, so the oldest request always
-progresses. A waiting request blocked only by the adapter cap lets later requests pass, but once it has waited
-`STARVATION_STEPS` steps nothing passes it any more: the running adapters drain and it gets a slot. A request
-whose adapter is not on the device yet (loading on the adapter loader since it arrived) is passed too, and
-counts no steps: it waits for its own adapter only, and is asked again only once a load or a placement has ended
-(`AdapterManager.version`): a thousand requests waiting on loads cost a step a glance each. The scheduler places nothing: `acquire` gives a slot, the
-engine fills it between steps.
+Fairness and liveness: when KV blocks run out, the newest running request is preempted (its blocks freed, its tokens
+recomputed later, nothing dropped) and goes back to the head of the queue, so the oldest request always progresses.
+A waiting request blocked only by the adapter cap lets later requests pass, but once it has waited
+`STARVATION_STEPS` steps nothing passes it any more: the running adapters drain and it gets a slot. A request whose
+adapter is not on the device yet (loading on the adapter loader since it arrived) is passed too, and counts no
+steps: it waits for its own adapter only, and is asked again only once a load or a placement has ended
+(`AdapterManager.version`): a thousand requests waiting on loads cost a step a glance each. The scheduler places
+nothing: `acquire` gives a slot, the engine fills it between steps.
 """
 
 from __future__ import annotations
