@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
             assert all(len(q.output_token_ids) < new_tokens for q in engine.scheduler.running), "raise new_tokens"
     for x in rounds:
         x["quiet"], x["steps"] = clock.rows(x["quiet"]), clock.rows(x["steps"])
-    resident = set(engine.adapters._slots)
+    resident = set(engine.adapters._slot_of)
     placed = sum(engine.adapters.get_by_path(path).identity in resident for path in cold)
     result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
                   command=" ".join(sys.argv), layers=args.layers, batch=args.batch, methods=methods,

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
         clock.run(prompts, specs, 8)  # graphs of this batch, kernels of its launches
         prompts = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=g).tolist() for _ in specs]
         row = clock.run(prompts, specs, args.new_tokens)
-        row["resident"] = sum(s is not None for s in engine.adapters._slots)
+        row["resident"] = len(engine.adapters._slot_of)
         print(f"  {row['resident']:5d} resident: decode {row['decode_ms']} ms/step over {row['decode_steps']} steps",
               flush=True)
         return row

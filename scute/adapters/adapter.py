@@ -20,7 +20,8 @@ from scute.ops.slots import Slots
 # so its address names no other tensor while the entry exists.
 SharedMemo = dict[tuple, tuple[Tensor, Tensor]]
 Interned = dict[tuple, list[Tensor]]  # shared matrices by content: (dtype, shape, device, sample hash) -> the tensors
-# of that key, each of its own content (`intern_shared`)
+# of that key, each of its own content (`intern_shared`); and ("cast", address, dtype) -> [the interned cast] of an
+# interned file tensor (`LayerCheckpoint.interned_global`)
 Transfer = Callable[[Tensor, torch.device], Tensor]  # a contiguous buffer copied to a device, on the current stream
 Pause = Callable[[], None]  # called between the layers a long load works through (the engine's loader: its turns)
 T = TypeVar("T")

@@ -86,17 +86,19 @@ class LayerCheckpoint:
         matrix every adapter of a kind holds alike (VeRA's projections) is then one storage, on the device too."""
         return intern_shared(x, self.interned)
 
-    def global_shape(self, key: str) -> tuple[int, ...]:
-        """The shape of the model-level tensor `key`; raises if it is missing."""
+    def _global(self, key: str) -> Tensor:
+        """The model-level tensor `key` (saved as ``base_model.<key>``) as the file has it; raises if missing."""
         if key not in self.globals:
             raise self.checkpoint.error(f"missing model-level tensor 'base_model.{key}'")
-        return tuple(self.globals[key].shape)
+        return self.globals[key]
+
+    def global_shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._global(key).shape)
 
     def interned_global(self, key: str) -> Tensor:
         """`global_tensor(key)`, interned: found among the adapters' by the file's content before it is cast, so
         that a matrix every adapter of a kind saves alike (VeRA's projections) is cast once, not at every load."""
-        self.global_shape(key)
-        read = intern_shared(self.globals[key], self.interned)  # the table keeps it: its address names it
+        read = intern_shared(self._global(key), self.interned)  # the table keeps it: its address names it
         cast = self.interned.setdefault(("cast", read.data_ptr(), self.dtype), [])
         if not cast:
             cast.append(self.intern(read.to(self.dtype)))
@@ -121,9 +123,7 @@ class LayerCheckpoint:
 
     def global_tensor(self, key: str) -> Tensor:
         """A model-level tensor (saved as ``base_model.<key>``) in `dtype`."""
-        if key not in self.globals:
-            raise self.checkpoint.error(f"missing model-level tensor 'base_model.{key}'")
-        return self.globals[key].to(self.dtype)
+        return self._global(key).to(self.dtype)
 
 
 def intern_shared(x: Tensor, table: Interned) -> Tensor:

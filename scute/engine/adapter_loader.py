@@ -163,11 +163,12 @@ class Turns:
         """A pause point of the loader's work: waits while the step loop holds its turn, once its slice is spent."""
         if threading.get_ident() == self._holder:
             return
-        if not self._free.is_set() and time.perf_counter() - self._went_on >= self.slice_s:
+        held = not self._free.is_set()
+        if held and time.perf_counter() - self._went_on < self.slice_s:
+            return  # within its slice: it went on less than `slice_s` ago
+        if held:
             self._free.wait(self.max_pause)
-            self._went_on = time.perf_counter()
-        elif self._free.is_set():
-            self._went_on = time.perf_counter()
+        self._went_on = time.perf_counter()
 
 
 class AdapterLoader:

@@ -57,8 +57,7 @@ class AdapterManager:
         self.max_cpu_adapters = max_cpu_adapters
         self.named: dict[str, Adapter] = {}
         self._by_path: OrderedDict[tuple, Adapter] = OrderedDict()
-        self._slots: list[str | None] = [None] * max_adapters  # identity held by each device slot
-        self._slot_of: dict[str, int] = {}  # identity -> its slot (lookups cost the same for any max_adapters)
+        self._slot_of: dict[str, int] = {}  # identity -> the device slot holding it
         self._free_slots = list(range(max_adapters))  # heap of the empty slots
         self._refs: dict[str, int] = {}  # identity -> running requests using it
         self._unused: OrderedDict[str, None] = OrderedDict()  # placed, unused identities, LRU first
@@ -291,7 +290,6 @@ class AdapterManager:
             if s != slot:
                 self.placer.add(s, None)
         self.placer.add(slot, staged)
-        self._slots[slot] = ident
         self._slot_of[ident] = slot
         self._placing.add(ident)
         self.memory.hold(adapter)
@@ -302,7 +300,6 @@ class AdapterManager:
         """Empty the slot of the least recently used unused adapter; returns the slot."""
         evicted, _ = self._unused.popitem(last=False)
         slot = self._slot_of.pop(evicted)
-        self._slots[slot] = None
         heapq.heappush(self._free_slots, slot)
         self.memory.drop(evicted)
         return slot
