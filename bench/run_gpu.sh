@@ -11,6 +11,8 @@
 #   rate1024 bench/bench_request_rate.py at N = 1024 on 4 layers (budget scaled to them), native vs rank-64
 #            conversions, for each of $RATE_METHODS (default: ia3 vera; one method fills a 10-minute call, and its
 #            43 GB of files are deleted after it): rate_<method>_1024.json and .log
+#   load     bench/bench_adapter_load.py: each method's time from a PEFT folder to servable (adapter_load.json)
+#   background bench/bench_background_loads.py: the decode step while cold adapters load (background_loads.json)
 #   decode   bench/profile_decode.py: GPU time per kernel and idle gaps of graph-replayed decode steps (decode.json)
 #   profile  bench/profile_ops.py: per-kernel times of one layer call (torch profiler)
 #   bench    bench/bench_ops.py: the layer table of docs/performance.md (bench_ops.json, bench.log)
@@ -49,6 +51,10 @@ for step in $steps; do
               --out "$OUT/rate_${m}_1024.json" 2>&1 | tr '\r' '\n' | grep -v "Capturing\|files:" > "$OUT/rate_${m}_1024.log"
             tail -4 "$OUT/rate_${m}_1024.log"; rm -rf /tmp/scute-rate-1024
           done ;;
+    load) timeout 280 python3 bench/bench_adapter_load.py --device cuda --out "$OUT/adapter_load.json" > "$OUT/load.log" 2>&1
+          tail -12 "$OUT/load.log" ;;
+    background) timeout 400 python3 bench/bench_background_loads.py --out "$OUT/background_loads.json" \
+                  > "$OUT/background.log" 2>&1; tail -14 "$OUT/background.log" ;;
     decode) timeout 300 python3 bench/profile_decode.py --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1
             grep -v "^{" "$OUT/decode.log" | tail -110 ;;
     profile) timeout 200 python3 bench/profile_ops.py > "$OUT/profile.log" 2>&1; grep -v "^expand\|^shrink\|^input" "$OUT/profile.log" | tail -40 ;;

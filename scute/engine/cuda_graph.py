@@ -15,9 +15,11 @@ with adapters spends tens of milliseconds launching them.
 
 What a graph bakes in, and so what keys it:
 * the adapter *layout*: each adapted call's `SlotPool.signature` (every size and buffer its launches are built
-  from). Placing an adapter rewrites only the pools' table contents, which graphs read at replay; a placement
-  that changes a signature (a larger rank, a first OFT adapter in a layer) changes the layout, and the graphs of
-  the old layout are dropped;
+  from), and which calls share a slot grouping (the first of them builds the tokens' order by group inside the
+  graph, the others reuse it). Placing an adapter rewrites only the pools' table contents and their groupings
+  (`slot_group`), which graphs read at replay: a VeRA adapter joining the shared group of the VeRA adapters
+  before it keeps every graph. A placement that changes a signature (a larger rank, a first OFT adapter in a
+  layer) or which calls share a grouping changes the layout, and the graphs of the old layout are dropped;
 * the step's *kinds*: which of the passes (input transform, shared products, low-rank, epilogue) the step's
   adapters need anywhere (`slot_kinds`), so that a step of base requests replays a graph of plain GEMMs even
   while adapters are resident. A graph is captured with every slot whose kinds are among the key's as the
@@ -110,7 +112,10 @@ class AdapterLayout:
         pools = [u.pool for u in units.values()]
         self.complete = None not in pools  # else: an eager step builds the missing pools first
         self.pools = [p for p in pools if p is not None]
-        self.key = tuple(p.signature for p in self.pools)
+        groupings: dict[tuple, int] = {}  # each distinct grouping's index: which pools share one, not what it is
+        self.key = (tuple(p.signature for p in self.pools),
+                    tuple(-1 if p.group_key is None else groupings.setdefault(p.group_key, len(groupings))
+                          for p in self.pools))
         masks = [0] * len(StepKinds._fields)  # per pass: the slots that need it in some layer
         for p in self.pools:
             masks = [m | pm for m, pm in zip(masks, p.kind_masks)]

@@ -71,7 +71,9 @@ class SlotPool:
     masks (bit s: slot s); `step_kinds` turns the slots of a step into the passes the step runs, and
     ``step_kinds(None)`` gives the passes the pool has at all. ``facts``: the host values above that decide a
     call's passes and launches, as one `PoolFacts` (`scute.ops.groups`, computed from the slots alone).
-    ``signature`` (host tuple): everything a captured graph bakes in (`_set_facts`).
+    ``signature`` (host tuple): everything a captured graph bakes in (`_set_facts`). The grouping itself is not
+    in it: a graph computes the tokens' order from ``slot_group`` at replay, so a VeRA adapter joining the shared
+    group keeps the graphs (only which pools share one grouping is baked in: `scute.engine.cuda_graph`).
     """
 
     # The engine runs its steps under torch.inference_mode; the pool is created on a first forward but updated
@@ -227,12 +229,13 @@ class SlotPool:
 
     def _set_facts(self, facts: PoolFacts) -> None:
         """The host values that follow from `facts` (the last step of `update` and `update_slot`), `signature`
-        among them: everything a captured graph bakes in, a graph staying valid while it is unchanged."""
+        among them: everything a captured graph bakes in of this pool alone, a graph staying valid while it is
+        unchanged (and while the same pools share a grouping: `scute.engine.cuda_graph.AdapterLayout`)."""
         self.group_key = None if self._joined == 0 else facts.groups
         self.facts = facts
         self.exact_delta, self.block_b, self.min_block = facts.exact_delta, facts.block_b, facts.min_block
         self.max_rank, self.kind_masks = facts.max_rank, facts.kind_masks
-        self.signature = (self.group_key, self.h_width, tuple(self.step_kinds(None)), self.exact_delta, self.block_b,
+        self.signature = (self.h_width, tuple(self.step_kinds(None)), self.exact_delta, self.block_b,
                           self.min_block, self.max_rank, self.shared_group, self.shared_a_of, self.shared_outs,
                           tuple(self.shared_a.shape))
 

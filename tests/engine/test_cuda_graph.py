@@ -23,7 +23,7 @@ def test_capture_sizes():
 def test_layout_keys_and_active_slots():
     model = tiny_model()
     linears = swap_linears(model, max_adapters=4)
-    assert AdapterLayout(linears.values(), 4).key == ()  # no adapter: no pool, the base graphs
+    assert AdapterLayout(linears.values(), 4).key == ((), ())  # no adapter: no pool, the base graphs
     q, down = linears["model.layers.0.self_attn.q_proj"], linears["model.layers.0.mlp.down_proj"]
     q.set_slot(1, random_slots("lora", q.in_features, q.out_features, rank=4))
     down.set_slot(2, random_slots("ia3", down.in_features, down.out_features, feedforward=True))
@@ -35,7 +35,7 @@ def test_layout_keys_and_active_slots():
                              4, "cpu", torch.float32)
         unit.pool.update([m.slots for m in (lin.group.members if lin.group else [lin])])
     layout = AdapterLayout(linears.values(), 4)
-    assert layout.complete and layout.key != ()
+    assert layout.complete and layout.key != ((), ())
     lora, ia3 = layout.step_key([1, -1]), layout.step_key([2])
     assert lora and ia3 and lora != ia3 and layout.step_key([-1, 0, 3]) == 0
     assert layout.step_key([1, 2]) == lora | ia3
@@ -165,6 +165,31 @@ def test_graph_key_follows_what_the_plans_read():
     q.set_slot(0, random_slots("ia3", q.in_features, q.out_features))
     after = state()
     assert after[0] == before[0] and after[1] != before[1] and after[2] != before[2]
+
+
+def test_vera_adapters_joining_their_shared_group_keep_the_layout():
+    """VeRA adapters of one pair placed one after another join one group: each placement changes the grouping
+    (which graphs read at replay from `slot_group`) but not the layout, so graphs stay. Which pools share a
+    grouping is in the layout (the first pool of a grouping builds the tokens' order, the others reuse it)."""
+    model = tiny_model()
+    linears = swap_linears(model, max_adapters=4)
+    q, down = linears["model.layers.0.self_attn.q_proj"], linears["model.layers.0.mlp.down_proj"]
+    torch.manual_seed(0)
+    pair = (torch.randn(4, 128), torch.randn(128, 4))
+    for lin in (q, down):
+        lin.set_slot(0, random_slots("vera", lin.in_features, lin.out_features, vera_pair=pair))
+        lin.set_slot(1, random_slots("vera", lin.in_features, lin.out_features, vera_pair=pair))
+        unit = lin.group or lin
+        unit.pool = SlotPool(lin.in_features, [m.out_features for m in (lin.group.members if lin.group else [lin])],
+                             4, "cpu", torch.float32)
+        unit.pool.update([m.slots for m in (lin.group.members if lin.group else [lin])])
+    before, grouping = AdapterLayout(linears.values(), 4).key, q.group.pool.group_key
+    for lin in (q, down):
+        lin.set_slot(2, random_slots("vera", lin.in_features, lin.out_features, vera_pair=pair))
+    assert q.group.pool.group_key != grouping and q.group.pool.group_key == down.pool.group_key == (0, 0, 0, 3)
+    assert AdapterLayout(linears.values(), 4).key == before
+    q.set_slot(3, random_slots("vera", q.in_features, q.out_features, vera_pair=pair))  # q's grouping alone
+    assert AdapterLayout(linears.values(), 4).key != before
 
 
 def test_filling_the_last_free_slot_keeps_the_graphs_of_many_tokens():

@@ -74,16 +74,19 @@ def test_graphs_follow_adapter_placements(oracle):
     assert all(logits.data_ptr() == graphs.logits.data_ptr() for _, logits, _ in graphs.graphs.values())
 
 
-def test_placements_that_keep_the_plans_keep_the_graphs(oracle, tmp_path):
-    """LoRA adapters placed into free slots beside a LoRA adapter's graphs replay those graphs (nothing is
-    captured again); an IA3 adapter joining them changes what the LoRA graphs' plans read, and its batch is
+@pytest.mark.parametrize("method", ["lora", "vera"])
+def test_placements_that_keep_the_plans_keep_the_graphs(oracle, tmp_path, method):
+    """Adapters placed into free slots beside an adapter of their method replay its graphs (nothing is captured
+    again): LoRA ones, and VeRA ones of the same pair, which join its shared group (the grouping changes, the
+    layout does not; only the second VeRA adapter, which makes the pools' first group of two slots, changes which
+    pools share a grouping, and so the layout). An IA3 adapter joining LoRA ones changes what the LoRA graphs' plans read, and its batch is
     captured again. Every batch's tokens equal the eager engine's."""
     from tests.helpers import FIVE_METHODS, make_adapter
 
-    paths = [oracle.paths["lora"]]
+    paths = [oracle.paths[method]]
     for seed in (1, 2):
-        paths.append(str(tmp_path / f"lora-{seed}"))
-        make_adapter(paths[-1], FIVE_METHODS["lora"](), "llama", seed=seed)
+        paths.append(str(tmp_path / f"{method}-{seed}"))
+        make_adapter(paths[-1], FIVE_METHODS[method](), "llama", seed=seed)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = mixed_requests()[0][:4]
     graphed = oracle.engine(device="cuda", max_adapters=4)
@@ -98,8 +101,10 @@ def test_placements_that_keep_the_plans_keep_the_graphs(oracle, tmp_path):
         want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, specs, use_tqdm=False)]
         assert got == want, batch
         captured.append(dict(graphed.runner.graphs.graphs))  # (step key, shape) -> (graph, logits, graph key)
-    # every graph of a batch is kept by the LoRA placements after it (a batch may add graphs of new shapes: the
-    # prefix cache shortens its prompts), and the IA3 adapter's batch captures graphs
-    for before, after in zip(captured, captured[1:3]):
+    # every graph of a batch is kept by the placements of its method after it (a batch may add graphs of new
+    # shapes: the prefix cache shortens its prompts), and the IA3 adapter's batch beside LoRA captures graphs
+    kept = captured[:3] if method == "lora" else captured[1:3]
+    for before, after in zip(kept, kept[1:]):
         assert all(after.get(k) is v for k, v in before.items())
-    assert {id(v) for v in captured[3].values()} - {id(v) for v in captured[2].values()}
+    if method == "lora":
+        assert {id(v) for v in captured[3].values()} - {id(v) for v in captured[2].values()}
