@@ -8,9 +8,10 @@
 #   baselines bench/bench_engine.py --cases lora --batches 64 --peft --static: transformers + PEFT and static cache
 #   rate     bench/bench_request_rate.py for IA3, then VeRA: N = 64 on 8 layers, native vs rank-64 LoRA conversions
 #            (rate_ia3.json, rate_vera.json: docs/performance.md's table)
-#   rate1024 bench/bench_request_rate.py at N = 1024 on 4 layers (budget scaled to them), native vs rank-64
-#            conversions, for each of $RATE_METHODS (default: ia3 vera; one method fills a 10-minute call, and its
-#            43 GB of files are deleted after it): rate_<method>_1024.json and .log
+#   rate1024 bench/bench_request_rate.py at N = $RATE_N (default 1024) adapters, $RATE_POPULARITY (default
+#            uniform), on 4 layers (budget scaled to them), native vs rank-64 conversions, for each of $RATE_METHODS
+#            (default: ia3 vera; one method at N = 1024 takes 4-7 minutes of a 10-minute call, and its 43 GB of
+#            files are deleted after it): rate_<method>_<N>[_zipf].json and .log
 #   load     bench/bench_adapter_load.py: each method's time from a PEFT folder to servable (adapter_load.json)
 #   background bench/bench_background_loads.py: the decode step while cold adapters load (background_loads.json)
 #   decode   bench/profile_decode.py: GPU time per kernel and idle gaps of graph-replayed decode steps (decode.json)
@@ -44,12 +45,13 @@ for step in $steps; do
               --requests 100 --bisect 2 --start-rate 8 --warm-arrivals 200 --warm-rate 256 --min-duration 6 \
               --out "$OUT/rate_$m.json" 2>&1 | grep -v Capturing > "$OUT/rate_$m.log"; tail -4 "$OUT/rate_$m.log"
           done ;;
-    rate1024) for m in ${RATE_METHODS:-ia3 vera}; do
-            timeout 570 python3 bench/bench_request_rate.py --methods $m --adapters 1024 --ranks 64 --layers 4 \
-              --max-adapters 1024 --adapter-memory-gib 1.75 --convert 1 --requests 100 --bisect 2 --start-rate 8 \
-              --warm-arrivals 200 --warm-rate 256 --min-duration 6 --root /tmp/scute-rate-1024 \
-              --out "$OUT/rate_${m}_1024.json" 2>&1 | tr '\r' '\n' | grep -v "Capturing\|files:" > "$OUT/rate_${m}_1024.log"
-            tail -4 "$OUT/rate_${m}_1024.log"; rm -rf /tmp/scute-rate-1024
+    rate1024) n=${RATE_N:-1024}; pop=${RATE_POPULARITY:-uniform}; name=${n}${pop/uniform/}; name=${name/zipf/_zipf}
+          for m in ${RATE_METHODS:-ia3 vera}; do
+            timeout 570 python3 bench/bench_request_rate.py --methods $m --adapters $n --popularity $pop --ranks 64 \
+              --layers 4 --max-adapters 1024 --adapter-memory-gib 1.75 --convert 1 --requests 100 --bisect 2 \
+              --start-rate 8 --warm-arrivals 200 --warm-rate 256 --min-duration 6 --root /tmp/scute-rate-1024 \
+              --out "$OUT/rate_${m}_${name}.json" 2>&1 | tr '\r' '\n' | grep -v "Capturing\|files:" > "$OUT/rate_${m}_${name}.log"
+            tail -4 "$OUT/rate_${m}_${name}.log"; rm -rf /tmp/scute-rate-1024
           done ;;
     load) timeout 280 python3 bench/bench_adapter_load.py --device cuda --out "$OUT/adapter_load.json" > "$OUT/load.log" 2>&1
           tail -12 "$OUT/load.log" ;;
