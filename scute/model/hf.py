@@ -55,7 +55,7 @@ def placing(linears: dict[str, ScuteLinear], index: int, adapter: Adapter | None
     """`place_adapter` a slot pool at a time, yielding after each: steps may run between two as long as no token
     uses slot `index` until it is exhausted. What it did takes effect at its end, at once: every pool's device
     rows in one copy (`Placement`), and the layers' versions, which CUDA graphs follow; or after a pool whose
-    signature changed, before any step (a graph of the old one may read a buffer the pool replaced)."""
+    signature or grouping of other slots changed, before any step (`Placement.resigned`)."""
     layers = {} if adapter is None else adapter.layers
     if missing := set(layers) - set(linears):
         raise ValueError(f"adapter {adapter.name!r} adapts {min(missing)}, which is not a ScuteLinear here")

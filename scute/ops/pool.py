@@ -46,8 +46,9 @@ class Placement:
     """One adapter's placement into the pools of a model, and what the caller applies when it takes effect: the
     device writes it makes (`TableWrites`) and the layers whose `version` it changes (``touched``), the rows
     prepared for it off the step loop, by pool (`pool_rows.prepare_column`), and ``resigned``: some pool's
-    `signature` changed (a graph captured before may read a buffer the pool replaced: the caller applies the
-    placement before a step runs)."""
+    `signature` changed, or the group of a slot other than the placed one (a graph captured before may read a
+    buffer the pool replaced, or share one token order between this pool and another whose grouping now differs
+    for slots in use: the caller applies the placement before a step runs, and the graphs follow)."""
 
     def __init__(self, prepared: dict[SlotPool, PreparedColumn] | None = None) -> None:
         self.writes, self.prepared = TableWrites(), prepared or {}
@@ -175,12 +176,14 @@ class SlotPool:
         it holds. Any other change of the grouping runs `update`. Within a `placement` (flushed by the caller), the
         rows it prepared for this pool and these slots are taken as they are, and the slot's rows go to the device
         with the placement's; without one, now."""
-        before = self.signature
-        self._update_slot(slots, s, placement)
-        if placement is not None and self.signature != before:
+        before, groups = self.signature, self.facts.groups
+        rebuilt = self._update_slot(slots, s, placement)  # only a rebuild can move another slot's group
+        moved = rebuilt and groups[:s] + groups[s + 1:] != self.facts.groups[:s] + self.facts.groups[s + 1:]
+        if placement is not None and (self.signature != before or moved):
             placement.resigned = True
 
-    def _update_slot(self, slots: Sequence[Sequence[Slots | None]], s: int, placement: Placement | None) -> None:
+    def _update_slot(self, slots: Sequence[Sequence[Slots | None]], s: int, placement: Placement | None) -> bool:
+        """`update_slot`'s work; whether it rebuilt the whole table (`update`)."""
         column = [row[s] for row in slots]
         ready = None if placement is None else placement.prepared.get(self)
         if ready is not None and (ready.pool is not self or ready.ids != tuple(map(id, column))):
@@ -191,7 +194,8 @@ class SlotPool:
             others_old, others_new = old[:s] + old[s + 1:], new[:s] + new[s + 1:]
             if facts.shared_group != shared or s == shared or others_old != others_new or s in others_old \
                     or s in others_new:
-                return self.update(slots)
+                self.update(slots)
+                return True
         group = new[s]
         out = TableWrites() if placement is None else placement.writes
         if ready is not None and group == s:  # its own group: the rows depend on its slots alone
@@ -214,6 +218,7 @@ class SlotPool:
         if placement is None:
             out.flush()
         self._set_facts(facts)
+        return False
 
     def _use(self, s: int, keep: dict, mine: set) -> None:
         """Slot s now uses the copies whose keys are `mine` (`keep`: the copies by key): its old copies that no

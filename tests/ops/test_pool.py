@@ -27,6 +27,29 @@ def test_pool_built_in_inference_mode_updates_outside_it():
         pool.update(slots)
 
 
+def test_a_placement_that_moves_other_slots_groups_is_applied_at_once():
+    """A slot joining a group moves no other slot: the placement's writes may wait for its end (no step uses the
+    slot meanwhile). Replacing the representative of a group of two moves the other member to a group of its
+    own, a slot in use, with the pool's signature unchanged: the placement is marked `resigned`, applied before
+    any step (a graph sharing one token order between pools would read this pool's old grouping)."""
+    from scute.ops.pool import Placement
+
+    def vera(pair) -> Slots:
+        return Slots(8, 6, A=pair[0], B=pair[1], m=torch.randn(4), v=torch.randn(6), shared=frozenset({"A", "B"}))
+
+    x, y = [(torch.randn(4, 8), torch.randn(6, 4)) for _ in range(2)]
+    slots = [[vera(x), vera(x), vera(y), vera(y), None, None]]
+    pool = SlotPool(8, (6,), 6, "cpu", torch.float32)
+    pool.update(slots)
+    assert pool.facts.groups == (0, 0, 2, 2, 4, 5)
+    slots[0][4], placement = vera(x), Placement()
+    pool.update_slot(slots, 4, placement)
+    assert pool.facts.groups == (0, 0, 2, 2, 0, 5) and not placement.resigned
+    signature, slots[0][2], placement = pool.signature, lora(4), Placement()
+    pool.update_slot(slots, 2, placement)
+    assert pool.facts.groups == (0, 0, 2, 3, 0, 5) and pool.signature == signature and placement.resigned
+
+
 def test_shared_group_buffers_refilled_in_place():
     """A captured graph holds the shared group's buffers: a new pair of the same shapes (another VeRA model's) and
     its members' m are copied into them, the signature unchanged; a new rank is new buffers and a new signature."""
