@@ -45,7 +45,7 @@ for step in $steps; do
               --requests 100 --bisect 2 --start-rate 8 --warm-arrivals 200 --warm-rate 256 --min-duration 6 \
               --out "$OUT/rate_$m.json" 2>&1 | grep -v Capturing > "$OUT/rate_$m.log"; tail -4 "$OUT/rate_$m.log"
           done ;;
-    rate1024) n=${RATE_N:-1024}; pop=${RATE_POPULARITY:-uniform}; name=${n}${pop/uniform/}; name=${name/zipf/_zipf}
+    rate1024) n=${RATE_N:-1024}; pop=${RATE_POPULARITY:-uniform}; name=$n; [ "$pop" = zipf ] && name=${n}_zipf
           for m in ${RATE_METHODS:-ia3 vera}; do
             timeout 570 python3 bench/bench_request_rate.py --methods $m --adapters $n --popularity $pop --ranks 64 \
               --layers 4 --max-adapters 1024 --adapter-memory-gib 1.75 --convert 1 --requests 100 --bisect 2 \

@@ -176,14 +176,13 @@ class SlotPool:
         it holds. Any other change of the grouping runs `update`. Within a `placement` (flushed by the caller), the
         rows it prepared for this pool and these slots are taken as they are, and the slot's rows go to the device
         with the placement's; without one, now."""
-        before, groups = self.signature, self.facts.groups
-        rebuilt = self._update_slot(slots, s, placement)  # only a rebuild can move another slot's group
-        moved = rebuilt and groups[:s] + groups[s + 1:] != self.facts.groups[:s] + self.facts.groups[s + 1:]
+        before = self.signature
+        moved = self._update_slot(slots, s, placement)
         if placement is not None and (self.signature != before or moved):
             placement.resigned = True
 
     def _update_slot(self, slots: Sequence[Sequence[Slots | None]], s: int, placement: Placement | None) -> bool:
-        """`update_slot`'s work; whether it rebuilt the whole table (`update`)."""
+        """`update_slot`'s work; whether the group of a slot other than `s` moved (only a rebuild moves one)."""
         column = [row[s] for row in slots]
         ready = None if placement is None else placement.prepared.get(self)
         if ready is not None and (ready.pool is not self or ready.ids != tuple(map(id, column))):
@@ -195,7 +194,7 @@ class SlotPool:
             if facts.shared_group != shared or s == shared or others_old != others_new or s in others_old \
                     or s in others_new:
                 self.update(slots)
-                return True
+                return others_old != others_new
         group = new[s]
         out = TableWrites() if placement is None else placement.writes
         if ready is not None and group == s:  # its own group: the rows depend on its slots alone

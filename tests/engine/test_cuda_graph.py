@@ -13,6 +13,15 @@ from scute.ops.testing import random_slots
 from tests.helpers import tiny_model
 
 
+def build_pool(lin, num_slots: int = 4) -> SlotPool:
+    """What the first forward does for `lin`'s call (`pool_for`), on the CPU: its pool (its group's), filled."""
+    unit = lin.group or lin
+    members = lin.group.members if lin.group else [lin]
+    unit.pool = SlotPool(lin.in_features, [m.out_features for m in members], num_slots, "cpu", torch.float32)
+    unit.pool.update([m.slots for m in members])
+    return unit.pool
+
+
 def test_capture_sizes():
     assert capture_sizes(1) == [1]
     assert capture_sizes(8) == [1, 2, 4, 8]
@@ -29,11 +38,8 @@ def test_layout_keys_and_active_slots():
     down.set_slot(2, random_slots("ia3", down.in_features, down.out_features, feedforward=True))
     layout = AdapterLayout(linears.values(), 4)
     assert not layout.complete  # the pools are built by the first forward
-    for lin in (q, down):  # what that forward does (`pool_for`), for the CPU
-        unit = lin.group or lin
-        unit.pool = SlotPool(lin.in_features, [m.out_features for m in (lin.group.members if lin.group else [lin])],
-                             4, "cpu", torch.float32)
-        unit.pool.update([m.slots for m in (lin.group.members if lin.group else [lin])])
+    for lin in (q, down):
+        build_pool(lin)
     layout = AdapterLayout(linears.values(), 4)
     assert layout.complete and layout.key != ((), ())
     lora, ia3 = layout.step_key([1, -1]), layout.step_key([2])
@@ -149,8 +155,7 @@ def test_graph_key_follows_what_the_plans_read():
     q = linears["model.layers.0.self_attn.q_proj"]
     torch.manual_seed(0)
     q.set_slot(1, random_slots("lora", q.in_features, q.out_features, rank=4))
-    q.group.pool = SlotPool(q.in_features, q.group.out_features, 4, "cpu", torch.float32)
-    q.group.pool.update([m.slots for m in q.group.members])
+    build_pool(q)
 
     def state():
         layout = AdapterLayout(linears.values(), 4)
@@ -179,10 +184,7 @@ def test_vera_adapters_joining_their_shared_group_keep_the_layout():
     for lin in (q, down):
         lin.set_slot(0, random_slots("vera", lin.in_features, lin.out_features, vera_pair=pair))
         lin.set_slot(1, random_slots("vera", lin.in_features, lin.out_features, vera_pair=pair))
-        unit = lin.group or lin
-        unit.pool = SlotPool(lin.in_features, [m.out_features for m in (lin.group.members if lin.group else [lin])],
-                             4, "cpu", torch.float32)
-        unit.pool.update([m.slots for m in (lin.group.members if lin.group else [lin])])
+        build_pool(lin)
     before, grouping = AdapterLayout(linears.values(), 4).key, q.group.pool.group_key
     for lin in (q, down):
         lin.set_slot(2, random_slots("vera", lin.in_features, lin.out_features, vera_pair=pair))
@@ -204,8 +206,7 @@ def test_filling_the_last_free_slot_keeps_the_graphs_of_many_tokens():
     torch.manual_seed(0)
     for s in (0, 1, 2):
         q.set_slot(s, random_slots("lora", q.in_features, q.out_features, rank=4))
-    q.group.pool = SlotPool(q.in_features, q.group.out_features, 4, "cpu", torch.float32)
-    q.group.pool.update([m.slots for m in q.group.members])
+    build_pool(q)
 
     def state(n):
         layout = AdapterLayout(linears.values(), 4)

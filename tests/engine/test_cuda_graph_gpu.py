@@ -79,8 +79,8 @@ def test_placements_that_keep_the_plans_keep_the_graphs(oracle, tmp_path, method
     """Adapters placed into free slots beside an adapter of their method replay its graphs (nothing is captured
     again): LoRA ones, and VeRA ones of the same pair, which join its shared group (the grouping changes, the
     layout does not; only the second VeRA adapter, which makes the pools' first group of two slots, changes which
-    pools share a grouping, and so the layout). An IA3 adapter joining LoRA ones changes what the LoRA graphs' plans read, and its batch is
-    captured again. Every batch's tokens equal the eager engine's."""
+    pools share a grouping, and so the layout). An IA3 adapter joining LoRA ones changes what the LoRA graphs'
+    plans read, and its batch is captured again. Every batch's tokens equal the eager engine's."""
     from tests.helpers import FIVE_METHODS, make_adapter
 
     paths = [oracle.paths[method]]
