@@ -14,9 +14,9 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 
 import torch
 from torch import Tensor
@@ -32,6 +32,25 @@ class AdapterError(ValueError):
     """A PEFT adapter that cannot be served; the message names the adapter, the module and the problem."""
 
 
+class Digest:
+    """The sha256 of a PEFT folder's files: of the config's bytes, then of the sha256 of each `CHUNK` of the
+    weights file in order (a hash tree). The chunks are hashed on the reader threads (`_readers`; hashlib
+    releases the interpreter lock) while the caller goes on: `hexdigest` waits for them."""
+
+    def __init__(self, config: bytes) -> None:
+        self._sha = hashlib.sha256(config)
+        self._chunks: list[Future | bytes] = []  # each chunk's digest, or the future of one
+
+    def add(self, chunk: Future | bytes) -> None:
+        self._chunks.append(chunk)
+
+    def hexdigest(self) -> str:
+        for chunk in self._chunks:
+            self._sha.update(chunk if isinstance(chunk, bytes) else chunk.result())
+        self._chunks = []
+        return self._sha.hexdigest()
+
+
 @dataclass
 class AdapterCheckpoint:
     """The raw contents of a PEFT folder: its config and its tensors (keys as PEFT saved them)."""
@@ -39,8 +58,13 @@ class AdapterCheckpoint:
     path: str
     config: dict
     tensors: dict[str, Tensor]
-    identity: str  # sha256 of the config and weight files: changes whenever the adapter does
+    digest: Digest  # of the config and weight files: `identity`
     buffer: Tensor | None = None  # the weights file as read (uint8); `tensors` are views of it
+
+    @cached_property
+    def identity(self) -> str:
+        """sha256 of the config and weight files: changes whenever the adapter does (waits for the hashing)."""
+        return self.digest.hexdigest()
 
     @property
     def peft_type(self) -> str:
@@ -101,7 +125,7 @@ def read_checkpoint(path: str | os.PathLike, allow_pickle: bool = False, pin_mem
         raise AdapterError(f"adapter {path}: cannot read {cfg_file}: {e}") from e
     if not isinstance(config, dict) or "peft_type" not in config:
         raise AdapterError(f"adapter {path}: {cfg_file} has no 'peft_type'")
-    digest = hashlib.sha256(cfg_bytes)
+    digest = Digest(cfg_bytes)
     st_file, bin_file = os.path.join(path, SAFETENSORS), os.path.join(path, PICKLE)
     buffer = None
     if os.path.isfile(st_file):
@@ -113,14 +137,14 @@ def read_checkpoint(path: str | os.PathLike, allow_pickle: bool = False, pin_mem
                 f"Convert it to {SAFETENSORS}, or pass allow_pickle=True if you trust its source"
             )
         with open(bin_file, "rb") as f:
-            digest.update(f.read())
+            digest.add(hashlib.sha256(f.read()).digest())
         try:
             tensors = torch.load(bin_file, map_location="cpu", weights_only=True)
         except Exception as e:
             raise AdapterError(f"adapter {path}: cannot read {bin_file}: {e}") from e
     else:
         raise AdapterError(f"adapter {path}: missing {SAFETENSORS}")
-    return AdapterCheckpoint(path, config, tensors, digest.hexdigest(), buffer)
+    return AdapterCheckpoint(path, config, tensors, digest, buffer)
 
 
 CHUNK = 8 << 20  # bytes read and hashed per task: files of a few chunks and more are read by several threads
@@ -134,9 +158,8 @@ def _readers() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="scute-read")
 
 
-def _load_safetensors(path: str, file: str, digest, pin_memory: bool) -> tuple[Tensor, dict[str, Tensor]]:
-    """The file in one buffer and its tensors as views of it. The digest takes the sha256 of each `CHUNK` of the
-    file (a hash tree: the chunks are read and hashed in parallel; hashlib and reads release the GIL)."""
+def _load_safetensors(path: str, file: str, digest: Digest, pin_memory: bool) -> tuple[Tensor, dict[str, Tensor]]:
+    """The file in one buffer and its tensors as views of it; the hashing of its chunks begun (`Digest`)."""
     try:
         buffer = _read(file, pin_memory, digest)
         return buffer, _parse(buffer)
@@ -144,25 +167,35 @@ def _load_safetensors(path: str, file: str, digest, pin_memory: bool) -> tuple[T
         raise AdapterError(f"adapter {path}: {file} is corrupt or truncated ({e})") from e
 
 
-def _read(file: str, pin_memory: bool, digest) -> Tensor:
+def _read(file: str, pin_memory: bool, digest: Digest) -> Tensor:
+    """The file read into one buffer, by several threads for a file of a few chunks and more; each chunk's
+    sha256 is added to `digest`, hashed on those threads after the read (the buffer is not written again)."""
     fd = os.open(file, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
         view = memoryview(buffer.numpy())
 
-        def chunk(start: int) -> bytes:
+        def read(start: int) -> None:
             end, pos = min(start + CHUNK, size), start
             while pos < end:
                 got = os.preadv(fd, [view[pos:end]], pos)
                 if got == 0:
                     raise ValueError(f"the file ended at byte {pos} while reading it ({size} bytes)")
                 pos += got
-            return hashlib.sha256(view[start:end]).digest()
+
+        def sha(start: int) -> bytes:
+            return hashlib.sha256(view[start:start + CHUNK]).digest()
 
         starts = range(0, size, CHUNK)
-        for d in (_readers().map(chunk, starts) if len(starts) > 2 else map(chunk, starts)):
-            digest.update(d)
+        if len(starts) > 2:
+            list(_readers().map(read, starts))
+            for start in starts:
+                digest.add(_readers().submit(sha, start))
+        else:
+            for start in starts:
+                read(start)
+                digest.add(sha(start))
         return buffer
     finally:
         os.close(fd)
