@@ -429,6 +429,9 @@ class _Done:
     def synchronize(self) -> None:
         pass
 
+    def query(self) -> bool:
+        return True
+
 
 class StandInRunner:
     """`ModelRunner`'s two entry points over `next_token` (the stand-in model; subclasses change it). `launch`

@@ -26,7 +26,7 @@ from scute.engine.output_processor import OutputProcessor
 from scute.engine.parallel_sampling import ParentRequest
 from scute.engine.request import AdapterRequest, Request
 from scute.engine.scheduler import Scheduler, SchedulerOutput
-from scute.engine.utils import is_token_ids, per_prompt, tokenize
+from scute.engine.utils import Collections, is_token_ids, per_prompt, tokenize
 from scute.model.loader import load_model
 from scute.outputs import RequestOutput
 from scute.sampling_params import SamplingParams
@@ -59,6 +59,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._reported: list[Request] = []  # finished outside a step (errors, aborts): reported by the next step
         self._in_flight: InFlight | None = None  # a decode step launched, its tokens not read yet
+        self.collections = Collections()  # the garbage collector's, run while the GPU runs a step in flight
         self._forking: list[ParentRequest] = []  # requests with n > 1 whose other samples wait for the prompt
         self._arrivals, self._ids = itertools.count(), itertools.count()
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "batched_tokens": 0, "preemptions": 0}
@@ -162,7 +163,9 @@ class Engine:
     def _step(self, stream: bool) -> list[RequestOutput]:
         """`_schedule_and_run`; while a decode step is in flight the loader's Python waits for it (`Turns`)."""
         with self.adapters.loader.turns.step_loop() if self._in_flight is not None else nullcontext():
-            return self._schedule_and_run(stream)
+            outputs = self._schedule_and_run(stream)
+        self.collections.hold(self._in_flight is not None)  # steps overlap: collections while the GPU runs
+        return outputs
 
     def _schedule_and_run(self, stream: bool) -> list[RequestOutput]:
         """Schedule and run one step. A decode step that replays a CUDA graph is launched before the tokens of
@@ -222,6 +225,8 @@ class Engine:
         if flight is None:
             return []
         with self.adapters.loader.turns.waiting():
+            if not flight.event.query():  # the GPU still runs it: the collections due meanwhile
+                self.collections.run_due()
             result = flight.wait()
         live = [r for r in flight.sampling if not r.is_finished]
         for req in flight.sampling:

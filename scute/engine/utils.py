@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import time
 from collections.abc import Sequence
 
 import torch
@@ -48,3 +50,43 @@ def per_prompt(value, n: int, what: str, single) -> list:
     if len(values) != n:
         raise ValueError(f"{what} has {len(values)} entries for {n} prompts: give one per prompt, or one for all")
     return values
+
+
+class Collections:
+    """The garbage collector's collections taken off the step loop's critical path: while steps overlap (a decode
+    step in flight), its automatic collections are off (`hold`), and the step loop runs the ones that are due
+    (`run_due`) while it waits for the GPU. A collection holds the interpreter lock: run by whichever thread
+    allocates, one of up to a millisecond and more lands inside a step's host work (the step loop's, or the
+    adapter loader's, which the step loop then waits out). Collections that the user turned off stay off."""
+
+    full_every_s: float = 60.0  # seconds between two full collections at least (see `run_due`)
+
+    def __init__(self) -> None:
+        self.held = False
+        self._last_full = time.monotonic()
+
+    def hold(self, on: bool) -> None:
+        """Automatic collections off (`on`) or back on; only if this object turned them off."""
+        if on and not self.held and gc.isenabled():
+            gc.disable()
+            self.held = True
+        elif not on and self.held:
+            gc.enable()
+            self.held = False
+
+    def run_due(self) -> int | None:
+        """Collect the oldest generation whose threshold the allocations passed, as the automatic collector
+        would; the oldest (a full collection, which walks every tracked object: the model's modules and the
+        libraries' too) at most every `full_every_s` seconds, as CPython runs it only once many objects have
+        survived since the last one. Returns the generation collected; None: none was due, or collections are
+        not held here."""
+        if not self.held:
+            return None
+        counts, thresholds = gc.get_count(), gc.get_threshold()
+        if counts[0] < thresholds[0]:
+            return None
+        generation = 1 if counts[1] >= thresholds[1] else 0
+        if generation == 1 and counts[2] >= thresholds[2] and time.monotonic() - self._last_full >= self.full_every_s:
+            generation, self._last_full = 2, time.monotonic()
+        gc.collect(generation)
+        return generation

@@ -75,3 +75,52 @@ def test_overlapped_mixed_steps_give_the_tokens_of_steps_run_to_their_end():
     assert runner.launched > decode_runner.launched  # steps with prompt tokens were launched too
     got.pop("r5"), want.pop("r5")
     assert got == want
+
+
+def test_collections_run_while_the_gpu_runs_a_step_in_flight(monkeypatch):
+    """While a step is in flight the garbage collector's automatic collections are off and the step loop runs the
+    ones due as it waits for the step (here the stand-in's step is still running whenever asked); they are on
+    again once nothing is in flight, and the tokens are those of steps run to their end."""
+    import gc
+
+    from scute.engine.utils import Collections
+    from tests import helpers
+
+    calls = []
+    run_due = Collections.run_due
+
+    def spy(self):
+        calls.append((gc.isenabled(), run_due(self)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(helpers._Done, "query", lambda self: False)
+    monkeypatch.setattr(Collections, "run_due", spy)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(10, 2, 2)  # a collection due at every step
+    try:
+        want, _, _ = _run(False)
+        got, engine, runner = _run(True)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert runner.launched > 0 and calls
+    assert not any(enabled for enabled, _ in calls)  # automatic collections off while steps overlap
+    assert {gen for _, gen in calls} >= {0, 1}  # due ones ran, young and older
+    assert gc.isenabled() and not engine.collections.held  # nothing in flight: back on
+    got.pop("r5"), want.pop("r5")
+    assert got == want
+
+
+def test_collections_the_user_turned_off_stay_off():
+    import gc
+
+    from scute.engine.utils import Collections
+
+    gc.disable()
+    try:
+        c = Collections()
+        c.hold(True)
+        assert not c.held and c.run_due() is None
+        c.hold(False)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
