@@ -123,6 +123,11 @@ class Staging:
             self.events[k % 2].record()
 
 
+def on_device(adapter: Adapter) -> bool:
+    """Whether an adapter's tensors are on a GPU (converted where W0 is, or copied there)."""
+    return any(x.is_cuda for s in adapter.layers.values() for x in s.tensors().values())
+
+
 class Turns:
     """The step loop's turn at the interpreter lock. Inside `step_loop` another thread's `pause` waits (at most
     `max_pause` seconds) until the step loop waits (`waiting`) or leaves its turn, once that thread has run
@@ -215,16 +220,24 @@ class AdapterLoader:
                           pause=self.turns.pause)
 
     def host_and_device(self, adapter: Adapter, memo: SharedMemo) -> tuple[Adapter, Adapter | None]:
-        """A converted adapter as the CPU tier keeps it, and its device copy if the conversion made one. One
-        converted on the GPU (where W0 is) is cast there to the serving dtype, and the CPU tier gets a copy of
-        that in pageable memory (through the `Staging` buffers, landed on return); one converted on the CPU is kept
-        as it is (None: `move` copies it). Nothing the CPU tier keeps is pinned: allocating pinned memory holds a
-        lock of the CUDA driver that stalls the step loop's CUDA calls for as long as the pages take to pin, and
-        memory kept would be allocated anew for every load."""
-        if not any(x.is_cuda for s in adapter.layers.values() for x in s.tensors().values()):
-            return adapter, None
-        on_device = self.to_device(adapter, memo)
-        return on_device.to(device="cpu", memo=memo, transfer=self.transfer, pause=self.turns.pause), on_device
+        """A converted adapter as the CPU tier keeps it, and its device copy if the conversion made one
+        (`device_copy`, then `host_copy`); one converted on the CPU is kept as it is (None: `move` copies it)."""
+        on_device = self.device_copy(adapter, memo)
+        return (adapter, None) if on_device is None else (self.host_copy(on_device, memo), on_device)
+
+    def device_copy(self, adapter: Adapter, memo: SharedMemo) -> Adapter | None:
+        """The device copy of an adapter converted on the GPU (where W0 is), cast there to the serving dtype; None
+        for one converted on the CPU."""
+        if not on_device(adapter):
+            return None
+        return self.to_device(adapter, memo)
+
+    def host_copy(self, adapter: Adapter, memo: SharedMemo) -> Adapter:
+        """The CPU tier's copy of a device copy, in pageable memory (through the `Staging` buffers, landed on
+        return). Nothing the CPU tier keeps is pinned: allocating pinned memory holds a lock of the CUDA driver
+        that stalls the step loop's CUDA calls for as long as the pages take to pin, and memory kept would be
+        allocated anew for every load."""
+        return adapter.to(device="cpu", memo=memo, transfer=self.transfer, pause=self.turns.pause)
 
     def move(self, adapter: Adapter, memo: SharedMemo) -> Staged:
         """`adapter` copied to the device (a job's last part, on the loader thread); `memo` as for `Adapter.to`."""
@@ -238,7 +251,7 @@ class AdapterLoader:
             return Staged(moved, None, prepared)
         event = torch.cuda.Event()
         event.record()  # on the loader's side stream, the current one of this thread
-        event.synchronize()  # also lands the host copies queued before it (the CPU tier's, `AdapterManager`)
+        event.synchronize()
         return Staged(moved, event, prepared)
 
     @property

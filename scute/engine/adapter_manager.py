@@ -9,7 +9,8 @@ request is pinned, an unused one keeps its adapter until the least recently used
 Loads. A request's adapter is *ready* when its placement in a device slot has ended. The loader thread
 (`AdapterLoader`) reads, validates and converts a folder not in the CPU cache (the request meanwhile holds a
 `PendingAdapter`; on a GPU the methods that can convert there, where W0 is, the CPU tier then keeping a pageable
-copy) and copies every adapter to the device, matrices in the serving dtype: it is *staged*. The scheduler asks
+copy, made by a job of its own once the adapter is staged) and copies every adapter to the device, matrices in the
+serving dtype: it is *staged*. The scheduler asks
 for a load on arrival (`prefetch`) and when it finds a request not ready (`ready`: it waits, others pass it);
 loads start in the arrival order of the earliest request waiting for each, at most `MAX_PREFETCH` in progress or
 staged at once. `ready` gives a staged adapter a slot and begins its placement, which the engine advances while
@@ -26,6 +27,7 @@ import itertools
 import os
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import replace
 
 import torch
@@ -34,7 +36,7 @@ from torch import nn
 from scute.adapters import Adapter, AdapterError, load_adapter, read_checkpoint
 from scute.adapters.checkpoint import files_signature
 from scute.adapters.adapter import Interned, SharedMemo
-from scute.engine.adapter_loader import AdapterLoader, Load, PendingAdapter, Staged
+from scute.engine.adapter_loader import AdapterLoader, Load, PendingAdapter, Staged, on_device
 from scute.engine.adapter_memory import AdapterMemory
 from scute.engine.adapter_placer import Placer
 from scute.engine.request import Request, RequestStatus
@@ -74,6 +76,7 @@ class AdapterManager:
         self.placer = Placer(linears)  # the placements `ready` began, advanced by `place`
         self._placing: set[str] = set()  # identities in a slot whose placement has not ended
         self._failed: list[tuple[Request, str]] = []
+        self._host_copies: list[tuple[tuple, Adapter, Future]] = []  # (CPU cache key, device copy, its host copy)
         # bumped whenever a request not ready may have become so (a load or a placement ended, a load failed): a
         # request `ready` refused needs asking again only after that (`Scheduler`)
         self.version = 0
@@ -86,13 +89,17 @@ class AdapterManager:
 
     def _load(self, path: str | os.PathLike, name: str | None = None, **options) -> tuple[Adapter, Adapter | None]:
         """(the CPU tier's adapter, its device copy or None): `AdapterLoader.host_and_device`."""
+        return self.loader.host_and_device(self._convert(path, name, **options), self._moved)
+
+    def _convert(self, path: str | os.PathLike, name: str | None = None, **options) -> Adapter:
+        """A folder read, validated and converted (on the GPU for the methods that convert where W0 is)."""
         path, pause = os.fspath(path), self.loader.turns.pause
         adapter = load_adapter(path, self.model, name, interned=self._interned, pause=pause, **options)
         rank = max((s.rank for s in adapter.layers.values()), default=0)
         if rank > self.max_adapter_rank:
             raise AdapterError(f"adapter {path} ({adapter.peft_type}) has rank {rank}, above max_adapter_rank="
                                f"{self.max_adapter_rank}: raise max_adapter_rank")
-        return self.loader.host_and_device(self._checked(adapter), self._moved)
+        return self._checked(adapter)
 
     def _checked(self, adapter: Adapter) -> Adapter:
         if self.check is not None:
@@ -125,6 +132,7 @@ class AdapterManager:
         return load.pending
 
     def _cached(self, key: tuple, name: str | None) -> Adapter | None:
+        self._poll_host_copies()
         adapter = self._by_path.get(key)
         if adapter is None:
             return None
@@ -198,15 +206,39 @@ class AdapterManager:
             self._started.append(key)
 
     def _job(self, source: str | Adapter) -> tuple[Adapter, Staged]:
-        """One load, on the loader thread: a folder read and converted (or an adapter on the CPU: checked), moved."""
-        adapter, on_device = (self._checked(source), None) if isinstance(source, Adapter) else self._load(source)
-        return adapter, self.loader.move(adapter, self._moved) if on_device is None else self.loader.stage(on_device)
+        """One load, on the loader thread: a folder read and converted (or an adapter on the CPU: checked), moved
+        to the device and staged. A folder converted on the GPU gives its device copy: the copy the CPU tier
+        keeps is a job of its own that follows (`poll` asks for it), so that the adapter is servable first."""
+        if isinstance(source, Adapter):
+            adapter = self._checked(source)
+            return adapter, self.loader.move(adapter, self._moved)
+        adapter = self._convert(source)
+        moved = self.loader.device_copy(adapter, self._moved)
+        return (adapter, self.loader.move(adapter, self._moved)) if moved is None else (moved, self.loader.stage(moved))
+
+    def _host_copy(self, key: tuple, adapter: Adapter) -> None:
+        """The CPU cache holds a device copy under `key` (a folder converted on the GPU): ask the loader for the
+        copy the CPU tier keeps, which replaces it there once made (`poll`). Until then the cache serves the
+        device copy itself (placing it again copies nothing)."""
+        if self._by_path.get(key) is adapter:
+            self._host_copies.append((key, adapter, self.loader.submit(self.loader.host_copy, adapter, self._moved)))
+
+    def _poll_host_copies(self) -> None:
+        for item in [h for h in self._host_copies if h[2].done()]:
+            self._host_copies.remove(item)
+            key, adapter, future = item
+            if self._by_path.get(key) is adapter:  # still cached: the host copy takes its place
+                if future.exception() is None:
+                    self._by_path[key] = future.result()
+                else:  # read again when asked
+                    del self._by_path[key]
 
     def poll(self, finish: Callable[[Request], None]) -> list[Request]:
         """Take the loader's finished loads (the engine, between steps): a folder's adapter joins the CPU cache
         and its device copy is staged; each waiting request of a failed load is finished with the error (its
         type and message, as the synchronous load raises it), taken out of the queue by `finish`, and returned."""
         failed, self._failed = self._failed, []
+        self._poll_host_copies()
         finished = [k for k in self._started if self._loads[k].future.done()]
         if finished or failed:
             self.version += 1
@@ -223,6 +255,8 @@ class AdapterManager:
                 continue
             if load.pending is not None:
                 load.pending.adapter = self._cache(load.pending.key, adapter)
+                if on_device(adapter):
+                    self._host_copy(load.pending.key, adapter)
             if adapter.identity not in self._slot_of:  # else the copy is not needed: the slot still holds it
                 self._staged.setdefault(adapter.identity, (staged, set()))[1].update(load.waiters)
         done = []
