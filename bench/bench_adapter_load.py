@@ -12,7 +12,8 @@ load on the adapter loader does (`AdapterManager._job`: read, validate and conve
 device in the serving dtype, its rows in the slot pools prepared: `prepare_adapter`) and then the placement in a
 device slot with those rows (`place_adapter`, as the engine's `Placer` does), synchronized; its split
 ``load_s`` (read + convert, the CPU tier's adapter), ``move_s`` (to the device, when the conversion ran on the
-CPU) and ``place_s``; ``ratio`` = servable / read. cProfile of one load: ``--profile METHOD``.
+CPU) and ``place_s``; ``ratio`` = servable / read. The placement goes into slot 0 with two other adapters of the
+method in slots 1 and 2 (a server that serves the method already). cProfile of one load: ``--profile METHOD``.
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/bench_adapter_load.py --device cuda --out bench/results/adapter_load.json``.
 On the CPU: ``PYTHONPATH=. python3 bench/bench_adapter_load.py --device cpu --layers 4`` (fp32; ~8 GiB of memory).
@@ -50,13 +51,20 @@ def timed(fn, device: torch.device) -> tuple[float, object]:
     return time.perf_counter() - t, out
 
 
-def measure(engine, path: str, repeats: int) -> dict:
+def measure(engine, path: str, resident: list[str], repeats: int) -> dict:
     from safetensors.torch import load_file
 
     from scute.model.hf import place_adapter
 
     manager, device = engine.adapters, engine.adapters.device
     file = os.path.join(path, "adapter_model.safetensors")
+    # two other adapters of the method in slots 1 and 2, as in a server that serves the method already: the
+    # placement then changes no pool's passes, and a VeRA adapter joins the shared group the others formed (a
+    # first adapter of a method, or a first pair of VeRA adapters, changes what the pools bake into CUDA graphs:
+    # each pool's rows are then applied alone, and the graphs captured again)
+    for slot, other in enumerate(resident, 1):
+        _, staged = manager._job(other)
+        place_adapter(manager.linears, slot, staged.use(), staged.prepared)
     rows = []
     for i in range(repeats + 1):  # the first is the warm-up
         read_s, _ = timed(lambda: load_file(file), device)
@@ -102,8 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.device(device):
         model = LlamaForCausalLM._from_config(cfg, dtype=dtype).eval()
     methods = args.methods.split(",")
-    paths = {m: B.make_adapters(model, m, 1, args.root)[0] for m in methods}
-    engine = Engine(model, device=args.device, dtype=str(dtype).split(".")[1], enforce_eager=True, max_adapters=2,
+    paths = {m: B.make_adapters(model, m, 3, args.root) for m in methods}
+    engine = Engine(model, device=args.device, dtype=str(dtype).split(".")[1], enforce_eager=True, max_adapters=3,
                     max_adapter_rank=256, max_model_len=64, max_num_seqs=4, kv_cache_memory_bytes=64 << 20)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     result = dict(device=name, torch=torch.__version__, command="PYTHONPATH=. python3 " + " ".join(sys.argv),
@@ -116,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{name}, {cfg.num_hidden_layers} layers, {dtype}")
     print("method  file_MB  read_ms  servable_ms  load_ms  move_ms  place_ms  ratio  converted")
     for method in methods:
-        r = dict(method=method, **measure(engine, paths[method], args.repeats))
+        r = dict(method=method, **measure(engine, paths[method][0], paths[method][1:], args.repeats))
         result["rows"].append(r)
         print(f"{method:<7} {r['file_bytes'] / 1e6:7.1f} {1e3 * r['read_s']:8.1f} {1e3 * r['servable_s']:12.1f} "
               f"{1e3 * r['load_s']:8.1f} {1e3 * r['move_s']:8.1f} {1e3 * r['place_s']:9.1f} {r['ratio']:6.1f}  "
@@ -126,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
         if method == args.profile:
             prof = cProfile.Profile()
             prof.enable()
-            engine.adapters._job(paths[method])
+            engine.adapters._job(paths[method][0])
             sync(device)
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)

@@ -126,7 +126,14 @@ TRACED = (  # (module, attribute): the adapter loader's phases, timed on whichev
     # the step's own parts, on the step loop: which one a slow step spent its time in
     ("scute.engine.adapter_manager", "AdapterManager.poll"), ("scute.engine.adapter_manager", "AdapterManager.place"),
     ("scute.engine.scheduler", "Scheduler.schedule"), ("scute.engine.model_runner", "ModelRunner.launch"),
-    ("scute.engine.model_runner", "InFlight.wait"),
+    ("scute.engine.model_runner", "InFlight.wait"), ("scute.engine.engine", "Engine._release_samples"),
+    ("scute.engine.output_processor", "OutputProcessor.append_tokens"), ("scute.engine.engine", "Engine._outputs"),
+)
+STEP_PARTS = ("poll", "place", "schedule", "launch", "wait", "_release_samples", "append_tokens", "_outputs")
+TRACED += (  # finer phases of the loader's work
+    ("scute.engine.adapter_manager", "load_adapter"), ("scute.adapters.conversion", "_group_keys"),
+    ("scute.adapters.conversion", "first_nonfinite"), ("scute.engine.adapter_loader", "AdapterLoader.to_device"),
+    ("scute.adapters.checkpoint", "_parse"),
 )
 
 
@@ -172,11 +179,14 @@ class Trace:
             setattr(owner, attr, fn)
 
     def overlaps(self, start: float, end: float) -> dict[str, float]:
-        """Each traced name's ms within [start, end]."""
+        """Each traced name's ms within [start, end], and ``untraced``: the ms of [start, end] (one step) in none of
+        the step's own parts (`STEP_PARTS`): the step loop between them, waiting for the interpreter lock or
+        running code not traced."""
         out: dict[str, float] = {}
         for name, a, b in self.spans:
             if a < end and b > start:
                 out[name] = out.get(name, 0.0) + 1e3 * (min(b, end) - max(a, start))
+        out["untraced"] = 1e3 * (end - start) - sum(out.get(n, 0.0) for n in STEP_PARTS)
         return out
 
 
@@ -261,6 +271,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "waits for the step loop's turn; default: the engine's)")
     p.add_argument("--slice", type=float, default=None, help="Turns.slice_s in seconds (0: the loader waits at "
                    "every pause point inside the step loop's turn; default: the engine's)")
+    p.add_argument("--gc", default="on", choices=["on", "off"], help="off: the garbage collector's automatic "
+                   "collections are off while the phases run (what its collections cost the steps)")
     p.add_argument("--root", default="/tmp/scute-bench-background")
     p.add_argument("--out", default="background_loads.json")
     args = p.parse_args(argv)
@@ -300,6 +312,10 @@ def main(argv: list[str] | None = None) -> dict:
         engine.step()
     print(f"{args.batch} requests decoding; {count} cold adapters of {methods}", flush=True)
     rounds = []
+    if args.gc == "off":
+        engine.collections.hold(False)  # the engine's own (`Collections`) hold nothing while collections are off
+        gc.collect()
+        gc.disable()
     with Clock(engine) as clock:
         for r in range(args.rounds):
             x = dict(**quiet_phase(clock, args.steps),
@@ -317,7 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
                   command=" ".join(sys.argv), layers=args.layers, batch=args.batch, methods=methods,
                   interval_s=args.interval, placed=placed, switch_interval=AdapterLoader.switch_interval,
-                  max_pause_s=Turns.max_pause, slice_s=Turns.slice_s)
+                  max_pause_s=Turns.max_pause, slice_s=Turns.slice_s, gc=args.gc)
     return B.save({**result, **summary(rounds)}, args.out, "rounds")
 
 
