@@ -313,7 +313,6 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{args.batch} requests decoding; {count} cold adapters of {methods}", flush=True)
     rounds = []
     if args.gc == "off":
-        engine.collections.hold(False)  # the engine's own (`Collections`) hold nothing while collections are off
         gc.collect()
         gc.disable()
     with Clock(engine) as clock:

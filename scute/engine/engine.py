@@ -161,11 +161,12 @@ class Engine:
         return self._step(stream=True)
 
     def _step(self, stream: bool) -> list[RequestOutput]:
-        """`_schedule_and_run`; while a decode step is in flight the loader's Python waits for it (`Turns`)."""
-        with self.adapters.loader.turns.step_loop() if self._in_flight is not None else nullcontext():
-            outputs = self._schedule_and_run(stream)
-        self.collections.hold(self._in_flight is not None)  # steps overlap: collections while the GPU runs
-        return outputs
+        """`_schedule_and_run`; while a decode step is in flight the loader's Python waits for it (`Turns`), and the
+        garbage collector's collections for the step loop's wait for the GPU (`Collections`)."""
+        overlap = self._in_flight is not None
+        with self.adapters.loader.turns.step_loop() if overlap else nullcontext(), \
+                self.collections.held() if overlap else nullcontext():  # collections while the GPU runs (`_land`)
+            return self._schedule_and_run(stream)
 
     def _schedule_and_run(self, stream: bool) -> list[RequestOutput]:
         """Schedule and run one step. A decode step that replays a CUDA graph is launched before the tokens of

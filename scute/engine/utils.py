@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -53,26 +54,32 @@ def per_prompt(value, n: int, what: str, single) -> list:
 
 
 class Collections:
-    """The garbage collector's collections taken off the step loop's critical path: while steps overlap (a decode
-    step in flight), its automatic collections are off (`hold`), and the step loop runs the ones that are due
+    """The garbage collector's collections taken off the step loop's critical path: inside a step that overlaps
+    the one in flight its automatic collections are off (`held`), and the step loop runs the ones due
     (`run_due`) while it waits for the GPU. A collection holds the interpreter lock: run by whichever thread
     allocates, one of up to a millisecond and more lands inside a step's host work (the step loop's, or the
-    adapter loader's, which the step loop then waits out). Collections that the user turned off stay off."""
+    adapter loader's, which the step loop then waits out). Collections the user turned off stay off; between two
+    steps they are on, as the caller left them."""
 
     full_every_s: float = 60.0  # seconds between two full collections at least (see `run_due`)
 
     def __init__(self) -> None:
-        self.held = False
+        self.holding = False
         self._last_full = time.monotonic()
 
-    def hold(self, on: bool) -> None:
-        """Automatic collections off (`on`) or back on; only if this object turned them off."""
-        if on and not self.held and gc.isenabled():
-            gc.disable()
-            self.held = True
-        elif not on and self.held:
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Automatic collections off inside, if they are on."""
+        if not gc.isenabled():
+            yield
+            return
+        gc.disable()
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
             gc.enable()
-            self.held = False
 
     def run_due(self) -> int | None:
         """Collect the oldest generation whose threshold the allocations passed, as the automatic collector
@@ -80,7 +87,7 @@ class Collections:
         libraries' too) at most every `full_every_s` seconds, as CPython runs it only once many objects have
         survived since the last one. Returns the generation collected; None: none was due, or collections are
         not held here."""
-        if not self.held:
+        if not self.holding:
             return None
         counts, thresholds = gc.get_count(), gc.get_threshold()
         if counts[0] < thresholds[0]:

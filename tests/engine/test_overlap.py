@@ -78,9 +78,9 @@ def test_overlapped_mixed_steps_give_the_tokens_of_steps_run_to_their_end():
 
 
 def test_collections_run_while_the_gpu_runs_a_step_in_flight(monkeypatch):
-    """While a step is in flight the garbage collector's automatic collections are off and the step loop runs the
-    ones due as it waits for the step (here the stand-in's step is still running whenever asked); they are on
-    again once nothing is in flight, and the tokens are those of steps run to their end."""
+    """In a step that overlaps the one in flight the garbage collector's automatic collections are off and the step
+    loop runs the ones due as it waits for that step (here the stand-in's step is still running whenever asked);
+    they are on again after the step, and the tokens are those of steps run to their end."""
     import gc
 
     from scute.engine.utils import Collections
@@ -105,7 +105,7 @@ def test_collections_run_while_the_gpu_runs_a_step_in_flight(monkeypatch):
     assert runner.launched > 0 and calls
     assert not any(enabled for enabled, _ in calls)  # automatic collections off while steps overlap
     assert {gen for _, gen in calls} >= {0, 1}  # due ones ran, young and older
-    assert gc.isenabled() and not engine.collections.held  # nothing in flight: back on
+    assert gc.isenabled() and not engine.collections.holding  # on again between steps
     got.pop("r5"), want.pop("r5")
     assert got == want
 
@@ -118,9 +118,8 @@ def test_collections_the_user_turned_off_stay_off():
     gc.disable()
     try:
         c = Collections()
-        c.hold(True)
-        assert not c.held and c.run_due() is None
-        c.hold(False)
+        with c.held():
+            assert not c.holding and c.run_due() is None
         assert not gc.isenabled()
     finally:
         gc.enable()
