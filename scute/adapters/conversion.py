@@ -176,15 +176,16 @@ def convert_checkpoint(
     if (bad := first_nonfinite(tensors_here)) is not None:
         raise ckpt.error(f"tensor {bad!r} has NaN or Inf values")
     expected = {n for n in modules if is_targeted(ckpt.config, n)}
-    if missing := sorted(expected - set(groups), key=list(modules).index):
+    order = {n: i for i, n in enumerate(modules)}  # model order: the first problem first
+    if missing := sorted(expected - set(groups), key=order.__getitem__):
         if not method.tensorless_targets:
             raise ckpt.error(f"the config targets {missing[0]} but the file has no tensors for it "
                              f"({len(missing)} such modules)")
         groups.update({n: {} for n in missing})
     shared: dict = {}
-    shapes = {n: tuple(modules[n].weight.shape) for n in sorted(groups, key=list(modules).index)}
+    shapes = {n: tuple(modules[n].weight.shape) for n in sorted(groups, key=order.__getitem__)}
     out: dict[str, Slots] = {}
-    for name in paused(sorted(groups, key=list(modules).index), pause):  # model order: the first problem first
+    for name in paused(shapes, pause):
         tensors, base = groups[name], modules[name]
         dtype = acc_dtype(base.weight.dtype)
         b0 = None if base.bias is None else base.bias.detach().to(device=device, dtype=dtype)
