@@ -18,14 +18,17 @@ each load's latency (asked → placed), the garbage collector's full collections
 (their count and longest: one holds the interpreter lock, so the step loop waits it out), and for the slow
 loading steps and the slow quiet ones (over `SLOW` quiet medians) which phases of the loader's work and which
 collections of the garbage collector (any generation) ran during them and how long the step's own parts took
-(schedule, launch, the wait for the GPU, placements; `Trace`: the functions of `TRACED` wrapped while both phases
-run), beside those parts' median in the phase's other steps; on CUDA, for the
+(schedule, launch, the wait for the GPU, placements, the tokens' landing and the outputs; `Trace`: the functions
+of `TRACED` wrapped while both phases run; ``untraced``: the step's time in none of its own parts), beside those
+parts' median in the phase's other steps; on CUDA, for the
 slow steps, the other loading steps and the quiet ones, how long the GPU sat idle before each step's launch and
 how long it ran the step (`Clock`: slower GPU work, or a host that launched late). The ratios: p99 over
 the quiet median, and (the figure) p99 of each loading step's time over the quiet steps' linear fit in their KV
 tokens at its own (the context grows as the phases run, and a decode step with it). ``--switch-interval`` sets
 `AdapterLoader.switch_interval` (``default`` keeps it), ``--max-pause`` `Turns.max_pause` (0: the loader never
-waits for the step loop's turn), ``--slice`` `Turns.slice_s` (0: it waits at every pause point inside the turn).
+waits for the step loop's turn), ``--slice`` `Turns.slice_s` (0: it waits at every pause point inside the turn),
+``--gc off`` turns the garbage collector's automatic collections off for both phases (the engine's `Collections`
+then hold nothing: what collections cost the steps).
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/bench_background_loads.py --out background_loads.json``.
 """

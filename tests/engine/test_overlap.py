@@ -123,3 +123,25 @@ def test_collections_the_user_turned_off_stay_off():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_collections_collect_the_young_generation_from_half_its_threshold():
+    """`run_due` collects early, so that the rest of a step's allocations do not reach the threshold and start a
+    collection inside its host work once automatic collections are back on."""
+    import gc
+
+    from scute.engine.utils import Collections
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1000, 10, 10)
+    c = Collections()
+    try:
+        with c.held():
+            gc.collect(0)
+            kept = [[] for _ in range(300)]
+            assert c.run_due() is None  # under half the threshold
+            kept += [[] for _ in range(300)]
+            assert c.run_due() == 0 and gc.get_count()[0] < 100
+    finally:
+        gc.set_threshold(*thresholds)
+    assert kept
