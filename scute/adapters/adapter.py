@@ -14,6 +14,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
+from scute.adapters.checkpoint import TypedViews, contiguous_strides
 from scute.ops.slots import Slots
 
 # (storage address, device, dtype) -> (the source storage, its moved copy). Holding the source keeps it alive,
@@ -118,8 +119,8 @@ def pack(xs: Sequence[Tensor], dtypes: Sequence[torch.dtype | None], device: tor
     if (len(storages) == 1 and all(x.dtype == d for x, d in zip(xs, dtypes))
             and xs[0].untyped_storage().nbytes() <= 2 * nbytes + ALIGN * len(xs)):  # a packed buffer: copy it whole
         whole = torch.empty(0, dtype=torch.uint8, device=xs[0].device).set_(xs[0].untyped_storage())
-        moved = transfer(whole, device)
-        return [_view(moved, x) for x in paused(xs, pause, PAUSE_EVERY)]
+        views = TypedViews(transfer(whole, device))
+        return [views.like(x) for x in paused(xs, pause, PAUSE_EVERY)]
     if len(sources) != 1:
         return [x.to(device=device, dtype=d) for x, d in zip(xs, dtypes)]
     offsets, total = [], 0
@@ -127,23 +128,14 @@ def pack(xs: Sequence[Tensor], dtypes: Sequence[torch.dtype | None], device: tor
         offsets.append(total)
         total += -(-x.numel() * d.itemsize // ALIGN) * ALIGN
     src = sources.pop()  # packed where the tensors are, then one transfer
-    buf = torch.empty(total, dtype=torch.uint8, device=src)
-    packed = [_view_at(buf, off, x.shape, d) for x, off, d in paused(zip(xs, offsets, dtypes), pause, PAUSE_EVERY)]
+    buf = TypedViews(torch.empty(total, dtype=torch.uint8, device=src))
+    packed = [buf.at(d, off // d.itemsize, x.shape, contiguous_strides(x.shape))
+              for x, off, d in paused(zip(xs, offsets, dtypes), pause, PAUSE_EVERY)]
     torch._foreach_copy_(packed, list(xs))  # one call for a few hundred copies
     if src == device or device.type == src.type == "cuda" and device.index is None:
         return packed
-    moved = transfer(buf, device)
-    return [_view(moved, p) for p in paused(packed, pause, PAUSE_EVERY)]
-
-
-def _view_at(buf: Tensor, offset: int, shape: torch.Size, dtype: torch.dtype) -> Tensor:
-    return buf[offset:offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
-
-
-def _view(buffer: Tensor, x: Tensor) -> Tensor:
-    """The view of `buffer` (a copy of x's whole storage) at x's offset, shape and strides."""
-    return torch.empty(0, dtype=x.dtype, device=buffer.device).set_(
-        buffer.untyped_storage(), x.storage_offset(), x.shape, x.stride())
+    moved = TypedViews(transfer(buf.buffer, device))
+    return [moved.like(p) for p in paused(packed, pause, PAUSE_EVERY)]
 
 
 def alora_start(input_ids: Sequence[int], invocation_tokens: Sequence[int]) -> int | None:

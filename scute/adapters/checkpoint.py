@@ -88,7 +88,8 @@ class AdapterCheckpoint:
         ptr = self.buffer.untyped_storage().data_ptr()
         moved = torch.empty(self.buffer.shape, dtype=self.buffer.dtype).copy_(self.buffer) if device.type == "cpu" \
             else self.buffer.to(device, non_blocking=True)
-        return {k: _view(moved, x) if x.untyped_storage().data_ptr() == ptr else x.to(device)
+        views = TypedViews(moved)
+        return {k: views.like(x) if x.untyped_storage().data_ptr() == ptr else x.to(device)
                 for k, x in self.tensors.items()}
 
 
@@ -212,22 +213,48 @@ def _parse(buffer: Tensor) -> dict[str, Tensor]:
         raise ValueError(f"the header claims {n} bytes, the file has {size}")
     header = json.loads(buffer[8:8 + n].numpy().tobytes())
     header.pop("__metadata__", None)
-    tensors, base = {}, 8 + n
+    tensors, base, typed = {}, 8 + n, TypedViews(buffer)
     for key, info in header.items():
         dtype, shape, (begin, end) = _DTYPES[info["dtype"]], list(info["shape"]), info["data_offsets"]
         nbytes = math.prod(shape) * dtype.itemsize
         if begin < 0 or end - begin != nbytes or base + end > size:
             raise ValueError(f"tensor {key!r} ({info['dtype']} {shape}) has bytes {begin}..{end} of "
                              f"{size - base}")
-        x = buffer[base + begin:base + end]
-        tensors[key] = (x if (base + begin) % dtype.itemsize == 0 else x.clone()).view(dtype).view(shape)
+        if (base + begin) % dtype.itemsize == 0:
+            tensors[key] = typed.at(dtype, (base + begin) // dtype.itemsize, shape, contiguous_strides(shape))
+        else:  # its own aligned copy
+            tensors[key] = buffer[base + begin:base + end].clone().view(dtype).view(shape)
     return tensors
 
 
-def _view(buffer: Tensor, x: Tensor) -> Tensor:
-    """The view of `buffer` (a copy of x's storage) at x's offset, shape and strides."""
-    return torch.empty(0, dtype=x.dtype, device=buffer.device).set_(
-        buffer.untyped_storage(), x.storage_offset(), x.shape, x.stride())
+class TypedViews:
+    """Views of one byte buffer (uint8, storage offset 0) in any dtype, each made by one call into torch (a view of
+    the buffer per dtype, then `as_strided`): a file's few hundred tensors, and their copies' views, cost a few
+    hundred calls instead of two or three times as many."""
+
+    def __init__(self, buffer: Tensor) -> None:
+        self.buffer, self._typed = buffer, {}
+
+    def at(self, dtype: torch.dtype, offset: int, shape, stride) -> Tensor:
+        """The view in `dtype` at element `offset` of that dtype (its storage offset), `shape` and `stride`."""
+        typed = self._typed.get(dtype)
+        if typed is None:
+            n = self.buffer.numel()
+            typed = self._typed[dtype] = self.buffer[: n - n % dtype.itemsize].view(dtype)
+        return typed.as_strided(shape, stride, offset)
+
+    def like(self, x: Tensor) -> Tensor:
+        """The view at `x`'s storage offset, shape and strides (the buffer a copy of the storage `x` views)."""
+        return self.at(x.dtype, x.storage_offset(), x.shape, x.stride())
+
+
+def contiguous_strides(shape) -> list[int]:
+    """The strides of a contiguous tensor of `shape`."""
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return stride[::-1]
 
 
 def first_nonfinite(tensors: Mapping[str, Tensor]) -> str | None:
@@ -293,7 +320,7 @@ def cast_together(tensors: Mapping[str, Tensor], dtype: torch.dtype) -> dict[str
         cast, lo = span.to(dtype), span.storage_offset()
         for k in keys:
             x = tensors[k]
-            out[k] = cast[x.storage_offset() - lo:x.storage_offset() - lo + x.numel()].view(x.shape)
+            out[k] = cast.as_strided(x.shape, x.stride(), x.storage_offset() - lo)
     return out
 
 
