@@ -62,15 +62,15 @@ class LayerCheckpoint:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where the converter computes
     interned: Interned = field(default_factory=dict)  # the shared matrices of the adapters loaded together
 
-    @property
+    @cached_property
     def in_features(self) -> int:
         return self.base.weight.shape[1]
 
-    @property
+    @cached_property
     def out_features(self) -> int:
         return self.base.weight.shape[0]
 
-    @property
+    @cached_property
     def dtype(self) -> torch.dtype:
         return acc_dtype(self.base.weight.dtype)
 
@@ -119,7 +119,7 @@ class LayerCheckpoint:
                 "was this adapter trained for another model?"
             )
         self.used.add(key)
-        return x.to(self.dtype)
+        return x if x.dtype == self.dtype else x.to(self.dtype)
 
     def global_tensor(self, key: str) -> Tensor:
         """A model-level tensor (saved as ``base_model.<key>``) in `dtype`."""
