@@ -131,13 +131,12 @@ TRACED = (  # (module, attribute): the adapter loader's phases, timed on whichev
     ("scute.engine.scheduler", "Scheduler.schedule"), ("scute.engine.model_runner", "ModelRunner.launch"),
     ("scute.engine.model_runner", "InFlight.wait"), ("scute.engine.engine", "Engine._release_samples"),
     ("scute.engine.output_processor", "OutputProcessor.append_tokens"), ("scute.engine.engine", "Engine._outputs"),
-)
-STEP_PARTS = ("poll", "place", "schedule", "launch", "wait", "_release_samples", "append_tokens", "_outputs")
-TRACED += (  # finer phases of the loader's work
+    # finer phases of the loader's work
     ("scute.engine.adapter_manager", "load_adapter"), ("scute.adapters.conversion", "_group_keys"),
     ("scute.adapters.conversion", "first_nonfinite"), ("scute.engine.adapter_loader", "AdapterLoader.to_device"),
     ("scute.adapters.checkpoint", "_parse"),
 )
+STEP_PARTS = ("poll", "place", "schedule", "launch", "wait", "_release_samples", "append_tokens", "_outputs")
 
 
 class Trace:

@@ -123,11 +123,6 @@ class Staging:
             self.events[k % 2].record()
 
 
-def on_device(adapter: Adapter) -> bool:
-    """Whether an adapter's tensors are on a GPU (converted where W0 is, or copied there)."""
-    return any(x.is_cuda for s in adapter.layers.values() for x in s.tensors().values())
-
-
 class Turns:
     """The step loop's turn at the interpreter lock. Inside `step_loop` another thread's `pause` waits (at most
     `max_pause` seconds) until the step loop waits (`waiting`) or leaves its turn, once that thread has run
@@ -228,7 +223,7 @@ class AdapterLoader:
     def device_copy(self, adapter: Adapter, memo: SharedMemo) -> Adapter | None:
         """The device copy of an adapter converted on the GPU (where W0 is), cast there to the serving dtype; None
         for one converted on the CPU."""
-        if not on_device(adapter):
+        if not any(x.is_cuda for s in adapter.layers.values() for x in s.tensors().values()):
             return None
         return self.to_device(adapter, memo)
 

@@ -36,7 +36,7 @@ from torch import nn
 from scute.adapters import Adapter, AdapterError, load_adapter, read_checkpoint
 from scute.adapters.checkpoint import files_signature
 from scute.adapters.adapter import Interned, SharedMemo
-from scute.engine.adapter_loader import AdapterLoader, Load, PendingAdapter, Staged, on_device
+from scute.engine.adapter_loader import AdapterLoader, Load, PendingAdapter, Staged
 from scute.engine.adapter_memory import AdapterMemory
 from scute.engine.adapter_placer import Placer
 from scute.engine.request import Request, RequestStatus
@@ -255,7 +255,7 @@ class AdapterManager:
                 continue
             if load.pending is not None:
                 load.pending.adapter = self._cache(load.pending.key, adapter)
-                if on_device(adapter):
+                if adapter is staged.adapter:  # converted on the GPU: the CPU cache got the device copy (`_job`)
                     self._host_copy(load.pending.key, adapter)
             if adapter.identity not in self._slot_of:  # else the copy is not needed: the slot still holds it
                 self._staged.setdefault(adapter.identity, (staged, set()))[1].update(load.waiters)

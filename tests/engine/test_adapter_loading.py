@@ -67,9 +67,13 @@ def run(engine) -> dict[str, object]:
     return final
 
 
-def test_mixed_batch_by_path_matches_the_oracle(oracle, gate):
+def test_mixed_batch_by_path_matches_the_oracle(oracle, gate, monkeypatch):
     """The five methods and the base model by path, loaded on the loader thread: the Oracle's tokens, and the
     loader's adapters bit-identical to a conversion on this thread."""
+    from scute.engine.adapter_loader import AdapterLoader
+
+    host_copies, host_copy = [], AdapterLoader.host_copy
+    monkeypatch.setattr(AdapterLoader, "host_copy", lambda self, *a: (host_copies.append(a), host_copy(self, *a))[1])
     prompts, adapters = mixed_requests()
     engine = oracle.engine()
     outputs = engine.generate(prompts, GREEDY, [None if a is None else oracle.paths[a] for a in adapters],
@@ -77,6 +81,7 @@ def test_mixed_batch_by_path_matches_the_oracle(oracle, gate):
     check(oracle, outputs, prompts, adapters)
     assert sorted(gate.loader_reads()) == sorted(os.path.abspath(oracle.paths[m]) for m in METHODS)
     assert len(gate.reads) == len(METHODS)  # none on this thread, each folder once
+    assert not host_copies  # converted on the CPU: the CPU cache holds the conversion itself, no copy of it
     for method in METHODS:
         loaded, here = engine.adapters.lookup(oracle.paths[method]), engine.adapters.load(oracle.paths[method])
         assert loaded.identity == here.identity and loaded.layers.keys() == here.layers.keys()
