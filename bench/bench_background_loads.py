@@ -146,15 +146,17 @@ class Trace:
 
     def __init__(self) -> None:
         self.spans: list[tuple[str, float, float]] = []
-        self._gc: dict[int, float] = {}
+        self.collections: list[tuple[int, int, float, str]] = []  # (generation, young objects, ms, thread)
+        self._gc: dict[int, tuple[float, int]] = {}
         self._saved: list[tuple[object, str, object]] = []
 
     def _collections(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._gc[threading.get_ident()] = time.perf_counter()
+            self._gc[threading.get_ident()] = time.perf_counter(), gc.get_count()[0]
         elif threading.get_ident() in self._gc:
-            name = f"collection gen{info['generation']}"
-            self.spans.append((name, self._gc.pop(threading.get_ident()), time.perf_counter()))
+            (start, young), end = self._gc.pop(threading.get_ident()), time.perf_counter()
+            self.spans.append((f"collection gen{info['generation']}", start, end))
+            self.collections.append((info["generation"], young, 1e3 * (end - start), threading.current_thread().name))
 
     def _timed(self, name: str, fn):
         def timed(*args, **kwargs):
@@ -222,7 +224,8 @@ def loading_phase(engine, clock: Clock, cold: list[str], args) -> dict:
             if len(steps) > args.max_loading_steps:
                 raise RuntimeError(f"loads did not finish in {len(steps)} steps ({len(waiting) + len(todo)} to go)")
     return dict(steps=steps, placing=placing, latency=latency, phases=[trace.overlaps(*sp) for sp in spans],
-                full_collections_ms=[1e3 * (b - a) for name, a, b in trace.spans if name == "collection gen2"])
+                full_collections_ms=[1e3 * (b - a) for name, a, b in trace.spans if name == "collection gen2"],
+                collections=trace.collections)
 
 
 def quiet_phase(clock: Clock, steps: int) -> dict:
@@ -233,7 +236,7 @@ def quiet_phase(clock: Clock, steps: int) -> dict:
             start = time.perf_counter()
             quiet.append(clock.step())
             spans.append((start, time.perf_counter()))
-    return dict(quiet=quiet, quiet_phases=[trace.overlaps(*sp) for sp in spans])
+    return dict(quiet=quiet, quiet_phases=[trace.overlaps(*sp) for sp in spans], quiet_collections=trace.collections)
 
 
 def slow_steps(steps: list[tuple], med: float, phase: str) -> tuple[list, list, dict]:
@@ -362,8 +365,17 @@ def summary(rounds: list[dict]) -> dict:
             print(f"  GPU in the {label} steps ({g['steps']}): idle median {g['idle_median_ms']:.2f} / max "
                   f"{g['idle_max_ms']:.2f} ms, busy median {g['busy_median_ms']:.2f} / max {g['busy_max_ms']:.2f} ms, "
                   f"{g['with_segments']} with device allocations or frees")
+    collections = {}
+    for phase, key in (("quiet", "quiet_collections"), ("loading", "collections")):
+        for gen, young, ms, thread in [c for x in rounds for c in x[key]]:
+            collections.setdefault(f"{phase} gen{gen} on {thread}", []).append((young, ms))
+    for key, rows in collections.items():
+        collections[key] = dict(count=len(rows), young_median=statistics.median(y for y, _ in rows),
+                                median_ms=statistics.median(ms for _, ms in rows), max_ms=max(ms for _, ms in rows))
+        print(f"  collections, {key}: {len(rows)}, young objects median {collections[key]['young_median']:.0f}, "
+              f"median {collections[key]['median_ms']:.2f} / max {collections[key]['max_ms']:.2f} ms")
     return dict(
-        loads=len(latency), quiet_median_ms=1e3 * med, quiet_p99_ms=1e3 * percentile([s[0] for s in quiet], 99),
+        loads=len(latency), collections=collections, quiet_median_ms=1e3 * med, quiet_p99_ms=1e3 * percentile([s[0] for s in quiet], 99),
         loading_median_ms=1e3 * statistics.median(walls), loading_p90_ms=1e3 * percentile(walls, 90),
         loading_p99_ms=1e3 * percentile(walls, 99), loading_max_ms=1e3 * max(walls),
         p99_over_quiet_median=percentile(walls, 99) / med,
@@ -378,7 +390,7 @@ def summary(rounds: list[dict]) -> dict:
                      for s in v] if k in ("quiet", "steps") else
                  [round(1e3 * t, 2) for t in v] if k == "latency" else
                  [{n: round(ms, 2) for n, ms in o.items()} for o in v] if k in ("phases", "quiet_phases") else v
-                 for k, v in x.items()} for x in rounds])
+                 for k, v in x.items() if not k.endswith("collections")} for x in rounds])
 
 
 if __name__ == "__main__":

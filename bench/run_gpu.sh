@@ -6,8 +6,9 @@
 #   engine   the engine's GPU tests: greedy tokens equal to PEFT's, further methods, attention backends
 #   e2e      bench/bench_engine.py --eager 64: the served step's table (engine_h200.json, e2e.log)
 #   baselines bench/bench_engine.py --cases lora --batches 64 --peft --static: transformers + PEFT and static cache
-#   rate     bench/bench_request_rate.py for IA3, then VeRA: N = 64 on 8 layers, native vs rank-64 LoRA conversions
-#            (rate_ia3.json, rate_vera.json: docs/performance.md's table)
+#   rate     bench/bench_request_rate.py for each of $RATE_METHODS (default: ia3 vera): N = 64 on 8 layers,
+#            $RATE_POPULARITY (default uniform), native vs rank-64 LoRA conversions, each within $RATE_TIMEOUT
+#            seconds (default 420): rate_<method>[_zipf].json and .log (docs/performance.md's table)
 #   rate1024 bench/bench_request_rate.py at N = $RATE_N (default 1024) adapters, $RATE_POPULARITY (default
 #            uniform), on 4 layers (budget scaled to them), native vs rank-64 conversions, for each of $RATE_METHODS
 #            (default: ia3 vera; one method at N = 1024 takes 4-7 minutes of a 10-minute call, and its 43 GB of
@@ -40,10 +41,12 @@ for step in $steps; do
     baselines) timeout 560 python3 bench/bench_engine.py --cases lora --batches 64 --new-tokens 32 --peft \
                  --peft-tokens 4 --static --out "$OUT/engine_baselines.json" > "$OUT/baselines.log" 2>&1
                tail -8 "$OUT/baselines.log" ;;
-    rate) for m in ia3 vera; do
-            timeout 420 python3 bench/bench_request_rate.py --methods $m --adapters 64 --ranks 64 --layers 8 --convert 1 \
-              --requests 100 --bisect 2 --start-rate 8 --warm-arrivals 200 --warm-rate 256 --min-duration 6 \
-              --out "$OUT/rate_$m.json" 2>&1 | grep -v Capturing > "$OUT/rate_$m.log"; tail -4 "$OUT/rate_$m.log"
+    rate) pop=${RATE_POPULARITY:-uniform}; suffix=; [ "$pop" = zipf ] && suffix=_zipf
+          for m in ${RATE_METHODS:-ia3 vera}; do
+            timeout ${RATE_TIMEOUT:-420} python3 bench/bench_request_rate.py --methods $m --adapters 64 --popularity $pop \
+              --ranks 64 --layers 8 --convert 1 --requests 100 --bisect 2 --start-rate 8 --warm-arrivals 200 \
+              --warm-rate 256 --min-duration 6 --out "$OUT/rate_$m$suffix.json" 2>&1 | grep -v Capturing \
+              > "$OUT/rate_$m$suffix.log"; tail -4 "$OUT/rate_$m$suffix.log"
           done ;;
     rate1024) n=${RATE_N:-1024}; pop=${RATE_POPULARITY:-uniform}; name=$n; [ "$pop" = zipf ] && name=${n}_zipf
           for m in ${RATE_METHODS:-ia3 vera}; do

@@ -159,6 +159,22 @@ def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if _is_linear(m)}
 
 
+@dataclass(frozen=True)
+class ModelLayers:
+    """What a load reads of the base model's structure: its linear layers by qualified name, in model order, and
+    the names of its GPT-2-style `Conv1D` layers (refused). Walking a model's modules takes a few milliseconds of
+    Python: a caller that loads many adapters into one model makes this once (`of`) and passes it instead."""
+
+    linears: dict[str, nn.Module]
+    conv1d: tuple[str, ...]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelLayers:
+        named = dict(model.named_modules())
+        return cls({n: m for n, m in named.items() if _is_linear(m)}, tuple(n for n, m in named.items()
+                                                                            if _is_conv1d(m)))
+
+
 def convert_checkpoint(
     ckpt: AdapterCheckpoint, modules: Mapping[str, nn.Module], dense: bool = False, interned: Interned | None = None,
     pause: Pause = no_pause, **options: object,
@@ -289,10 +305,11 @@ def _correct_bias(slots: Slots, b0: Tensor | None, bias: Tensor | None) -> Slots
 
 
 def load_adapter(
-    path: str | os.PathLike, model: nn.Module, name: str | None = None, allow_pickle: bool = False,
+    path: str | os.PathLike, model: nn.Module | ModelLayers, name: str | None = None, allow_pickle: bool = False,
     dense: bool = False, interned: Interned | None = None, pause: Pause = no_pause, **options: object,
 ) -> Adapter:
-    """Read the PEFT folder `path`, validate it against `model` and convert it into folded slots.
+    """Read the PEFT folder `path`, validate it against `model` (or its `ModelLayers`) and convert it into folded
+    slots.
 
     `dense=True` lets methods without an exact low-rank form (HiRA, ...) be served exactly as a full-rank
     per-adapter ΔW (in·out elements per layer: see `scute explain`); without it they are refused, saying why.
@@ -305,17 +322,17 @@ def load_adapter(
     and identified apart (``poly@task1``). Methods that can convert where the base weights are do
     (`convert_checkpoint`); for weights on a GPU the file is read into pinned memory, then copied there at once.
     """
-    modules = linear_modules(model)
+    layers = model if isinstance(model, ModelLayers) else ModelLayers.of(model)
+    modules = layers.linears
     ckpt = read_checkpoint(path, allow_pickle=allow_pickle, pin_memory=weights_device(modules).type == "cuda")
-    if ckpt.config.get("fan_in_fan_out") or any(_is_conv1d(m) and is_targeted(ckpt.config, n)
-                                                for n, m in model.named_modules()):
+    if ckpt.config.get("fan_in_fan_out") or any(is_targeted(ckpt.config, n) for n in layers.conv1d):
         raise ckpt.error(
             "the adapter targets GPT-2-style Conv1D layers (fan_in_fan_out=True: weights stored [in, out]); "
             "Scute serves adapters of nn.Linear layers only"
         )
     method = checkpoint_method(ckpt, options)
-    layers = convert_checkpoint(ckpt, modules, dense=dense, interned=interned, pause=pause, **options)
-    folded = {n: s.folded() for n, s in paused(layers.items(), pause)}
+    converted = convert_checkpoint(ckpt, modules, dense=dense, interned=interned, pause=pause, **options)
+    folded = {n: s.folded() for n, s in paused(converted.items(), pause)}
     default, identity = os.path.basename(os.path.normpath(os.fspath(path))), ckpt.identity
     for key, value in options.items():  # a variant of the checkpoint: its own device slot and KV prefixes
         if value is not None:

@@ -134,6 +134,7 @@ class Turns:
     slice_s: float = 5e-4  # seconds the loader runs on into the step loop's turn, at most one pause point more
 
     def __init__(self) -> None:
+        self.idle: Callable[[], object] = lambda: None  # run at a pause point while the step loop waits (below)
         self._free = threading.Event()  # set: the loader may run
         self._free.set()
         self._holder: int | None = None  # the thread in `step_loop`
@@ -160,7 +161,9 @@ class Turns:
                 self._free.clear()
 
     def pause(self) -> None:
-        """A pause point of the loader's work: waits while the step loop holds its turn, once its slice is spent."""
+        """A pause point of the loader's work: waits while the step loop holds its turn, once its slice is spent;
+        runs `idle` where the step loop does not hold it (the engine's garbage collections due: those of the
+        loader's allocations, made small and often while the GPU runs, never at once inside a step's host work)."""
         if threading.get_ident() == self._holder:
             return
         held = not self._free.is_set()
@@ -168,6 +171,8 @@ class Turns:
             return  # within its slice: it went on less than `slice_s` ago
         if held:
             self._free.wait(self.max_pause)
+        if self._free.is_set():
+            self.idle()
         self._went_on = time.perf_counter()
 
 

@@ -34,8 +34,9 @@ import torch
 from torch import nn
 
 from scute.adapters import Adapter, AdapterError, load_adapter, read_checkpoint
-from scute.adapters.checkpoint import files_signature
 from scute.adapters.adapter import Interned, SharedMemo
+from scute.adapters.checkpoint import files_signature
+from scute.adapters.conversion import ModelLayers
 from scute.engine.adapter_loader import AdapterLoader, Load, PendingAdapter, Staged
 from scute.engine.adapter_memory import AdapterMemory
 from scute.engine.adapter_placer import Placer
@@ -55,6 +56,7 @@ class AdapterManager:
         """`check`: a further test of every adapter to serve, raising AdapterError (its requests fail alone);
         `memory_bytes`: the device memory the slots' adapters may hold (`AdapterMemory`; None: no limit)."""
         self.model, self.linears, self.device, self.check = model, linears, device, check
+        self.model_layers = ModelLayers.of(model)  # what each load reads of the model, walked once
         self.max_adapters, self.max_adapter_rank = max_adapters, max_adapter_rank
         self.max_cpu_adapters = max_cpu_adapters
         self.named: dict[str, Adapter] = {}
@@ -94,7 +96,7 @@ class AdapterManager:
     def _convert(self, path: str | os.PathLike, name: str | None = None, **options) -> Adapter:
         """A folder read, validated and converted (on the GPU for the methods that convert where W0 is)."""
         path, pause = os.fspath(path), self.loader.turns.pause
-        adapter = load_adapter(path, self.model, name, interned=self._interned, pause=pause, **options)
+        adapter = load_adapter(path, self.model_layers, name, interned=self._interned, pause=pause, **options)
         rank = max((s.rank for s in adapter.layers.values()), default=0)
         if rank > self.max_adapter_rank:
             raise AdapterError(f"adapter {path} ({adapter.peft_type}) has rank {rank}, above max_adapter_rank="

@@ -60,6 +60,7 @@ class Engine:
         self._reported: list[Request] = []  # finished outside a step (errors, aborts): reported by the next step
         self._in_flight: InFlight | None = None  # a decode step launched, its tokens not read yet
         self.collections = Collections()  # the garbage collector's, run while the GPU runs a step in flight
+        self.adapters.loader.turns.idle = self.collections.run_due  # and by the loader meanwhile (`Turns.pause`)
         self._forking: list[ParentRequest] = []  # requests with n > 1 whose other samples wait for the prompt
         self._arrivals, self._ids = itertools.count(), itertools.count()
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "batched_tokens": 0, "preemptions": 0}

@@ -307,3 +307,26 @@ def test_a_held_turn_lets_the_loader_run_its_slice_then_waits():
         assert passed == [1, 2]
     thread.join(5)
     assert passed == [1, 2, 3]
+
+
+def test_the_loader_runs_idle_work_only_where_the_step_loop_does_not_hold_its_turn():
+    """`Turns.idle` (the engine's garbage collections due) runs at a pause point of another thread while the step
+    loop waits or outside its turn; never inside its turn, where it would delay the step's host work."""
+    turns, ran = Turns(), []
+    turns.max_pause, turns.slice_s = 0.01, 0.0  # a held pause waits 10 ms, then goes on
+    turns.idle = lambda: ran.append(threading.current_thread().name)
+
+    def pause_elsewhere() -> None:
+        thread = threading.Thread(target=turns.pause, name="other")
+        thread.start()
+        thread.join(5)
+
+    pause_elsewhere()
+    assert ran == ["other"]  # outside a turn
+    with turns.step_loop():
+        turns.pause()  # the holder's own pause
+        pause_elsewhere()
+        assert ran == ["other"]  # inside the turn: not run
+        with turns.waiting():
+            pause_elsewhere()
+        assert ran == ["other", "other"]  # while the step loop waits
