@@ -228,7 +228,7 @@ class Engine:
             return []
         with self.adapters.loader.turns.waiting():
             if not flight.event.query():  # the GPU still runs it: the collections due meanwhile
-                self.collections.run_due()
+                self.collections.run_due(young=0.125)
             result = flight.wait()
         live = [r for r in flight.sampling if not r.is_finished]
         for req in flight.sampling:

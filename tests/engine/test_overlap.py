@@ -89,8 +89,8 @@ def test_collections_run_while_the_gpu_runs_a_step_in_flight(monkeypatch):
     calls = []
     run_due = Collections.run_due
 
-    def spy(self):
-        calls.append((gc.isenabled(), run_due(self)))
+    def spy(self, **kwargs):
+        calls.append((gc.isenabled(), run_due(self, **kwargs)))
         return calls[-1][1]
 
     monkeypatch.setattr(helpers._Done, "query", lambda self: False)
@@ -125,7 +125,7 @@ def test_collections_the_user_turned_off_stay_off():
         gc.enable()
 
 
-def test_collections_collect_the_young_generation_from_half_its_threshold():
+def test_collections_collect_the_young_generation_early():
     """`run_due` collects early, so that the rest of a step's allocations do not reach the threshold and start a
     collection inside its host work once automatic collections are back on."""
     import gc
@@ -137,11 +137,13 @@ def test_collections_collect_the_young_generation_from_half_its_threshold():
     c = Collections()
     try:
         with c.held():
-            gc.collect(0)
+            gc.collect(1)  # the young and middle generations empty: the collections below are young ones
             kept = [[] for _ in range(300)]
             assert c.run_due() is None  # under half the threshold
             kept += [[] for _ in range(300)]
             assert c.run_due() == 0 and gc.get_count()[0] < 100
+            kept += [[] for _ in range(200)]
+            assert c.run_due() is None and c.run_due(young=0.125) == 0  # an eighth: as the step loop waits
     finally:
         gc.set_threshold(*thresholds)
     assert kept
