@@ -11,7 +11,6 @@ every adapter that shares them, never copies; `shared` names those slots.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -134,9 +133,10 @@ class Slots:
 
     def with_same_shapes(self, **changes) -> Slots:
         """A copy with `changes`, which keep every slot's shape (a fold, a move): not validated again, and
-        without `dataclasses.replace`'s field walk (a load makes one per adapted layer, hundreds)."""
-        out = copy.copy(self)
-        out.__dict__.update(changes)
+        without `dataclasses.replace`'s field walk or `copy.copy`'s reduce protocol (a load makes one per adapted
+        layer, hundreds)."""
+        out = object.__new__(Slots)
+        out.__dict__ = {**self.__dict__, **changes}
         return out
 
     def num_bytes(self, element_size: int | None = None) -> int:
