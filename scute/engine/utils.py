@@ -55,8 +55,9 @@ def per_prompt(value, n: int, what: str, single) -> list:
 
 class Collections:
     """The garbage collector's collections taken off the step loop's critical path: inside a step that overlaps
-    the one in flight its automatic collections are off (`held`), and the step loop runs the ones due
-    (`run_due`) while it waits for the GPU. A collection holds the interpreter lock: run by whichever thread
+    the one in flight its automatic collections are off (`held`), and the ones due run (`run_due`) while the step
+    loop waits for the GPU: on the step loop before its wait, and on the adapter loader at its pause points
+    meanwhile (`Turns.idle`). A collection holds the interpreter lock: run by whichever thread
     allocates, one of up to a millisecond and more lands inside a step's host work (the step loop's, or the
     adapter loader's, which the step loop then waits out). Collections the user turned off stay off; between two
     steps they are on, as the caller left them."""
