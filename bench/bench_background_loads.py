@@ -375,7 +375,8 @@ def summary(rounds: list[dict]) -> dict:
         print(f"  collections, {key}: {len(rows)}, young objects median {collections[key]['young_median']:.0f}, "
               f"median {collections[key]['median_ms']:.2f} / max {collections[key]['max_ms']:.2f} ms")
     return dict(
-        loads=len(latency), collections=collections, quiet_median_ms=1e3 * med, quiet_p99_ms=1e3 * percentile([s[0] for s in quiet], 99),
+        loads=len(latency), collections=collections, quiet_median_ms=1e3 * med,
+        quiet_p99_ms=1e3 * percentile([s[0] for s in quiet], 99),
         loading_median_ms=1e3 * statistics.median(walls), loading_p90_ms=1e3 * percentile(walls, 90),
         loading_p99_ms=1e3 * percentile(walls, 99), loading_max_ms=1e3 * max(walls),
         p99_over_quiet_median=percentile(walls, 99) / med,
@@ -390,7 +391,7 @@ def summary(rounds: list[dict]) -> dict:
                      for s in v] if k in ("quiet", "steps") else
                  [round(1e3 * t, 2) for t in v] if k == "latency" else
                  [{n: round(ms, 2) for n, ms in o.items()} for o in v] if k in ("phases", "quiet_phases") else v
-                 for k, v in x.items() if not k.endswith("collections")} for x in rounds])
+                 for k, v in x.items() if k not in ("collections", "quiet_collections")} for x in rounds])
 
 
 if __name__ == "__main__":

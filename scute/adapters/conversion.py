@@ -156,7 +156,7 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The model's linear layers by qualified name (plain `nn.Linear` or Scute's `ScuteLinear`)."""
-    return {name: m for name, m in model.named_modules() if _is_linear(m)}
+    return ModelLayers.of(model).linears
 
 
 @dataclass(frozen=True)

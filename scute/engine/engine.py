@@ -6,6 +6,7 @@ it; callers that stream use `add_request` / `step` / `has_unfinished_requests` /
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
@@ -60,7 +61,8 @@ class Engine:
         self._reported: list[Request] = []  # finished outside a step (errors, aborts): reported by the next step
         self._in_flight: InFlight | None = None  # a decode step launched, its tokens not read yet
         self.collections = Collections()  # the garbage collector's, run while the GPU runs a step in flight
-        self.adapters.loader.turns.idle = self.collections.run_due  # and by the loader meanwhile (`Turns.pause`)
+        # and by the loader meanwhile, at its pause points (`Turns.idle`), from half the young threshold
+        self.adapters.loader.turns.idle = functools.partial(self.collections.run_due, young=0.5)
         self._forking: list[ParentRequest] = []  # requests with n > 1 whose other samples wait for the prompt
         self._arrivals, self._ids = itertools.count(), itertools.count()
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "batched_tokens": 0, "preemptions": 0}
@@ -227,8 +229,8 @@ class Engine:
         if flight is None:
             return []
         with self.adapters.loader.turns.waiting():
-            if not flight.event.query():  # the GPU still runs it: the collections due meanwhile
-                self.collections.run_due(young=0.125)
+            if not flight.event.query():  # the GPU still runs it: the collections due meanwhile, the young
+                self.collections.run_due(young=0.125)  # from an eighth: the step's outputs then stay below it
             result = flight.wait()
         live = [r for r in flight.sampling if not r.is_finished]
         for req in flight.sampling:

@@ -82,16 +82,14 @@ class Collections:
             self.holding = False
             gc.enable()
 
-    def run_due(self, young: float = 0.5) -> int | None:
+    def run_due(self, young: float) -> int | None:
         """Collect the oldest generation whose threshold the allocations passed, as the automatic collector
-        would, and the young generation from `young` of its threshold on: the rest of the step allocates on (its
-        outputs, the loader), and allocations that reach the threshold start a collection inside the step's host
-        work as soon as automatic collections are back on after it (on the H200 such young collections took
-        1.1-1.5 ms at a step's end, when they walked the step's fresh outputs). The step loop collects from an eighth of the threshold
-        as it waits for the GPU, the loader from half at its pause points meanwhile (`Turns.idle`). The oldest
-        generation (a full collection, which walks every tracked object: the model's modules and the libraries'
-        too) at most every `full_every_s` seconds, as CPython runs it only once many objects have survived since
-        the last one. Returns the generation collected; None: none was due, or collections are not held here."""
+        would, and the young generation from `young` (a fraction) of its threshold on: the rest of the step
+        allocates on (its outputs, the loader), and allocations that reach the threshold start a collection inside
+        the step's host work as soon as automatic collections are back on after it. The oldest generation (a full
+        collection, which walks every tracked object: the model's modules and the libraries' too) at most every
+        `full_every_s` seconds, as CPython runs it only once many objects have survived since the last one.
+        Returns the generation collected; None: none was due, or collections are not held here."""
         if not self.holding:
             return None
         counts, thresholds = gc.get_count(), gc.get_threshold()

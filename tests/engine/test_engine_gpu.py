@@ -72,7 +72,7 @@ def test_the_cpu_tier_keeps_no_pinned_memory(oracle):
     prompts, adapters = mixed_requests()
     engine = oracle.engine(device="cuda")
     check(oracle, engine.generate(prompts, GREEDY, specs(oracle, adapters), use_tqdm=False), prompts, adapters)
-    assert engine.adapters.loader.wait_idle(60)  # the CPU tier's copies of those converted on the GPU: jobs of their own
+    assert engine.adapters.loader.wait_idle(60)  # the CPU tier's copies of those converted on the GPU: own jobs
     for name in METHODS:
         cached = engine.adapters.get_by_path(oracle.paths[name])
         tensors = [x for s in cached.layers.values() for x in s.tensors().values()]

@@ -119,7 +119,7 @@ def test_collections_the_user_turned_off_stay_off():
     try:
         c = Collections()
         with c.held():
-            assert not c.holding and c.run_due() is None
+            assert not c.holding and c.run_due(young=0.5) is None
         assert not gc.isenabled()
     finally:
         gc.enable()
@@ -139,11 +139,11 @@ def test_collections_collect_the_young_generation_early():
         with c.held():
             gc.collect(1)  # the young and middle generations empty: the collections below are young ones
             kept = [[] for _ in range(300)]
-            assert c.run_due() is None  # under half the threshold
+            assert c.run_due(young=0.5) is None  # under half the threshold
             kept += [[] for _ in range(300)]
-            assert c.run_due() == 0 and gc.get_count()[0] < 100
+            assert c.run_due(young=0.5) == 0 and gc.get_count()[0] < 100
             kept += [[] for _ in range(200)]
-            assert c.run_due() is None and c.run_due(young=0.125) == 0  # an eighth: as the step loop waits
+            assert c.run_due(young=0.5) is None and c.run_due(young=0.125) == 0  # an eighth: as the step loop waits
     finally:
         gc.set_threshold(*thresholds)
     assert kept
