@@ -26,10 +26,9 @@ from scute.adapters.checkpoint import (
     LAYER_PREFIX,
     AdapterCheckpoint,
     AdapterError,
-    cast_together,
-    first_nonfinite,
     is_targeted,
     read_checkpoint,
+    targeted_modules,
 )
 from scute.adapters.registry import Method, get_method, methods_with_option
 from scute.ops.reference import acc_dtype, rotate_pairs
@@ -186,12 +185,13 @@ def convert_checkpoint(
     interned = {} if interned is None else interned
     method = checkpoint_method(ckpt, options)
     device = weights_device(modules) if method.on_device else torch.device("cpu")
-    tensors_here = ckpt.tensors_on(device)  # model-level tensors stay on the CPU (shared matrices are made there)
+    keys, globals_ = _group_keys(ckpt, _split_keys(ckpt, method), modules)  # refused before any copy
     acc = acc_dtype(next((m.weight.dtype for m in modules.values()), torch.float32))
-    groups, globals_ = _group_keys(ckpt, method, modules, tensors_here, acc)  # `LayerCheckpoint.tensor`
-    if (bad := first_nonfinite(tensors_here)) is not None:
-        raise ckpt.error(f"tensor {bad!r} has NaN or Inf values")
-    expected = {n for n in modules if is_targeted(ckpt.config, n)}
+    tensors_here = ckpt.tensors_on(device, acc, pause)  # checked finite, in `LayerCheckpoint.tensor`'s dtype
+    groups: dict[str, dict[str, Tensor]] = {}
+    for module, suffix, key in keys:
+        groups.setdefault(module, {})[suffix] = tensors_here[key]
+    expected = targeted_modules(ckpt.config, tuple(modules))
     order = {n: i for i, n in enumerate(modules)}  # model order: the first problem first
     if missing := sorted(expected - set(groups), key=order.__getitem__):
         if not method.tensorless_targets:
@@ -251,31 +251,49 @@ def weights_device(modules: Mapping[str, nn.Module]) -> torch.device:
     return next((m.weight.device for m in modules.values()), torch.device("cpu"))
 
 
-def _group_keys(ckpt: AdapterCheckpoint, method: Method, modules: Mapping[str, nn.Module],
-                tensors: Mapping[str, Tensor], dtype: torch.dtype):
-    """Split checkpoint keys into per-module tensors (suffix -> tensor, from `tensors`: the checkpoint's on the
-    conversion device, floating ones cast to `dtype` together: `cast_together`) and global tensors (name ->
-    tensor, on the CPU, as the file has them: a method casts those it uses, `LayerCheckpoint.global_tensor`)."""
+def _split_keys(ckpt: AdapterCheckpoint, method: Method) -> list[tuple]:
+    """Each checkpoint key as ``("global", key, name)`` (a model-level tensor ``base_model.<name>``), ``("layer",
+    key, module, suffix)`` (a tensor of a module's, by `method`'s key names) or ``("error", message)``, in the file's
+    order. From the keys alone: a safetensors file's split is kept with its header (`Layout.splits`)."""
+    layout = ckpt.layout
+    memo = None if layout is None else layout.splits
+    if memo is not None and (method.keys, method.global_keys) in memo:
+        return memo[method.keys, method.global_keys]
     # module.suffix with the shortest module, i.e. the longest suffix ("base_layer.bias" before "bias")
     layer_key = re.compile(rf"(.+?)\.({_names_pattern(method.keys + ('base_layer.bias', 'bias'))})")
     global_key = re.compile(_names_pattern(method.global_keys))
-    groups: dict[str, dict[str, Tensor]] = {}
-    globals_: dict[str, Tensor] = {}
-    keys: list[tuple[str, str, str]] = []  # (module, suffix, checkpoint key)
-    for key, x in ckpt.tensors.items():
+    out: list[tuple] = []
+    for key in layout.keys if layout is not None else ckpt.tensors:
         if key.startswith(GLOBAL_PREFIX) and global_key.fullmatch(key[len(GLOBAL_PREFIX):]):
-            globals_[key[len(GLOBAL_PREFIX):]] = x
+            out.append(("global", key, key[len(GLOBAL_PREFIX):]))
             continue
         rel = key[len(LAYER_PREFIX):] if key.startswith(LAYER_PREFIX) else key
         if ".modules_to_save." in rel or ".trainable_tokens_" in rel:
-            raise ckpt.error(
-                f"tensor {key!r} is a fully trained module copy (modules_to_save / trainable tokens): Scute serves "
-                "adapters of linear layers only; merge it into the base model instead"
-            )
-        match = layer_key.fullmatch(rel)
-        if match is None:
-            raise ckpt.error(f"unexpected tensor {key!r}: not a {ckpt.peft_type} tensor")
-        module, suffix = match.groups()
+            out.append(("error", f"tensor {key!r} is a fully trained module copy (modules_to_save / trainable "
+                                 "tokens): Scute serves adapters of linear layers only; merge it into the base "
+                                 "model instead"))
+        elif (match := layer_key.fullmatch(rel)) is None:
+            out.append(("error", f"unexpected tensor {key!r}: not a {ckpt.peft_type} tensor"))
+        else:
+            out.append(("layer", key, *match.groups()))
+    if memo is not None:
+        memo[method.keys, method.global_keys] = out
+    return out
+
+
+def _group_keys(ckpt: AdapterCheckpoint, split: list[tuple], modules: Mapping[str, nn.Module]):
+    """The layer keys as (module, suffix, checkpoint key) and the global tensors (name -> tensor, on the CPU, as
+    the file has them: a method casts those it uses, `LayerCheckpoint.global_tensor`), by `_split_keys`; raises
+    for the first key that does not fit the method or the model."""
+    keys: list[tuple[str, str, str]] = []
+    globals_: dict[str, Tensor] = {}
+    for entry in split:
+        if entry[0] == "error":
+            raise ckpt.error(entry[1])
+        if entry[0] == "global":
+            globals_[entry[2]] = ckpt.tensors[entry[1]]
+            continue
+        _, key, module, suffix = entry
         if module not in modules:
             if suffix == "bias":
                 raise ckpt.error(
@@ -287,10 +305,7 @@ def _group_keys(ckpt: AdapterCheckpoint, method: Method, modules: Mapping[str, n
                 "was this adapter trained for another model?"
             )
         keys.append((module, suffix, key))
-    cast = cast_together({key: tensors[key] for _, _, key in keys}, dtype)
-    for module, suffix, key in keys:
-        groups.setdefault(module, {})[suffix] = cast[key]
-    return groups, globals_
+    return keys, globals_
 
 
 def _correct_bias(slots: Slots, b0: Tensor | None, bias: Tensor | None) -> Slots:

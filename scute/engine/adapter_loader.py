@@ -69,16 +69,23 @@ class Staged:
     adapter: Adapter
     event: torch.cuda.Event | None  # behind the copies (CUDA), None on the CPU
     prepared: dict = field(default_factory=dict)  # its rows in the slot pools, computed here (`prepare_adapter`)
+    buffers: list[Tensor] = field(default_factory=list)  # a tensor of each of its buffers (`buffers_of`)
 
     def use(self) -> Adapter:
         """The adapter, safe to read on the current stream (call on the thread that runs the steps)."""
         if self.event is not None:
-            tensors = [x for s in self.adapter.layers.values() for x in s.tensors().values()]
-            stream = torch.cuda.current_stream(tensors[0].device if tensors else None)
+            stream = torch.cuda.current_stream(self.buffers[0].device if self.buffers else None)
             stream.wait_event(self.event)
-            for x in {x.untyped_storage().data_ptr(): x for x in tensors}.values():  # once per buffer
+            for x in self.buffers:
                 x.record_stream(stream)
         return self.adapter
+
+
+def buffers_of(adapter: Adapter) -> list[Tensor]:
+    """One tensor of each buffer the adapter's tensors are views of (a packed adapter: one, and its shared
+    matrices'): found on the loader thread, so that `Staged.use` on the step loop walks a few, not hundreds."""
+    tensors = (x for s in adapter.layers.values() for x in s.tensors().values())
+    return list({x.untyped_storage().data_ptr(): x for x in tensors}.values())
 
 
 class Staging:
@@ -252,7 +259,7 @@ class AdapterLoader:
         event = torch.cuda.Event()
         event.record()  # on the loader's side stream, the current one of this thread
         event.synchronize()
-        return Staged(moved, event, prepared)
+        return Staged(moved, event, prepared, buffers_of(moved))
 
     @property
     def busy(self) -> bool:

@@ -116,18 +116,57 @@ def test_first_nonfinite_names_the_first_bad_tensor_of_a_file(tmp_path, monkeypa
 
 
 def test_a_bf16_file_converts_as_each_tensor_cast_alone(lora_dir, monkeypatch):
-    """LoRA's slots from a bf16 file for a float32 model, its tensors cast as one span, equal those cast one by
-    one."""
+    """LoRA's slots from a bf16 file for a float32 model, its tensors cast as one span of the file, equal those
+    cast one by one (the file's header parsed again without a span, and nothing cast together)."""
     path = os.path.join(lora_dir, WEIGHTS)
     save_file({k: v.bfloat16() for k, v in load_file(path).items()}, path)
     model = tiny_model()
     together = load_adapter(lora_dir, model)
-    monkeypatch.setattr(conversion, "cast_together", lambda tensors, dtype: dict(tensors))
+    assert read_checkpoint(lora_dir).layout.span is not None
+    ckpt_module._layout.cache_clear()
+    monkeypatch.setattr(ckpt_module, "_span", lambda entries: None)
+    monkeypatch.setattr(ckpt_module, "cast_together", lambda tensors, dtype: dict(tensors))
     alone = load_adapter(lora_dir, model)
+    ckpt_module._layout.cache_clear()  # no layout without a span outlives the test
     assert together.layers.keys() == alone.layers.keys()
     for name, slots in together.layers.items():
         for key, x in slots.tensors().items():
             assert x.dtype == torch.float32 and torch.equal(x, alone.layers[name].tensors()[key]), (name, key)
+
+
+@pytest.mark.parametrize("where", ["a", "b", "c", "e", None])
+def test_tensors_on_checks_and_casts_a_files_span_at_once(tmp_path, where):
+    """A file whose floating tensors tile one span (here all bf16, an int tensor beside them) comes back cast,
+    each tensor a view of the one cast span with its own values; a NaN or an Inf anywhere raises, naming the
+    first tensor that holds one."""
+    want = {k: x.bfloat16() if x.is_floating_point() else x for k, x in mixed_tensors().items()}
+    if where is not None:
+        want[where].view(-1)[0] = float("inf")
+    ckpt = read_checkpoint(saved(tmp_path, want))
+    assert ckpt.layout.span is not None
+    if where is not None:
+        with pytest.raises(AdapterError, match=f"tensor '{where}' has NaN or Inf"):
+            ckpt.tensors_on(torch.device("cpu"), torch.float32)
+        return
+    got = ckpt.tensors_on(torch.device("cpu"), torch.float32)
+    for key, x in want.items():
+        assert got[key].dtype == (torch.float32 if x.is_floating_point() else x.dtype), key
+        assert torch.equal(got[key], x.to(got[key].dtype)), key
+    assert len({got[k].untyped_storage().data_ptr() for k in "abce"}) == 1  # one cast span
+
+
+def test_a_header_is_parsed_once_for_every_file_that_has_it(tmp_path):
+    """Files with the same header (a server's adapters of one kind) share one parsed `Layout`, and with it the
+    split of their keys by method; their tensors are each file's own."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    want = mixed_tensors()
+    saved(a, want)
+    saved(b, {k: x + 1 if x.is_floating_point() else x for k, x in want.items()})
+    first, second = read_checkpoint(a), read_checkpoint(b)
+    assert first.layout is second.layout
+    assert torch.equal(second.tensors["a"], want["a"] + 1) and torch.equal(first.tensors["a"], want["a"])
+    assert ckpt_module._span(first.layout.entries) is None  # bf16 and float32 together: no one span
 
 
 def test_dora_norm_in_row_blocks_matches_peft(tmp_path, monkeypatch):
