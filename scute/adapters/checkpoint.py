@@ -175,9 +175,10 @@ def read_checkpoint(path: str | os.PathLike, allow_pickle: bool = False, pin_mem
     raise AdapterError(f"adapter {path}: missing {SAFETENSORS}")
 
 
-# Bytes read and hashed per task: files of a few chunks and more are read by several threads. An 84 MB file from
-# the page cache (a LoRA r16 of Llama-3-8B) read into pinned memory on a 16-core host: 8 threads of 8 MB chunks
-# read it in 10.6 ms and hash it by 16.5 ms, 14-16 threads of 4 MB in 6.6 and 9.6 (safetensors: 10.8 to read).
+# Bytes read and hashed per task: files of a few chunks and more are read by several threads (`_readers`). An
+# 84 MB file from the page cache (a LoRA r16 of Llama-3-8B) read into pinned memory on a 16-core host: by 8 threads
+# in 11 ms, hashed by 13 ms in 4 MB chunks (16.5 in 8 MB ones); by 14 threads in 6.6 ms, hashed by 9.6 (safetensors:
+# 10.8 ms to read it).
 CHUNK = 4 << 20
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -186,7 +187,9 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 
 @cache
 def _readers() -> ThreadPoolExecutor:
-    """Up to 16 threads, leaving two cores to the threads that run Python (the step loop and the loader)."""
+    """All cores but two (left to the step loop and the loader, which run Python), at most 16. Their reads release
+    the interpreter lock; the decode steps that ran beside loads read this way were no slower than beside reads by 8
+    threads (`bench/bench_background_loads.py`)."""
     return ThreadPoolExecutor(max(1, min(16, (os.cpu_count() or 1) - 2)), thread_name_prefix="scute-read")
 
 
