@@ -256,9 +256,9 @@ def _split_keys(ckpt: AdapterCheckpoint, method: Method) -> list[tuple]:
     key, module, suffix)`` (a tensor of a module's, by `method`'s key names) or ``("error", message)``, in the file's
     order. From the keys alone: a safetensors file's split is kept with its header (`Layout.splits`)."""
     layout = ckpt.layout
-    memo = None if layout is None else layout.splits
-    if memo is not None and (method.keys, method.global_keys) in memo:
-        return memo[method.keys, method.global_keys]
+    memo, memo_key = None if layout is None else layout.splits, (ckpt.peft_type, method.keys, method.global_keys)
+    if memo is not None and memo_key in memo:
+        return memo[memo_key]
     # module.suffix with the shortest module, i.e. the longest suffix ("base_layer.bias" before "bias")
     layer_key = re.compile(rf"(.+?)\.({_names_pattern(method.keys + ('base_layer.bias', 'bias'))})")
     global_key = re.compile(_names_pattern(method.global_keys))
@@ -277,7 +277,7 @@ def _split_keys(ckpt: AdapterCheckpoint, method: Method) -> list[tuple]:
         else:
             out.append(("layer", key, *match.groups()))
     if memo is not None:
-        memo[method.keys, method.global_keys] = out
+        memo[memo_key] = out
     return out
 
 
