@@ -66,10 +66,12 @@ class Slots:
     @property
     def live(self) -> tuple[str, ...]:
         """Slot names holding a tensor (after `folded()`: what the kernel reads per token)."""
-        return tuple(n for n in TENSOR_SLOTS if getattr(self, n) is not None)
+        fields = self.__dict__  # a load asks each of its hundreds of layers several times
+        return tuple([n for n in TENSOR_SLOTS if fields[n] is not None])
 
     def tensors(self) -> dict[str, Tensor]:
-        return {n: getattr(self, n) for n in self.live}
+        fields = self.__dict__
+        return {n: fields[n] for n in TENSOR_SLOTS if fields[n] is not None}
 
     def validate(self) -> None:
         """Raise ValueError if a slot's shape does not fit this layer (the message names the slot)."""
