@@ -11,6 +11,9 @@ from scute.outputs import CompletionOutput, RequestOutput
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: list[int], max_model_len: int, stats: dict) -> None:
         self.tokenizer, self.eos_token_ids, self.max_model_len, self.stats = tokenizer, eos_token_ids, max_model_len, stats
+        # a tokenizer that cleans up spaces (" ." -> ".") can join tokens across a window's start: `text` then
+        # decodes in full, as for a tokenizer unknown to transformers
+        self.incremental = getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
 
     def append_tokens(self, sampling: list[Request], result: SamplerOutput) -> None:
         """Append each request's sampled token (and logprobs), then check its stop conditions. A request that
@@ -48,16 +51,41 @@ class OutputProcessor:
         return None
 
     def _check_stop_strings(self, req: Request) -> bool:
-        text = self.decode(req)
-        hits = [(text.find(s), s) for s in req.sampling_params.stop_strings if s in text]
+        seen = len(req.text)
+        text = self.text(req)
+        sp = req.sampling_params
+        # only where the new text can end a stop string: what was searched before held none
+        hits = [(i, s) for s in sp.stop_strings if (i := text.find(s, max(0, seen - len(s) + 1))) >= 0]
         if not hits:
             return False
         index, stop = min(hits)
-        req.text = text[: index + len(stop)] if req.sampling_params.include_stop_str_in_output else text[:index]
+        req.text = text[: index + len(stop)] if sp.include_stop_str_in_output else text[:index]
         req.finish("stop", stop_reason=stop)
         return True
 
+    def text(self, req: Request) -> str:
+        """The request's output text so far, decoded incrementally: each call decodes its tokens since the last
+        (and the few before them, for their context) instead of all of them, so that a stream's steps, and a stop
+        string's check, cost a request the same at its thousandth token as at its tenth (vLLM's prefix and read
+        offsets). A token that ends inside a character (a byte-level tokenizer's "\ufffd") waits for the next.
+        A finished request's text is the full decode (`decode`), which the incremental one is a prefix of; so is
+        every text of a tokenizer that cleans up spaces (`incremental`)."""
+        if self.tokenizer is None:
+            return ""
+        ids, skip = req.output_token_ids, req.sampling_params.skip_special_tokens
+        if req.is_finished or not self.incremental:
+            return self.decode(req)
+        if req.read_offset == len(ids):
+            return req.text
+        prefix = self.tokenizer.decode(ids[req.prefix_offset:req.read_offset], skip_special_tokens=skip)
+        new = self.tokenizer.decode(ids[req.prefix_offset:], skip_special_tokens=skip)
+        if len(new) > len(prefix) and not new.endswith("\ufffd") and new.startswith(prefix):
+            req.text += new[len(prefix):]
+            req.prefix_offset, req.read_offset = req.read_offset, len(ids)
+        return req.text
+
     def decode(self, req: Request) -> str:
+        """The full decode of the request's output tokens."""
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens)
@@ -75,7 +103,7 @@ class OutputProcessor:
 
     def _completion(self, req: Request) -> CompletionOutput:
         sp = req.sampling_params
-        text = req.text if isinstance(req.stop_reason, str) else self.decode(req)  # a stop string cut the text
+        text = req.text if isinstance(req.stop_reason, str) else self.text(req)  # a stop string cut the text
         return CompletionOutput(
             index=req.sample_index, text=text, token_ids=list(req.output_token_ids),
             cumulative_logprob=req.cumulative_logprob if sp.logprobs is not None else None,

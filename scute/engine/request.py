@@ -87,7 +87,9 @@ class Request:
         self.sample_index = 0
         self.prompt_source: Request | None = None
         self.generator: torch.Generator | None = None
-        self.text = ""  # detokenized output, kept current only when stop strings need it
+        # the output text decoded so far, a few tokens at a time (`OutputProcessor.text`): of the output tokens up
+        # to `read_offset`; the tokens from `prefix_offset` to there are decoded again with the next ones
+        self.text, self.prefix_offset, self.read_offset = "", 0, 0
         self.eos_token_ids: list[int] = []  # the model's EOS ids (they end it unless ignore_eos)
 
     def bind_adapter(self, adapter: Adapter) -> Adapter:

@@ -1,0 +1,117 @@
+"""The output text, decoded a few tokens at a time (`OutputProcessor.text`), against the full decode of the same
+tokens, on real `tokenizers` tokenizers trained here: byte-level BPE (characters split across tokens), a
+SentencePiece-style one (a leading space that a decode drops at its start) and a word-level one, each with
+special tokens; and stop strings found across the new text's edge."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from scute.engine.output_processor import OutputProcessor
+from scute.engine.request import Request
+from scute.sampling_params import SamplingParams
+
+SPECIAL = ["<s>", "</s>", "<pad>"]
+
+
+def corpus(seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("abcdeéüx€中 ") for _ in range(rng.randint(1, 6))) for _ in range(300)]
+    return [" ".join(rng.choices(words, k=30)) + rng.choice([" .", "!", " ,", "?"]) for _ in range(300)]
+
+
+def tokenizer(kind: str) -> PreTrainedTokenizerFast:
+    if kind == "byte_bpe":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    elif kind == "metaspace":
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+        alphabet = []
+    else:
+        tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        alphabet = None
+    trainer = (trainers.WordLevelTrainer(special_tokens=SPECIAL + ["<unk>"]) if alphabet is None else
+               trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIAL + ["<unk>"], initial_alphabet=alphabet))
+    tok.train_from_iterator(corpus(), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+
+
+def request(sp: SamplingParams) -> Request:
+    return Request("r", None, [1, 2], sp, None, None, 0)
+
+
+@pytest.mark.parametrize("kind", ["byte_bpe", "metaspace", "word"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_incremental_text_is_the_full_decode_wherever_a_character_is_complete(kind, skip):
+    tok = tokenizer(kind)
+    out = OutputProcessor(tok, [], 1 << 20, {})
+    assert out.incremental
+    rng = random.Random(1)
+    for trial in range(6):
+        text = " ".join(corpus(trial + 10)[:3])
+        ids = tok.encode(text) if trial % 2 else [rng.randrange(len(tok)) for _ in range(120)]  # real and random
+        req, seen = request(SamplingParams(max_tokens=1000, skip_special_tokens=skip)), ""
+        for k, token in enumerate(ids, 1):
+            req.append_token(token)
+            got, full = out.text(req), tok.decode(ids[:k], skip_special_tokens=skip)
+            assert got.startswith(seen), (kind, trial, k)  # a stream only ever grows
+            if not full.endswith("\ufffd"):
+                assert got == full, (kind, trial, k)
+            seen = got
+        assert req.prefix_offset > 0 or len(ids) < 3  # windows moved on: not a full decode every step
+        req.finish("length")
+        assert out.text(req) == tok.decode(ids, skip_special_tokens=skip) and out.text(req).startswith(seen)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_in_full():
+    tok = tokenizer("word")
+    tok.clean_up_tokenization_spaces = True
+    out = OutputProcessor(tok, [], 1 << 20, {})
+    words = corpus()[0].split()[:4]
+    ids = tok.encode(f"{words[0]} , {words[1]} ! {words[2]} . {words[3]}")
+    assert "," in tok.decode(ids) and " ," not in tok.decode(ids)  # cleaned up
+    req = request(SamplingParams(max_tokens=100))
+    for k, token in enumerate(ids, 1):
+        req.append_token(token)
+        assert out.text(req) == tok.decode(ids[:k], skip_special_tokens=True)
+    assert not out.incremental and req.read_offset == 0
+
+
+def test_a_stop_string_across_the_new_texts_edge_is_found():
+    """Stop strings are searched only where the new text can complete one: one that began in text already
+    searched and ends in the new text still stops the request, cut where it starts."""
+    tok = tokenizer("word")
+    out = OutputProcessor(tok, [], 1 << 20, {})
+    ids = tok.encode(corpus()[0])[:12]
+    stop = tok.decode(ids[6:8])  # two tokens: its start was searched a step before its end arrives
+    assert " " in stop and tok.decode(ids).count(stop) == 1
+    req = request(SamplingParams(max_tokens=100, stop=[stop]))
+    for token in ids:
+        req.append_token(token)
+        out.check_stop(req, token)
+        if req.is_finished:
+            break
+    full = tok.decode(ids)
+    assert req.is_finished and req.stop_reason == stop and req.text == full[:full.find(stop)]
+
+
+def test_the_outputs_bench_runs(tmp_path):
+    """`bench/bench_outputs.py` on a few requests: both ways of decoding timed at each length."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "bench_outputs.py")
+    spec = importlib.util.spec_from_file_location("bench_outputs", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--requests", "3", "--lengths", "4,16", "--out", str(tmp_path / "o.json")])
+    assert [r["length"] for r in result["rows"]] == [4, 16]
+    assert all(r["incremental_ms"] > 0 and r["full_ms"] > 0 for r in result["rows"])
