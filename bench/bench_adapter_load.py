@@ -7,7 +7,8 @@ VeRA r256, OFT block 32; bf16 files).
 
 Per method, the median of ``--repeats`` timed runs after a warm-up (which reads every file once: the page cache is
 warm, and places the adapter once so that the layers' slot pools exist): ``read_s``, the file read into memory
-with ``safetensors.torch.load_file`` (the floor: what just reading it costs); ``servable_s``, what a request's
+with ``safetensors.torch.load_file`` (the floor: what just reading it costs); ``read_checkpoint_s``, Scute's read
+of it (`read_checkpoint`, into pinned memory on a GPU) until its hash is done; ``servable_s``, what a request's
 load on the adapter loader does (`AdapterManager._job`: read, validate and convert where W0 is, copy to the
 device in the serving dtype, its rows in the slot pools prepared: `prepare_adapter`) and then the placement in a
 device slot with those rows (`place_adapter`, as the engine's `Placer` does), synchronized; its split
@@ -54,6 +55,7 @@ def timed(fn, device: torch.device) -> tuple[float, object]:
 def measure(engine, path: str, resident: list[str], repeats: int) -> dict:
     from safetensors.torch import load_file
 
+    from scute.adapters import read_checkpoint
     from scute.model.hf import place_adapter
 
     manager, device = engine.adapters, engine.adapters.device
@@ -68,6 +70,7 @@ def measure(engine, path: str, resident: list[str], repeats: int) -> dict:
     rows = []
     for i in range(repeats + 1):  # the first is the warm-up
         read_s, _ = timed(lambda: load_file(file), device)
+        read_checkpoint_s, _ = timed(lambda: read_checkpoint(path, pin_memory=device.type == "cuda").identity, device)
         total, (adapter, staged) = timed(lambda: manager._job(path), device)
         load_s, (_, on_device) = timed(lambda: manager._load(path), device)
         move_s = timed(lambda: manager.loader.move(adapter, manager._moved), device)[0] if on_device is None else 0.0
@@ -80,7 +83,8 @@ def measure(engine, path: str, resident: list[str], repeats: int) -> dict:
             place_adapter(manager.linears, 0, None)
             continue
         place_adapter(manager.linears, 0, None)
-        rows.append(dict(read_s=read_s, servable_s=total + place_s, load_s=load_s, move_s=move_s, place_s=place_s))
+        rows.append(dict(read_s=read_s, read_checkpoint_s=read_checkpoint_s, servable_s=total + place_s,
+                         load_s=load_s, move_s=move_s, place_s=place_s))
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     from scute.adapters.registry import get_method
 

@@ -114,11 +114,10 @@ class AdapterCheckpoint:
         return self.buffer.to(device, non_blocking=True)
 
     def _moved(self, device: torch.device) -> dict[str, Tensor]:
-        """The tensors on `device` as read: views of one copy of the buffer (`_buffer_on`)."""
-        if not self.tensors or (device.type == "cpu" and (self.buffer is None or not self.buffer.is_pinned())):
-            return self.tensors
-        if self.buffer is None:
-            return {k: x.to(device) for k, x in self.tensors.items()}
+        """The tensors on `device` as read: views of one copy of the buffer (`_buffer_on`); a pickled file's
+        tensors each copied alone."""
+        if self.layout is None:
+            return self.tensors if device.type == "cpu" else {k: x.to(device) for k, x in self.tensors.items()}
         return self.layout.views(self._buffer_on(device))
 
 
@@ -175,10 +174,9 @@ def read_checkpoint(path: str | os.PathLike, allow_pickle: bool = False, pin_mem
     raise AdapterError(f"adapter {path}: missing {SAFETENSORS}")
 
 
-# Bytes read and hashed per task: files of a few chunks and more are read by several threads (`_readers`). An
-# 84 MB file from the page cache (a LoRA r16 of Llama-3-8B) read into pinned memory on a 16-core host: by 8 threads
-# in 11 ms, hashed by 13 ms in 4 MB chunks (16.5 in 8 MB ones); by 14 threads in 6.6 ms, hashed by 9.6 (safetensors:
-# 10.8 ms to read it).
+# Bytes read and hashed per task: files of a few chunks and more are read by several threads (`_readers`), which
+# then hash the chunks while the conversion goes on; smaller chunks spread the hashing over more threads, so it is
+# done sooner after the read (`bench/bench_adapter_load.py`: ``read_checkpoint_s``, the read and hash of a file).
 CHUNK = 4 << 20
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -187,9 +185,8 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 
 @cache
 def _readers() -> ThreadPoolExecutor:
-    """All cores but two (left to the step loop and the loader, which run Python), at most 16. Their reads release
-    the interpreter lock; the decode steps that ran beside loads read this way were no slower than beside reads by 8
-    threads (`bench/bench_background_loads.py`)."""
+    """All cores but two (left to the step loop and the loader, which run Python), at most 16: the reads and the
+    hashing release the interpreter lock."""
     return ThreadPoolExecutor(max(1, min(16, (os.cpu_count() or 1) - 2)), thread_name_prefix="scute-read")
 
 

@@ -66,7 +66,7 @@ class OutputProcessor:
     def text(self, req: Request) -> str:
         """The request's output text so far, decoded incrementally: each call decodes its tokens since the last
         (and the few before them, for their context) instead of all of them, so that a stream's steps, and a stop
-        string's check, cost a request the same at its thousandth token as at its tenth (vLLM's prefix and read
+        string's check, cost a request the same whatever its length (vLLM's prefix and read
         offsets). A token that ends inside a character (a byte-level tokenizer's "\ufffd") waits for the next.
         A finished request's text is the full decode (`decode`), which the incremental one is a prefix of; so is
         every text of a tokenizer that cleans up spaces (`incremental`)."""
@@ -79,7 +79,7 @@ class OutputProcessor:
             return req.text
         prefix = self.tokenizer.decode(ids[req.prefix_offset:req.read_offset], skip_special_tokens=skip)
         new = self.tokenizer.decode(ids[req.prefix_offset:], skip_special_tokens=skip)
-        if len(new) > len(prefix) and not new.endswith("\ufffd") and new.startswith(prefix):
+        if new != prefix and new.startswith(prefix) and not new.endswith("\ufffd"):
             req.text += new[len(prefix):]
             req.prefix_offset, req.read_offset = req.read_offset, len(ids)
         return req.text

@@ -18,5 +18,6 @@ def test_adapter_load_bench_runs_and_records_rows(tmp_path):
     for row in result["rows"]:
         assert row["file_bytes"] > 0 and row["read_s"] > 0 and row["repeats"] == 2
         assert row["servable_s"] >= row["place_s"] > 0 and row["load_s"] > 0 and row["move_s"] >= 0
+        assert row["read_checkpoint_s"] > 0
     assert {r["method"]: r["converted_where_w0_is"] for r in saved["rows"]} == dict(
         lora=True, dora=True, ia3=True, vera=False, oft=True)
