@@ -14,7 +14,7 @@ device in the serving dtype, its rows in the slot pools prepared: `prepare_adapt
 device slot with those rows (`place_adapter`, as the engine's `Placer` does), synchronized; its split
 ``load_s`` (read + convert, the CPU tier's adapter), ``move_s`` (to the device, when the conversion ran on the
 CPU) and ``place_s``; ``ratio`` = servable / read. The placement goes into slot 0 with two other adapters of the
-method in slots 1 and 2 (a server that serves the method already). cProfile of one load: ``--profile METHOD``.
+method in slots 1 and 2 (a server that serves the method already). cProfile of one load (by own and by cumulative time): ``--profile METHOD``.
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/bench_adapter_load.py --device cuda --out bench/results/adapter_load.json``.
 On the CPU: ``PYTHONPATH=. python3 bench/bench_adapter_load.py --device cpu --layers 4`` (fp32; ~8 GiB of memory).
@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
             sync(device)
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(50)
     return result
 
 

@@ -11,6 +11,7 @@ every adapter that shares them, never copies; `shared` names those slots.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -149,3 +150,25 @@ class Slots:
                 total += x.numel() * (element_size or x.element_size())
         return total
 
+
+
+def fold_layers(layers: Mapping[str, Slots], pause: Callable[[], None] = lambda: None) -> dict[str, Slots]:
+    """``{name: slots.folded()}`` for an adapter's layers, with the commonest fold made for many layers at once:
+    a per-adapter B scaled by s alone (LoRA's ``B ← s·B``) is multiplied by one call per distinct s, its dtype
+    and device (`torch._foreach_mul`: a few launches on a GPU where each layer made its own). Elementwise the
+    same product as `folded()`, so the same values. `pause` is called every 16 layers folded one by one."""
+    out: dict[str, Slots] = {}
+    scaled: dict[tuple, list[str]] = {}
+    for i, (name, sl) in enumerate(layers.items()):
+        if sl.A is not None and sl.m is None and sl.v is None and not sl.shared:
+            scaled.setdefault((sl.scale, sl.B.dtype, sl.B.device), []).append(name)
+            continue
+        if i % 16 == 0:
+            pause()
+        out[name] = sl.folded()
+    for (s, _, _), names in scaled.items():
+        for name, B in zip(names, torch._foreach_mul([layers[n].B for n in names], s)):
+            sl = layers[name]
+            merged = sl.merged if "s" in sl.merged else (*sl.merged, "s")
+            out[name] = sl.with_same_shapes(B=B, scale=1.0, merged=merged)
+    return {name: out[name] for name in layers}

@@ -8,7 +8,7 @@ from peft import VeraConfig
 
 from scute.adapters import load_adapter
 from scute.ops.reference import scute_linear_ref
-from scute.ops.slots import Slots
+from scute.ops.slots import Slots, fold_layers
 from tests.helpers import make_adapter, tiny_model
 
 g = torch.Generator().manual_seed(0)
@@ -35,6 +35,28 @@ def test_folding_is_exact_and_keeps_only_what_must_stay_live(shared):
     assert (f.m is None) == (set(shared) != {"A", "B"})  # m only when both are shared
     for name in shared:
         assert getattr(f, name) is getattr(s, name), "shared tensors are never rewritten"
+
+
+def test_fold_layers_equals_each_layers_fold():
+    """The batched fold gives every layer what `folded()` gives it, bit for bit, in the layers' order: plain
+    low-rank layers of several scales and dtypes (batched) beside layers with m, v, shared matrices or no low-rank
+    part (folded one by one)."""
+    def lowrank(scale, dtype=torch.float32, **kw):
+        return Slots(8, 6, A=torch.randn(3, 8, generator=g).to(dtype), B=torch.randn(6, 3, generator=g).to(dtype),
+                     scale=scale, **kw)
+
+    layers = {"a": lowrank(0.7), "b": full_slots(), "c": lowrank(2.0), "d": lowrank(0.7, c=torch.randn(6)),
+              "e": full_slots(("A", "B")), "f": Slots(8, 6, o=rand(6)), "g": lowrank(0.7, torch.float64),
+              "h": lowrank(1 / 3, m=torch.randn(3, generator=g)), "i": lowrank(0.7, merged=("s",))}
+    before = {name: sl.B.clone() for name, sl in layers.items() if sl.B is not None}
+    got = fold_layers(layers)
+    assert list(got) == list(layers)
+    for name, sl in layers.items():
+        want = sl.folded()
+        assert got[name].scale == 1.0 and got[name].merged == want.merged and got[name].live == want.live, name
+        for slot, x in want.tensors().items():
+            assert torch.equal(getattr(got[name], slot), x) and getattr(got[name], slot).dtype == x.dtype, (name, slot)
+    assert all(torch.equal(layers[name].B, b) for name, b in before.items()), "the layers' own tensors are kept"
 
 
 @pytest.mark.parametrize("kwargs,problem", [

@@ -1,0 +1,110 @@
+"""One adapter load, phase by phase: where the time from a PEFT folder to a servable adapter goes.
+
+The model and adapters of `bench/bench_adapter_load.py` (Llama-3-8B shape, random weights; ``--layers`` fewer
+for a quick look); per method, the median over ``--repeats`` of each phase of `AdapterManager._job` and the
+placement, run one after the other and synchronized after each: ``read`` (`read_checkpoint` and its hash),
+``convert`` (`convert_checkpoint`: the file's tensors to the converter's device and dtype, checked, converted per
+layer), ``fold`` (`Slots.folded` of every layer), ``device`` (the serving copy: `AdapterLoader.to_device`, or
+`move` of a CPU conversion), ``prepare`` (`prepare_adapter`), ``place`` (`place_adapter` with the prepared rows);
+then cProfile of the placement (own time, top 25). The phases of a load on the loader overlap a little more
+than here (its hash runs on beside the conversion).
+
+Run on a GPU: ``PYTHONPATH=. python3 bench/profile_load.py --methods lora``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_engine as B  # noqa: E402
+from bench_adapter_load import sync  # noqa: E402
+
+
+def phases(engine, path: str, other: str, repeats: int) -> dict[str, float]:
+    from scute import SamplingParams
+    from scute.adapters import Adapter, read_checkpoint
+    from scute.adapters.conversion import convert_checkpoint
+    from scute.model.hf import place_adapter, prepare_adapter
+
+    manager, device = engine.adapters, engine.adapters.device
+    _, staged = manager._job(other)
+    place_adapter(manager.linears, 1, staged.use(), staged.prepared)
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=1), [staged.adapter], use_tqdm=False)  # pools exist
+    rows = []
+    for _ in range(repeats + 1):
+        times, t = {}, time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal t
+            sync(device)
+            now = time.perf_counter()
+            times[name], t = now - t, now
+
+        ckpt = read_checkpoint(path, pin_memory=device.type == "cuda")
+        identity = ckpt.identity
+        lap("read")
+        slots = convert_checkpoint(ckpt, manager.model_layers.linears, interned=manager._interned)
+        lap("convert")
+        folded = {n: s.folded() for n, s in slots.items()}
+        lap("fold")
+        adapter = Adapter("a", path, ckpt.peft_type, ckpt.config, identity, folded)
+        moved = manager.loader.device_copy(adapter, manager._moved) or manager.loader.move(adapter, manager._moved
+                                                                                            ).adapter
+        lap("device")
+        prepared = prepare_adapter(manager.linears, moved)
+        lap("prepare")
+        place_adapter(manager.linears, 0, moved, prepared)
+        lap("place")
+        place_adapter(manager.linears, 0, None)
+        rows.append(times)
+    med = {k: statistics.median(r[k] for r in rows[1:]) for k in rows[0]}
+    prof = cProfile.Profile()
+    prepared = prepare_adapter(manager.linears, moved)
+    prof.enable()
+    place_adapter(manager.linears, 0, moved, prepared)
+    sync(device)
+    prof.disable()
+    place_adapter(manager.linears, 0, None)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    return med
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--methods", default="lora")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--root", default="/tmp/scute-bench-adapter-load")
+    args = p.parse_args()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from scute import Engine
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(LlamaConfig(**{**B.LLAMA3_8B, "num_hidden_layers": args.layers}),
+                                              dtype=dtype).eval()
+    paths = {m: B.make_adapters(model, m, 2, args.root) for m in args.methods.split(",")}
+    engine = Engine(model, device=args.device, dtype=str(dtype).split(".")[1], enforce_eager=True, max_adapters=3,
+                    max_adapter_rank=256, max_model_len=64, max_num_seqs=4, kv_cache_memory_bytes=64 << 20)
+    table = {m: phases(engine, *paths[m], args.repeats) for m in paths}
+    names = list(next(iter(table.values())))
+    print("method  " + "".join(f"{n:>9}" for n in names) + "  (ms)")
+    for m, med in table.items():
+        print(f"{m:<7} " + "".join(f"{1e3 * med[n]:9.2f}" for n in names))
+
+
+if __name__ == "__main__":
+    main()
