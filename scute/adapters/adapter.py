@@ -114,10 +114,7 @@ def pack(xs: Sequence[Tensor], dtypes: Sequence[torch.dtype | None], device: tor
     if all(x.device == device and x.dtype == d for x, d in zip(xs, dtypes)):
         return list(xs)
     sources = {x.device for x in xs}
-    storages = {x.untyped_storage().data_ptr() for x in xs}
-    nbytes = sum(x.numel() * x.element_size() for x in xs)
-    if (len(storages) == 1 and all(x.dtype == d for x, d in zip(xs, dtypes))
-            and xs[0].untyped_storage().nbytes() <= 2 * nbytes + ALIGN * len(xs)):  # a packed buffer: copy it whole
+    if all(x.dtype == d for x, d in zip(xs, dtypes)) and _packed(xs):  # a packed buffer: copy it whole
         whole = torch.empty(0, dtype=torch.uint8, device=xs[0].device).set_(xs[0].untyped_storage())
         views = TypedViews(transfer(whole, device))
         return [views.like(x) for x in paused(xs, pause, PAUSE_EVERY)]
@@ -131,11 +128,23 @@ def pack(xs: Sequence[Tensor], dtypes: Sequence[torch.dtype | None], device: tor
     buf = TypedViews(torch.empty(total, dtype=torch.uint8, device=src))
     packed = [buf.at(d, off // d.itemsize, x.shape, contiguous_strides(x.shape))
               for x, off, d in paused(zip(xs, offsets, dtypes), pause, PAUSE_EVERY)]
-    torch._foreach_copy_(packed, list(xs))  # one call for a few hundred copies
+    kinds: dict[tuple, list[int]] = {}  # one call per pair of dtypes (one fused launch on a GPU) for hundreds
+    for i, (x, d) in enumerate(zip(xs, dtypes)):
+        kinds.setdefault((x.dtype, d), []).append(i)
+    for group in kinds.values():
+        torch._foreach_copy_([packed[i] for i in group], [xs[i] for i in group])
     if src == device or device.type == src.type == "cuda" and device.index is None:
         return packed
     moved = TypedViews(transfer(buf.buffer, device))
     return [moved.like(p) for p in paused(packed, pause, PAUSE_EVERY)]
+
+
+def _packed(xs: Sequence[Tensor]) -> bool:
+    """Whether `xs` are views of one storage they fill but for alignment (a packed adapter's)."""
+    storage = xs[0].untyped_storage()
+    if any(x.untyped_storage().data_ptr() != storage.data_ptr() for x in xs):
+        return False
+    return storage.nbytes() <= 2 * sum(x.numel() * x.element_size() for x in xs) + ALIGN * len(xs)
 
 
 def alora_start(input_ids: Sequence[int], invocation_tokens: Sequence[int]) -> int | None:

@@ -78,7 +78,8 @@ class SlotPool:
     """
 
     # The engine runs its steps under torch.inference_mode; the pool is created on a first forward but updated
-    # in place later by set_slot, outside it: its tensors must be normal tensors, never inference tensors.
+    # in place later by set_slot, outside it: its tensors must be normal tensors, never inference tensors (what
+    # makes them leaves inference mode: `update` and `_fill_column`; a placement of prepared rows makes none).
     @torch.inference_mode(False)
     def __init__(self, in_features: int, out_features: Sequence[int], num_slots: int,
                  device: torch.device | str, dtype: torch.dtype) -> None:
@@ -166,7 +167,6 @@ class SlotPool:
         self._joined = sum(g != s for s, g in enumerate(groups))
         self._set_facts(facts)
 
-    @torch.inference_mode(False)
     def update_slot(self, slots: Sequence[Sequence[Slots | None]], s: int, placement: Placement | None = None) -> None:
         """`update` after a change of slot `s` alone (``slots`` holds every slot, `s` already changed). When no other
         slot's group changes with it (`s` represents no other slot, before or after, and the shared group keeps its
@@ -275,6 +275,7 @@ class SlotPool:
         self.shared_m = refill(self.shared_m, m, self.device, torch.float32)
         self.shared_group = group
 
+    @torch.inference_mode(False)  # the pool's copies of tensors it does not serve as they are
     def _fill_column(self, slots: Sequence[Sequence[Slots | None]], s: int, group: int, shared: int, keep: dict,
                      mine: set) -> tuple[list[list[int]], int]:
         """Slot s's rows and its group's h width (`column_rows`), through the pool's copies."""
