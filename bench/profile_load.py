@@ -4,7 +4,7 @@ The model and adapters of `bench/bench_adapter_load.py` (Llama-3-8B shape, rando
 for a quick look); per method, the median over ``--repeats`` of each phase of `AdapterManager._job` and the
 placement, run one after the other and synchronized after each: ``read`` (`read_checkpoint` and its hash),
 ``convert`` (`convert_checkpoint`: the file's tensors to the converter's device and dtype, checked, converted per
-layer), ``fold`` (`Slots.folded` of every layer), ``device`` (the serving copy: `AdapterLoader.to_device`, or
+layer), ``fold`` (`fold_layers`), ``device`` (the serving copy: `AdapterLoader.to_device`, or
 `move` of a CPU conversion), ``prepare`` (`prepare_adapter`), ``place`` (`place_adapter` with the prepared rows);
 then cProfile of the placement (own time, top 25). The phases of a load on the loader overlap a little more
 than here (its hash runs on beside the conversion).
@@ -34,6 +34,7 @@ def phases(engine, path: str, other: str, repeats: int) -> dict[str, float]:
     from scute.adapters import Adapter, read_checkpoint
     from scute.adapters.conversion import convert_checkpoint
     from scute.model.hf import place_adapter, prepare_adapter
+    from scute.ops.slots import fold_layers
 
     manager, device = engine.adapters, engine.adapters.device
     _, staged = manager._job(other)
@@ -54,7 +55,7 @@ def phases(engine, path: str, other: str, repeats: int) -> dict[str, float]:
         lap("read")
         slots = convert_checkpoint(ckpt, manager.model_layers.linears, interned=manager._interned)
         lap("convert")
-        folded = {n: s.folded() for n, s in slots.items()}
+        folded = fold_layers(slots)
         lap("fold")
         adapter = Adapter("a", path, ckpt.peft_type, ckpt.config, identity, folded)
         moved = manager.loader.device_copy(adapter, manager._moved) or manager.loader.move(adapter, manager._moved

@@ -155,8 +155,9 @@ class Slots:
 def fold_layers(layers: Mapping[str, Slots], pause: Callable[[], None] = lambda: None) -> dict[str, Slots]:
     """``{name: slots.folded()}`` for an adapter's layers, with the commonest fold made for many layers at once:
     a per-adapter B scaled by s alone (LoRA's ``B ← s·B``) is multiplied by one call per distinct s, its dtype
-    and device (`torch._foreach_mul`: a few launches on a GPU where each layer made its own). Elementwise the
-    same product as `folded()`, so the same values. `pause` is called every 16 layers folded one by one."""
+    and device (`torch._foreach_mul`, 32 layers per call: a few launches on a GPU where each layer made its own).
+    Elementwise the same product as `folded()`, so the same values. `pause` is called before each such call and
+    every 16 layers folded one by one."""
     out: dict[str, Slots] = {}
     scaled: dict[tuple, list[str]] = {}
     for i, (name, sl) in enumerate(layers.items()):
@@ -167,8 +168,11 @@ def fold_layers(layers: Mapping[str, Slots], pause: Callable[[], None] = lambda:
             pause()
         out[name] = sl.folded()
     for (s, _, _), names in scaled.items():
-        for name, B in zip(names, torch._foreach_mul([layers[n].B for n in names], s)):
-            sl = layers[name]
-            merged = sl.merged if "s" in sl.merged else (*sl.merged, "s")
-            out[name] = sl.with_same_shapes(B=B, scale=1.0, merged=merged)
+        for i in range(0, len(names), 32):  # a call holds the interpreter lock: 32 layers at a time, then a pause
+            pause()
+            chunk = names[i:i + 32]
+            for name, B in zip(chunk, torch._foreach_mul([layers[n].B for n in chunk], s)):
+                sl = layers[name]
+                merged = sl.merged if "s" in sl.merged else (*sl.merged, "s")
+                out[name] = sl.with_same_shapes(B=B, scale=1.0, merged=merged)
     return {name: out[name] for name in layers}
