@@ -82,14 +82,12 @@ class AdapterCheckpoint:
         return AdapterError(f"adapter {self.path} ({self.peft_type or '?'}){where}: {problem}")
 
     def tensors_on(self, device: torch.device, dtype: torch.dtype | None = None,
-                   pause: Callable[[], None] = lambda: None) -> tuple[dict[str, Tensor], Callable[[], None]]:
-        """The tensors on `device`, floating ones in `dtype` (None: as read), and ``check``: a call that raises
-        `AdapterError` naming the first floating tensor that is not finite as read. A file whose floating tensors
+                   pause: Callable[[], None] = lambda: None) -> dict[str, Tensor]:
+        """The tensors on `device`, floating ones in `dtype` (None: as read), after checking that every floating
+        one is finite as read (raises `AdapterError` naming the first that is not). A file whose floating tensors
         tile one span of it (`Layout.span`: the usual PEFT file) is copied there whole (one transfer,
-        non-blocking from pinned memory, on the current stream), cast as that span and checked as that span
-        (one reduction, its result copied back behind it), and each tensor is then one view of the cast span
-        (`pause` is called every `Layout.PAUSE_EVERY` views): nothing here waits for the device, so a caller
-        converts while the copy runs, and ``check`` waits only for the copy and the reduction. Any other's are
+        non-blocking from pinned memory, on the current stream), checked and cast as that span, and each tensor
+        is then one view of the cast span (`pause` is called every `Layout.PAUSE_EVERY` views); any other's are
         moved, checked (`first_nonfinite`) and cast (`cast_together`) as they are. On the CPU, a pinned buffer
         is first copied to pageable memory: what a converter returns from the tensors may be kept for long (the
         CPU tier), and pinned memory kept is pinned memory allocated again for the next file, whose allocation
@@ -98,23 +96,16 @@ class AdapterCheckpoint:
         span = None if self.layout is None else self.layout.span
         if span is None:
             tensors = self._moved(device)
-            bad = first_nonfinite(tensors)
-            return (tensors if dtype is None else cast_together(tensors, dtype)), lambda: self._refuse(bad)
+            if (bad := first_nonfinite(tensors)) is not None:
+                raise self.error(f"tensor {bad!r} has NaN or Inf values")
+            return tensors if dtype is None else cast_together(tensors, dtype)
         moved = self._buffer_on(device)
         read_dtype, lo, hi = span
         raw = moved[lo:hi].view(read_dtype)
         cast = raw if dtype is None or dtype == read_dtype else raw.to(dtype)
-        finite = _finite_later(raw)
-
-        def check() -> None:
-            if not finite():
-                self._refuse(first_nonfinite(self.layout.views(moved)))
-
-        return self.layout.views(moved, cast, pause), check
-
-    def _refuse(self, bad: str | None) -> None:
-        if bad is not None:
-            raise self.error(f"tensor {bad!r} has NaN or Inf values")
+        if not _finite([raw])[0]:  # one host sync, with the cast already queued
+            raise self.error(f"tensor {first_nonfinite(self.layout.views(moved))!r} has NaN or Inf values")
+        return self.layout.views(moved, cast, pause)
 
     def _buffer_on(self, device: torch.device) -> Tensor:
         """The weights file's buffer on `device` (a pageable copy for the CPU, where it is pinned)."""
@@ -370,23 +361,6 @@ def _finite(xs: list[Tensor]) -> list[bool]:
                 finite[i] = ok
     elif xs:  # min and max propagate NaN and show an Inf; ~50x faster than isfinite() on bf16 on the CPU
         finite = torch.isfinite(torch.stack([torch.stack(torch.aminmax(x)).double() for x in xs])).all(1).tolist()
-    return finite
-
-
-def _finite_later(x: Tensor) -> Callable[[], bool]:
-    """Whether `x` (floating) is finite, as a call: on a GPU the reduction and the copy of its result are queued
-    now, behind the work already on the stream, and the call waits for them alone; on the CPU computed now."""
-    if not x.is_cuda:
-        ok = _finite([x])[0] if x.numel() else True
-        return lambda: ok
-    peak = torch._foreach_norm([x], float("inf"))[0].to("cpu", non_blocking=True)  # NaN propagates
-    done = torch.cuda.Event()
-    done.record()
-
-    def finite() -> bool:
-        done.synchronize()
-        return math.isfinite(peak.item())
-
     return finite
 
 

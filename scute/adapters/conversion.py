@@ -187,47 +187,42 @@ def convert_checkpoint(
     device = weights_device(modules) if method.on_device else torch.device("cpu")
     keys, globals_ = _group_keys(ckpt, _split_keys(ckpt, method), modules)  # refused before any copy
     acc = acc_dtype(next((m.weight.dtype for m in modules.values()), torch.float32))
-    tensors_here, check_finite = ckpt.tensors_on(device, acc, pause)  # in `LayerCheckpoint.tensor`'s dtype
-    try:  # the converters run while the file's copy and its check do
-        groups: dict[str, dict[str, Tensor]] = {}
-        for module, suffix, key in keys:
-            groups.setdefault(module, {})[suffix] = tensors_here[key]
-        expected = targeted_modules(ckpt.config, tuple(modules))
-        order = {n: i for i, n in enumerate(modules)}  # model order: the first problem first
-        if missing := sorted(expected - set(groups), key=order.__getitem__):
-            if not method.tensorless_targets:
-                raise ckpt.error(f"the config targets {missing[0]} but the file has no tensors for it "
-                                 f"({len(missing)} such modules)")
-            groups.update({n: {} for n in missing})
-        shared: dict = {}
-        shapes = {n: tuple(modules[n].weight.shape) for n in sorted(groups, key=order.__getitem__)}
-        out: dict[str, Slots] = {}
-        for name in paused(shapes, pause):
-            tensors, base = groups[name], modules[name]
-            dtype = acc_dtype(base.weight.dtype)
-            b0 = None if base.bias is None else base.bias.detach().to(device=device, dtype=dtype)
-            trained_bias = tensors.pop("base_layer.bias", tensors.pop("bias", None))
-            bias = b0 if trained_bias is None else trained_bias.to(dtype)
-            if bias is not None and tuple(bias.shape) != (shapes[name][0],):
-                raise ckpt.error(f"trained bias has shape {tuple(bias.shape)}, layer needs ({shapes[name][0]},)", name)
-            layer = LayerCheckpoint(name, ckpt.config, base, bias, tensors, ckpt, globals_, shapes, shared, dense=dense,
-                                    options=options, device=device, interned=interned)
-            if tensors or (method.tensorless_targets and name in expected):  # method tensors, or derived from globals
-                try:
-                    slots = method.convert(layer)
-                except AdapterError:
-                    raise
-                except ValueError as e:  # a slot that does not fit the layer
-                    raise layer.error(str(e)) from e
-            else:  # only a trained bias (bias="all" on a layer the method does not adapt)
-                slots = Slots(layer.in_features, layer.out_features)
-            if extra := sorted(set(tensors) - layer.used):
-                raise layer.error(f"unexpected tensor {extra[0]!r} for {ckpt.peft_type} with this config")
-            out[name] = _correct_bias(slots, b0, bias)
-    except Exception:
-        check_finite()  # a NaN or an Inf is the problem to name, whatever a converter made of it
-        raise
-    check_finite()
+    tensors_here = ckpt.tensors_on(device, acc, pause)  # checked finite, in `LayerCheckpoint.tensor`'s dtype
+    groups: dict[str, dict[str, Tensor]] = {}
+    for module, suffix, key in keys:
+        groups.setdefault(module, {})[suffix] = tensors_here[key]
+    expected = targeted_modules(ckpt.config, tuple(modules))
+    order = {n: i for i, n in enumerate(modules)}  # model order: the first problem first
+    if missing := sorted(expected - set(groups), key=order.__getitem__):
+        if not method.tensorless_targets:
+            raise ckpt.error(f"the config targets {missing[0]} but the file has no tensors for it "
+                             f"({len(missing)} such modules)")
+        groups.update({n: {} for n in missing})
+    shared: dict = {}
+    shapes = {n: tuple(modules[n].weight.shape) for n in sorted(groups, key=order.__getitem__)}
+    out: dict[str, Slots] = {}
+    for name in paused(shapes, pause):
+        tensors, base = groups[name], modules[name]
+        dtype = acc_dtype(base.weight.dtype)
+        b0 = None if base.bias is None else base.bias.detach().to(device=device, dtype=dtype)
+        trained_bias = tensors.pop("base_layer.bias", tensors.pop("bias", None))
+        bias = b0 if trained_bias is None else trained_bias.to(dtype)
+        if bias is not None and tuple(bias.shape) != (shapes[name][0],):
+            raise ckpt.error(f"trained bias has shape {tuple(bias.shape)}, layer needs ({shapes[name][0]},)", name)
+        layer = LayerCheckpoint(name, ckpt.config, base, bias, tensors, ckpt, globals_, shapes, shared, dense=dense,
+                                options=options, device=device, interned=interned)
+        if tensors or (method.tensorless_targets and name in expected):  # method tensors, or derived from globals
+            try:
+                slots = method.convert(layer)
+            except AdapterError:
+                raise
+            except ValueError as e:  # a slot that does not fit the layer
+                raise layer.error(str(e)) from e
+        else:  # only a trained bias (bias="all" on a layer the method does not adapt)
+            slots = Slots(layer.in_features, layer.out_features)
+        if extra := sorted(set(tensors) - layer.used):
+            raise layer.error(f"unexpected tensor {extra[0]!r} for {ckpt.peft_type} with this config")
+        out[name] = _correct_bias(slots, b0, bias)
     return out
 
 

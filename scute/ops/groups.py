@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Sequence
-from functools import lru_cache
 from typing import NamedTuple
 
 from torch import Tensor
@@ -126,7 +125,6 @@ def pool_facts_slot(prev: PoolFacts, slots: Sequence[Sequence[Slots | None]], s:
     return (pool_facts(slots, prev.out_features, memo), False) if facts is None else (facts, True)
 
 
-@lru_cache(maxsize=4096)  # the pools of one kind in every layer hold alike: a placement computes it once per kind
 def _changed_alone(prev: PoolFacts, old: SlotFacts, new: SlotFacts, s: int,
                    rep_facts: SlotFacts | None) -> PoolFacts | None:
     """`prev` with slot s's facts `old` replaced by `new` (`rep_facts`: the shared group's representative's), or

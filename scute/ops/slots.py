@@ -151,7 +151,6 @@ class Slots:
         return total
 
 
-
 def fold_layers(layers: Mapping[str, Slots], pause: Callable[[], None] = lambda: None) -> dict[str, Slots]:
     """``{name: slots.folded()}`` for an adapter's layers, with the commonest fold made for many layers at once:
     a per-adapter B scaled by s alone (LoRA's ``B ← s·B``) is multiplied by one call per distinct s, its dtype
