@@ -14,7 +14,8 @@ device in the serving dtype, its rows in the slot pools prepared: `prepare_adapt
 device slot with those rows (`place_adapter`, as the engine's `Placer` does), synchronized; its split
 ``load_s`` (read + convert, the CPU tier's adapter), ``move_s`` (to the device, when the conversion ran on the
 CPU) and ``place_s``; ``ratio`` = servable / read. The placement goes into slot 0 with two other adapters of the
-method in slots 1 and 2 (a server that serves the method already). cProfile of one load (by own and by cumulative time): ``--profile METHOD``.
+method in slots 1 and 2 (a server that serves the method already). cProfile of one load (by own and by
+cumulative time): ``--profile METHOD``.
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/bench_adapter_load.py --device cuda --out bench/results/adapter_load.json``.
 On the CPU: ``PYTHONPATH=. python3 bench/bench_adapter_load.py --device cpu --layers 4`` (fp32; ~8 GiB of memory).

@@ -23,7 +23,8 @@ def byte_bpe():
     from transformers import PreTrainedTokenizerFast
 
     rng = random.Random(0)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyzéü ") for _ in range(rng.randint(2, 9))) for _ in range(3000)]
+    letters = "abcdefghijklmnopqrstuvwxyzéü "
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(3000)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     tok.train_from_iterator((" ".join(rng.choices(words, k=50)) + " ." for _ in range(2000)),

@@ -58,8 +58,8 @@ def phases(engine, path: str, other: str, repeats: int) -> dict[str, float]:
         folded = fold_layers(slots)
         lap("fold")
         adapter = Adapter("a", path, ckpt.peft_type, ckpt.config, identity, folded)
-        moved = manager.loader.device_copy(adapter, manager._moved) or manager.loader.move(adapter, manager._moved
-                                                                                            ).adapter
+        loader = manager.loader
+        moved = loader.device_copy(adapter, manager._moved) or loader.move(adapter, manager._moved).adapter
         lap("device")
         prepared = prepare_adapter(manager.linears, moved)
         lap("prepare")

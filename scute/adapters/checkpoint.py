@@ -68,6 +68,12 @@ class AdapterCheckpoint:
         never makes them)."""
         return self.loaded if self.layout is None else self.layout.views(self.buffer)
 
+    def tensor(self, key: str) -> Tensor:
+        """The tensor `key` as read, on the CPU, without making every tensor's view (`tensors`)."""
+        if self.layout is None or "tensors" in self.__dict__:
+            return self.tensors[key]
+        return self.layout.view(self.buffer, key)
+
     @cached_property
     def identity(self) -> str:
         """sha256 of the config and weight files: changes whenever the adapter does (waits for the hashing)."""
@@ -298,11 +304,26 @@ class Layout:
             if cast is not None and dtype.is_floating_point:
                 out[key] = cast.as_strided(shape, contiguous_strides(shape),
                                            cast.storage_offset() + (start - lo) // dtype.itemsize)
-            elif start % dtype.itemsize == 0:
-                out[key] = typed.at(dtype, start // dtype.itemsize, shape, contiguous_strides(shape))
-            else:  # its own aligned copy
-                out[key] = buffer[start:start + math.prod(shape) * dtype.itemsize].clone().view(dtype).view(shape)
+            else:
+                out[key] = _view(typed, dtype, shape, start)
         return out
+
+    def view(self, buffer: Tensor, key: str) -> Tensor:
+        """The tensor `key` as a view of `buffer` (as `views` makes it), without making the others'."""
+        _, dtype, shape, start = self._entry[key]
+        return _view(TypedViews(buffer), dtype, shape, start)
+
+    @cached_property
+    def _entry(self) -> dict[str, tuple[str, torch.dtype, tuple[int, ...], int]]:
+        return {entry[0]: entry for entry in self.entries}
+
+
+def _view(typed: TypedViews, dtype: torch.dtype, shape: tuple[int, ...], start: int) -> Tensor:
+    """The tensor of `dtype` and `shape` at byte `start` of `typed`'s buffer: a view, or where `start` is not
+    aligned to the dtype its own aligned copy."""
+    if start % dtype.itemsize == 0:
+        return typed.at(dtype, start // dtype.itemsize, shape, contiguous_strides(shape))
+    return typed.buffer[start:start + math.prod(shape) * dtype.itemsize].clone().view(dtype).view(shape)
 
 
 class TypedViews:

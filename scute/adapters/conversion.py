@@ -291,7 +291,7 @@ def _group_keys(ckpt: AdapterCheckpoint, split: list[tuple], modules: Mapping[st
         if entry[0] == "error":
             raise ckpt.error(entry[1])
         if entry[0] == "global":
-            globals_[entry[2]] = ckpt.tensors[entry[1]]
+            globals_[entry[2]] = ckpt.tensor(entry[1])
             continue
         _, key, module, suffix = entry
         if module not in modules:

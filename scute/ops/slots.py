@@ -157,15 +157,18 @@ def fold_layers(layers: Mapping[str, Slots], pause: Callable[[], None] = lambda:
     and device (`torch._foreach_mul`, 32 layers per call: a few launches on a GPU where each layer made its own).
     Elementwise the same product as `folded()`, so the same values. `pause` is called before each such call and
     every 16 layers folded one by one."""
-    out: dict[str, Slots] = {}
+    alone: list[str] = []
     scaled: dict[tuple, list[str]] = {}
-    for i, (name, sl) in enumerate(layers.items()):
+    for name, sl in layers.items():
         if sl.A is not None and sl.m is None and sl.v is None and not sl.shared:
             scaled.setdefault((sl.scale, sl.B.dtype, sl.B.device), []).append(name)
-            continue
-        if i % 16 == 0:
+        else:
+            alone.append(name)
+    out: dict[str, Slots] = {}
+    for k, name in enumerate(alone):
+        if k % 16 == 0:
             pause()
-        out[name] = sl.folded()
+        out[name] = layers[name].folded()
     for (s, _, _), names in scaled.items():
         for i in range(0, len(names), 32):  # a call holds the interpreter lock: 32 layers at a time, then a pause
             pause()

@@ -23,19 +23,13 @@ class TableWrites:
     def __init__(self) -> None:
         self.rows: list[tuple[Tensor, tuple[int, ...], list[int]]] = []
         self.copies: list[tuple[Tensor, tuple[int, ...], Tensor | None]] = []
-        self._shapes: dict[int, tuple[Tensor, int, int]] = {}  # id of a table written -> (it, its dims, row length)
 
     def add(self, table: Tensor, index: tuple[int, ...], values: list[int]) -> None:
         """Write `values` at the flush along the last, contiguous dimension of an int64 table: as the row
         ``table[index]`` (an index of all but the last dimension), or from the element ``table[index]`` on."""
-        shape = self._shapes.get(id(table))  # a placement writes each of its tables' rows: asked once per table
-        if shape is None:
-            if table.dtype != torch.int64 or table.stride(-1) != 1:
-                raise ValueError("TableWrites writes rows of contiguous int64 tables")
-            shape = self._shapes[id(table)] = (table, table.dim(), table.shape[-1])
-        _, dims, width = shape
-        first = index[-1] if len(index) == dims else 0
-        if first + len(values) > width or (len(index) < dims and len(values) != width):
+        first = index[-1] if len(index) == table.dim() else 0
+        if table.dtype != torch.int64 or table.stride(-1) != 1 or first + len(values) > table.shape[-1] or (
+                len(index) < table.dim() and len(values) != table.shape[-1]):
             raise ValueError("TableWrites writes rows of contiguous int64 tables, within a row")
         self.rows.append((table, index, values))
 
@@ -47,7 +41,7 @@ class TableWrites:
         self.copies.append((table, index, src))
 
     def flush(self) -> None:
-        rows, copies, self.rows, self.copies, self._shapes = self.rows, self.copies, [], [], {}
+        rows, copies, self.rows, self.copies = self.rows, self.copies, [], []
         device = next((t.device for t, _, _ in rows + copies), None)
         if device is None or device.type != "cuda":  # through numpy views: no computing call into torch either
             for table, index, values in rows:

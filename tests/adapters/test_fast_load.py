@@ -167,6 +167,8 @@ def test_a_header_is_parsed_once_for_every_file_that_has_it(tmp_path):
     assert first.layout is second.layout
     assert torch.equal(second.tensors["a"], want["a"] + 1) and torch.equal(first.tensors["a"], want["a"])
     assert ckpt_module._span(first.layout.entries) is None  # bf16 and float32 together: no one span
+    third = read_checkpoint(a)  # one tensor alone (a model-level one), without every tensor's view
+    assert all(torch.equal(third.tensor(k), x) for k, x in want.items()) and "tensors" not in vars(third)
 
 
 def test_dora_norm_in_row_blocks_matches_peft(tmp_path, monkeypatch):

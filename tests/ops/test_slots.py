@@ -47,7 +47,8 @@ def test_fold_layers_equals_each_layers_fold():
 
     layers = {"a": lowrank(0.7), "b": full_slots(), "c": lowrank(2.0), "d": lowrank(0.7, c=torch.randn(6)),
               "e": full_slots(("A", "B")), "f": Slots(8, 6, o=rand(6)), "g": lowrank(0.7, torch.float64),
-              "h": lowrank(1 / 3, m=torch.randn(3, generator=g)), "i": lowrank(0.7, merged=("s",))}
+              "h": lowrank(1 / 3, m=torch.randn(3, generator=g)), "i": lowrank(0.7, merged=("s",)),
+              **{f"many{k}": lowrank(0.25) for k in range(70)}}  # one scale over several calls of 32
     before = {name: sl.B.clone() for name, sl in layers.items() if sl.B is not None}
     got = fold_layers(layers)
     assert list(got) == list(layers)
