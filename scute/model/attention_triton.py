@@ -23,6 +23,9 @@ one request of 160 positions. The grid has MAX_SPLITS programs per (request, KV 
 (programs past a request's splits return at once), so it is fixed for a CUDA graph, and a token's split depends
 only on its own length: its result is the same in any batch on the same side of `split_max_seqs`, eager or
 replayed.
+
+The counts of requests and tokens are not specialized (`do_not_specialize`, see `scute.ops.kernels`): an eager
+step of an odd token count would otherwise compile the kernels again, mid-serving.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_ptr, qsl_ptr, seq_lens_ptr, block_tables_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, scale_log2, num_seqs, num_tokens,
@@ -170,7 +173,7 @@ def _paged_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _combine_kernel(part_ptr, stats_ptr, out_ptr, num_tokens, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr):
     """Program (token, head): out = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s over the splits (M = max m_s; a

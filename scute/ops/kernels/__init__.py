@@ -16,6 +16,12 @@ product (h split in two 16-bit parts: about 16 mantissa bits), reading each B bl
 K-split partials of h are summed by the row kernel as it reads them, or once by the shrink for multi-token tiles
 and groups wider than one rank step (see `shrink_kernel`). None of these reads the base output, so they run
 beside the base GEMM; `epilogue_kernel` then applies o ⊙ z + o2 ⊙ rot(z) + c + v ⊙ d to each adapter token.
+
+Arguments that change from step to step (a step's token count, a pass's chunks per program, a write's rows)
+are not specialized (`do_not_specialize`): Triton compiles a kernel again for an integer argument that is 1, a
+multiple of 16, or neither, and a compile mid-serving stalls every running request for one to two seconds (an
+eager step of an odd token count after graphs of multiples of 16). They bound loops and masks only, never a
+vectorized access, so nothing is lost.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def _epilogue_chunk(z_row, d_row, col_a, col_b, n_out, flags, o, o2, c, v):
     tl.store(z_row + col_b, y_b.to(z_row.dtype.element_ty), mask=mask_b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunks_per_prog"])
 def epilogue_kernel(z0_ptr, z1_ptr, z2_ptr, d0_ptr, d1_ptr, d2_ptr, tab_ptr, slots_ptr, num_slots, out0, out1, out2,
                     zst0, zst1, zst2, chunks_per_prog, P: tl.constexpr, HB: tl.constexpr):
     """Program (token t, n-range): z[t, cols] ← o ⊙ z + o2 ⊙ rot_g(z) + c + v ⊙ d[t, cols] in place, over

@@ -8,7 +8,7 @@ import triton.language as tl
 from scute.ops.kernels.common import F_FLAGS, F_T, F_TB, F_TBN, F_TBB, NF, HAS_T, HAS_TB, _ptr
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, slots_ptr, count_ptr, num_tokens, in_features, num_slots,
                            tile_min, BC: tl.constexpr, BB: tl.constexpr, NBP: tl.constexpr, B_EXACT: tl.constexpr,
                            ITERS: tl.constexpr, SKIP_TILED: tl.constexpr):
@@ -64,7 +64,7 @@ def input_transform_kernel(x_ptr, xt_ptr, tab_ptr, slots_ptr, count_ptr, num_tok
             tl.store(out_row + ccols, xv, mask=cmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def input_tiles_kernel(x_ptr, xt_ptr, tab_ptr, sorted_ptr, sorted_slots_ptr, count_ptr, start_ptr, num_tokens,
                        in_features, num_slots, tile_min, BM: tl.constexpr, BB: tl.constexpr, NBP: tl.constexpr,
                        B_EXACT: tl.constexpr, PREC: tl.constexpr):

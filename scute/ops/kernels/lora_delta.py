@@ -74,7 +74,7 @@ def _group_of_program(tab_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr, til
     return g, start, end, grow
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "chunks_per_prog"])
 def delta_rows_kernel(d0_ptr, d1_ptr, d2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr,
                       tile_start_ptr, tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2,
                       chunks_per_prog, B_TY: tl.constexpr, P: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -110,7 +110,7 @@ def delta_rows_kernel(d0_ptr, d1_ptr, d2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, 
         tl.store(d_row + cols, d.to(d_row.dtype.element_ty), mask=cols < n_out)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def delta_tiles_kernel(d0_ptr, d1_ptr, d2_ptr, h_ptr, tab_ptr, sorted_slots_ptr, sorted_ptr, tile_group_ptr,
                        tile_start_ptr, tile_end_ptr, num_tokens, num_slots, h_width, out0, out1, out2,
                        multi_tiles_ptr, num_multi_ptr, target_items, B_TY: tl.constexpr, P: tl.constexpr,

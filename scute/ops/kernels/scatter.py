@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def scatter_rows_kernel(buf_ptr, n_rows, BLOCK: tl.constexpr):
     """Program: one row. buf = [addresses (n_rows) | offsets (n_rows + 1) | values]; values[offsets[i]:offsets[i+1]]
     are stored at address i (int64 elements)."""
@@ -19,7 +19,7 @@ def scatter_rows_kernel(buf_ptr, n_rows, BLOCK: tl.constexpr):
     tl.store(dst + cols, vals, mask=cols < n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def copy_rows_kernel(buf_ptr, n_rows, BLOCK: tl.constexpr):
     """Program: one row. buf = [destinations (n_rows) | sources (n_rows) | lengths (n_rows)]: lengths[i] float32
     elements are copied from source i to destination i, or ones stored where source i is 0."""

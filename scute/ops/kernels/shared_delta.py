@@ -8,7 +8,7 @@ import triton.language as tl
 from scute.ops.kernels.common import _proj_of_program, _pick
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def shared_scale_kernel(hv_ptr, hs_ptr, m_ptr, sorted_ptr, sorted_slots_ptr, count_ptr, start_ptr, group,
                         num_tokens, num_slots, rank, a0, a1, a2, P: tl.constexpr, BR: tl.constexpr):
     """Program (position i of the shared group's sorted rows, projection p): hs[p, i] = hv[a_p, t] ⊙ m[p, slot]
@@ -27,7 +27,7 @@ def shared_scale_kernel(hv_ptr, hs_ptr, m_ptr, sorted_ptr, sorted_slots_ptr, cou
     tl.store(hs_ptr + (p * num_tokens + i).to(tl.int64) * rank + r, (h * m).to(hs_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def shared_expand_kernel(d0_ptr, d1_ptr, d2_ptr, hs_ptr, hv_ptr, m_ptr, b0_ptr, b1_ptr, b2_ptr, sorted_ptr,
                          sorted_slots_ptr, count_ptr, start_ptr, group, num_tokens, num_slots, rank, out0, out1, out2,
                          a0, a1, a2, P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,

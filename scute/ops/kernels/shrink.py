@@ -8,7 +8,7 @@ import triton.language as tl
 from scute.ops.kernels.common import F_A, F_ARANK, F_AHOFF, NF, _ptr
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def shrink_kernel(x_ptr, h_ptr, count_ptr, tab_ptr, sorted_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr,
                   num_tokens, in_features, num_slots, h_width, k_per_split, SPLIT_K: tl.constexpr,
                   RT: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
