@@ -3,6 +3,8 @@ the `RequestOutput`s (detokenized text, logprobs)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from scute.engine.request import Request
 from scute.engine.sampler import SamplerOutput
 from scute.outputs import CompletionOutput, RequestOutput
@@ -104,9 +106,21 @@ class OutputProcessor:
     def _completion(self, req: Request) -> CompletionOutput:
         sp = req.sampling_params
         text = req.text if isinstance(req.stop_reason, str) else self.text(req)  # a stop string cut the text
+        if sp.stop_strings and not sp.include_stop_str_in_output and not req.is_finished:
+            text = text[:len(text) - stop_prefix_at_end(text, sp.stop_strings)]
         return CompletionOutput(
             index=req.sample_index, text=text, token_ids=list(req.output_token_ids),
             cumulative_logprob=req.cumulative_logprob if sp.logprobs is not None else None,
             logprobs=list(req.logprobs) if sp.logprobs is not None else None,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
         )
+
+
+def stop_prefix_at_end(text: str, stops: Sequence[str]) -> int:
+    """The length of the longest end of `text` that begins one of `stops` (a proper prefix of it): what a running
+    request's output holds back, since a stop string completed by later tokens cuts the text where it starts, and
+    a stream shows only text the final output keeps (vLLM holds back the longest stop string's length less one)."""
+    for k in range(min(len(text), max(map(len, stops)) - 1), 0, -1):
+        if any(len(s) > k and text.endswith(s[:k]) for s in stops):
+            return k
+    return 0

@@ -103,6 +103,36 @@ def test_a_stop_string_across_the_new_texts_edge_is_found():
     assert req.is_finished and req.stop_reason == stop and req.text == full[:full.find(stop)]
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stream_never_shows_text_its_stop_string_cuts(include):
+    """While a stop string may still complete, a running request's output holds back the end of its text that
+    begins one (the longest suffix that is a stop string's proper prefix): every streamed text is a prefix of the
+    final one, as a client that appends the deltas needs. With ``include_stop_str_in_output`` nothing is cut,
+    so nothing is held back."""
+    tok = tokenizer("word")
+    out = OutputProcessor(tok, [], 1 << 20, {})
+    ids = tok.encode(corpus()[0])[:12]
+    stop = tok.decode(ids[6:9])  # three tokens: two streamed steps end inside it
+    req = request(SamplingParams(max_tokens=100, stop=[stop, "never here"], include_stop_str_in_output=include))
+    shown = []
+    for token in ids:
+        req.append_token(token)
+        out.check_stop(req, token)
+        shown.append(out.make_output(req).outputs[0].text)
+        if req.is_finished:
+            break
+    full = tok.decode(ids)
+    final = full[:full.find(stop) + (len(stop) if include else 0)]
+    assert req.is_finished and shown[-1] == final
+    assert all(final.startswith(text) for text in shown), shown
+    held = [len(tok.decode(ids[:k + 1])) - len(text) for k, text in enumerate(shown[:-1])]
+    if include:
+        assert held == [0] * len(held)
+    else:  # after the stop string's first and second tokens, at least they are held back; never a whole stop
+        assert held[6] >= len(tok.decode(ids[6:7])) and held[7] >= len(tok.decode(ids[6:8]))
+        assert max(held) < len(stop)
+
+
 def test_the_outputs_bench_runs(tmp_path):
     """`bench/bench_outputs.py` on a few requests: both ways of decoding timed at each length."""
     import importlib.util

@@ -53,6 +53,22 @@ def test_completion_streamed_and_not_equals_the_engine(server, reference, served
     assert chunks[-1].usage.completion_tokens == 8
 
 
+def test_a_stream_with_a_stop_string_across_tokens_sends_what_the_engine_keeps(server, reference, served):
+    """A stop string of two words, which tokens (the word-level tokenizer's, and ids past its words that decode to
+    nothing) complete one after the other: the chunks streamed before it completes hold back its start, so that
+    their text joined is the engine's output cut where the stop string starts."""
+    full = want(reference, served, "lora", PROMPT, temperature=0, max_tokens=12, ignore_eos=True)
+    words = full.text.split()
+    assert len(words) >= 2, full.text  # the tiny model's greedy output: two words at least
+    stop = f"{words[-2]} {words[-1]}"
+    expected = want(reference, served, "lora", PROMPT, temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
+    assert expected.text == full.text[:full.text.find(stop)] and expected.finish_reason == "stop"
+    chunks = list(client(server).completions.create(model="lora", prompt=PROMPT, max_tokens=12, temperature=0,
+                                                    stop=[stop], stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 @pytest.mark.parametrize("model", ["tiny", "dora", "oft"])
 def test_chat_streamed_and_not_equals_the_engine_on_the_template(server, reference, served, model):
     messages = [{"role": "user", "content": "the lazy dog"}]
