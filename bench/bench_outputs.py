@@ -1,7 +1,8 @@
 """Host time of a streamed step's outputs: `OutputProcessor.make_output` for every running request after each
 appends one token (what `Engine.step` does for a server that streams), with the text decoded incrementally
-(`OutputProcessor.text`) against decoded in full every step (what a tokenizer that cleans up spaces gets), in
-one process. ``--requests`` requests at each output length of ``--lengths``; the tokenizer: ``--tokenizer`` (a
+(`OutputProcessor.text`) as whole outputs (``output_kind="cumulative"``) and as deltas (``"delta"``, what the
+server asks for), against whole outputs decoded in full every step (what a tokenizer that cleans up spaces gets),
+in one process. ``--requests`` requests at each output length of ``--lengths``; the tokenizer: ``--tokenizer`` (a
 folder or hub name of a transformers tokenizer) or, by default, a byte-level BPE of 8000 tokens trained here on
 synthetic text (no download). Token ids are random: the decode's cost, not its text, is measured.
 
@@ -32,20 +33,21 @@ def byte_bpe():
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
-def step_ms(out, length: int, requests: int, steps: int = 8) -> float:
-    """Median ms of one streamed step's outputs once each request has `length` output tokens."""
+def step_ms(out, length: int, requests: int, kind: str = "cumulative", steps: int = 8) -> float:
+    """Median ms of one streamed step's outputs of `kind` once each request has `length` output tokens."""
     from scute.engine.request import Request
     from scute.sampling_params import SamplingParams
 
     rng = random.Random(length)
-    reqs = [Request(f"r{i}", None, [1], SamplingParams(max_tokens=1 << 20), None, None, i) for i in range(requests)]
+    sp = SamplingParams(max_tokens=1 << 20, output_kind=kind)
+    reqs = [Request(f"r{i}", None, [1], sp, None, None, i) for i in range(requests)]
     times = []
     for k in range(length + steps):
         for req in reqs:
             req.append_token(rng.randrange(out.tokenizer.vocab_size))
         if k < length - 1 and out.incremental:  # a stream made an output at every step before
             for req in reqs:
-                out.text(req)
+                out.make_output(req) if kind == "delta" else out.text(req)
         if k >= length - 1:
             start = time.perf_counter()
             for req in reqs:
@@ -69,15 +71,17 @@ def main(argv: list[str] | None = None) -> dict:
     result = dict(command="PYTHONPATH=. python3 " + " ".join(sys.argv), tokenizer=args.tokenizer or "byte-level BPE",
                   requests=args.requests, rows=[])
     print(f"{args.requests} requests; ms per streamed step's outputs")
-    print("length  incremental  full decode  ratio")
+    print("length  deltas  incremental  full decode  ratio")
     for length in map(int, args.lengths.split(",")):
         incremental, full = OutputProcessor(tok, [], 1 << 30, {}), OutputProcessor(tok, [], 1 << 30, {})
         full.incremental = False
-        row = dict(length=length, incremental_ms=step_ms(incremental, length, args.requests),
+        row = dict(length=length, delta_ms=step_ms(incremental, length, args.requests, "delta"),
+                   incremental_ms=step_ms(incremental, length, args.requests),
                    full_ms=step_ms(full, length, args.requests))
         row["ratio"] = row["full_ms"] / row["incremental_ms"]
         result["rows"].append(row)
-        print(f"{length:6d} {row['incremental_ms']:12.2f} {row['full_ms']:12.2f} {row['ratio']:6.1f}", flush=True)
+        print(f"{length:6d} {row['delta_ms']:7.2f} {row['incremental_ms']:12.2f} {row['full_ms']:12.2f} "
+              f"{row['ratio']:6.1f}", flush=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     return result

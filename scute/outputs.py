@@ -40,6 +40,8 @@ class RequestOutput:
     prompt_logprobs: None unless `SamplingParams.prompt_logprobs` was set; then None for the first prompt token
         and, for each later one, {token_id: log-probability} of that token (and the top-k asked for) given the
         tokens before it (while the prompt is being computed, the positions done so far).
+    first_token_time: `time.monotonic()` on the engine's thread when its first output token (of any sample) was
+        appended, None before.
     """
 
     request_id: str
@@ -51,3 +53,4 @@ class RequestOutput:
     adapter_name: str | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    first_token_time: float | None = None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
 
 @dataclass
 class SamplingParams:
@@ -36,6 +38,11 @@ class SamplingParams:
         the tokens before it plus the k most likely tokens at that position (log-softmax of the raw logits), in
         `RequestOutput.prompt_logprobs`. Such a request reads no KV from the prefix cache (cached tokens would
         have no logits): its whole prompt is computed.
+    output_kind: what `Engine.step` reports of a running request (vLLM's `RequestOutputKind`): "cumulative" =
+        every step, its whole output so far; "delta" = every step, what is new since its last report (token_ids,
+        text, logprobs; prompt_logprobs in the first report only; cumulative_logprob stays cumulative); "final_only"
+        = nothing until it finishes. A stream of deltas costs a step the same whatever the outputs' lengths.
+        `Engine.generate` returns whole outputs whatever the kind (it reports requests only once finished).
     """
 
     temperature: float = 1.0
@@ -55,6 +62,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     n: int = 1
     prompt_logprobs: int | None = None
+    output_kind: str = "cumulative"
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +91,8 @@ class SamplingParams:
         if any(not s for s in self._stop):
             raise ValueError("stop strings must be non-empty")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

@@ -2,9 +2,9 @@
 `add_request` / `step` / `abort_request` / `has_unfinished_requests`, as in vLLM's offline examples.
 
 Differences from vLLM: a request that cannot be served (a bad adapter, a prompt longer than max_model_len)
-raises `ValueError` from `add_request`; `step` reports every request it advanced with its whole output so far
-(``RequestOutputKind.CUMULATIVE``) or, for ``FINAL_ONLY``, once when it finishes; an aborted request is not
-reported again, as in vLLM.
+raises `ValueError` from `add_request`. As in vLLM, `step` reports every request it advanced with its whole output
+so far (``RequestOutputKind.CUMULATIVE``), what is new (``DELTA``) or, for ``FINAL_ONLY``, once when it finishes;
+an aborted request is not reported again.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import scute
 from scute.compat.vllm_args import EngineArgs, make_engine
-from scute.compat.vllm_types import (LoRARequest, RequestOutput, RequestOutputKind, SamplingParams,
+from scute.compat.vllm_types import (LoRARequest, RequestOutput, SamplingParams,
                                      adapter_request, check_defaults, in_vocabulary, prompt_list, to_vllm_output, unsupported)
 
 
@@ -37,7 +37,7 @@ class _Tracked:
 
     lora: LoRARequest | None
     logprobs: int | None  # top-k asked for
-    final_only: bool
+    delta: bool  # its outputs are deltas (`RequestOutputKind.DELTA`): each converted alone
     prompt_logprobs: int | None = None
     converted: dict = field(default_factory=dict)  # the positions' vLLM logprobs made so far (`to_vllm_output`)
 
@@ -89,9 +89,9 @@ class LLMEngine:
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(params, SamplingParams):
-            sp, final_only = params.to_scute(), params.output_kind is RequestOutputKind.FINAL_ONLY
+            sp = params.to_scute()
         elif isinstance(params, scute.SamplingParams):
-            sp, final_only = params, False
+            sp = params
         else:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         sp = in_vocabulary(sp, self.engine.vocab_size)
@@ -99,7 +99,7 @@ class LLMEngine:
         req = self.engine.requests.get(request_id)
         if req is not None and req.is_finished and req.error is not None:  # failed before it could run
             raise ValueError(f"request {request_id!r} failed: {req.error}")
-        self._tracked[request_id] = _Tracked(lora_request, sp.logprobs, final_only, sp.prompt_logprobs)
+        self._tracked[request_id] = _Tracked(lora_request, sp.logprobs, sp.output_kind == "delta", sp.prompt_logprobs)
         return request_id
 
     def step(self) -> list[RequestOutput]:
@@ -112,10 +112,8 @@ class LLMEngine:
                 continue
             if out.finished:
                 del self._tracked[out.request_id]
-            elif tracked.final_only:
-                continue
             outputs.append(to_vllm_output(out, tracked.lora, tracked.logprobs, self.engine.tokenizer,
-                                          tracked.converted, tracked.prompt_logprobs))
+                                          None if tracked.delta else tracked.converted, tracked.prompt_logprobs))
         return outputs
 
     def abort_request(self, request_ids: str | Iterable[str], internal: bool = False) -> None:

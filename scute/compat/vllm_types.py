@@ -57,8 +57,9 @@ class SamplingParams:
     """vLLM's `SamplingParams`. Honoured: n (sample i of a seeded request draws from seed + i), temperature
     (< 1e-5 = greedy), top_p, top_k, seed, stop, stop_token_ids, ignore_eos, max_tokens, min_tokens, logprobs,
     prompt_logprobs, presence_penalty, frequency_penalty, repetition_penalty, skip_special_tokens,
-    include_stop_str_in_output; output_kind CUMULATIVE or FINAL_ONLY (`LLM.generate` returns final outputs
-    either way; `LLMEngine.step` reports a FINAL_ONLY request once, finished); skip_clone (no effect). Any other option raises unless left at vLLM's default."""
+    include_stop_str_in_output; output_kind (`LLM.generate` returns final outputs whatever it is; `LLMEngine.step`
+    reports a DELTA request's new tokens, text and logprobs each step, a FINAL_ONLY one once, finished);
+    skip_clone (no effect). Any other option raises unless left at vLLM's default."""
 
     _HONOURED: ClassVar[set[str]] = {"temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens",
                  "min_tokens", "logprobs", "skip_special_tokens", "include_stop_str_in_output", "output_kind",
@@ -86,8 +87,6 @@ class SamplingParams:
         values = dict(locals())
         del values["self"]
         check_defaults(SamplingParams.__init__, values, self._HONOURED, "SamplingParams", self._WHY)
-        if output_kind is RequestOutputKind.DELTA:
-            raise unsupported("SamplingParams", "output_kind", output_kind, "Scute returns cumulative outputs")
         self.__dict__.update(values)
         if temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {temperature}.")
@@ -99,6 +98,7 @@ class SamplingParams:
             skip_special_tokens=skip_special_tokens, include_stop_str_in_output=include_stop_str_in_output,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
             repetition_penalty=repetition_penalty, n=n, prompt_logprobs=prompt_logprobs,
+            output_kind=RequestOutputKind(output_kind).name.lower(),
         )
 
     def to_scute(self) -> scute.SamplingParams:
@@ -248,7 +248,8 @@ def to_vllm_output(out: scute.RequestOutput, lora: LoRARequest | None, k: int | 
                    converted: dict | None = None, prompt_k: int | None = None) -> RequestOutput:
     """A `scute.RequestOutput` as vLLM's (its n completions, its prompt logprobs), with `k` top logprobs asked
     for (`prompt_k` for the prompt's). `converted`: the vLLM logprobs made by earlier calls for this request, per
-    completion index and "prompt" (extended in place, so a stream converts each position once)."""
+    completion index and "prompt" (extended in place, so a stream of cumulative outputs converts each position
+    once; None for a delta, whose positions are all new)."""
     converted = {} if converted is None else converted
     completions = []
     for c in out.outputs:

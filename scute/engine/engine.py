@@ -266,9 +266,10 @@ class Engine:
 
     def _outputs(self, reqs: list[Request], stream: bool) -> list[RequestOutput]:
         """One output per request, its n samples together (reported by the id of sample 0); a request not
-        finished is reported only when streaming."""
+        finished is reported only when streaming, and not if its `SamplingParams.output_kind` is "final_only"."""
         heads = dict.fromkeys(r if r.parent is None else r.parent.head for r in reqs)
-        return [self._output(h) for h in heads if stream or all(s.is_finished for s in h.samples)]
+        return [self._output(h) for h in heads if all(s.is_finished for s in h.samples)
+                or stream and h.sampling_params.output_kind != "final_only"]
 
     def _output(self, req: Request) -> RequestOutput:
         out = self.output_processor.make_output(req)

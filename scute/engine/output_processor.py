@@ -3,6 +3,7 @@ the `RequestOutput`s (detokenized text, logprobs)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from scute.engine.request import Request
@@ -23,13 +24,16 @@ class OutputProcessor:
         tokens = result.token_ids.tolist()  # the step's one host sync (none if the tokens are on the host)
         chosen = result.logprobs.tolist() if result.logprobs is not None else None
         top = None if result.top_ids is None else (result.top_ids.tolist(), result.top_logprobs.tolist())
+        now = time.monotonic()
         for row, (req, token) in enumerate(zip(sampling, tokens)):
             if req.is_finished:
                 continue
             req.append_token(token)
             self.stats["generated_tokens"] += 1
-            if req.num_output_tokens == 1 and req.sample_index == 0:  # the n samples of a request: one prompt
-                self.stats["prompt_tokens"] += req.num_prompt_tokens
+            if req.num_output_tokens == 1:
+                req.first_token_time = now
+                if req.sample_index == 0:  # the n samples of a request: one prompt
+                    self.stats["prompt_tokens"] += req.num_prompt_tokens
             k = req.sampling_params.logprobs
             if k is not None:
                 req.cumulative_logprob += chosen[row]
@@ -93,25 +97,33 @@ class OutputProcessor:
         return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens)
 
     def make_output(self, req: Request) -> RequestOutput:
-        """The output of `req` and of the other samples of its request (`SamplingParams.n`), one completion each."""
+        """The output of `req` and of the other samples of its request (`SamplingParams.n`), one completion each:
+        whole, or with ``output_kind="delta"`` what is new since the last one (each call is a report)."""
         samples = req.samples
         sp = req.sampling_params
         prompt_logprobs = None
-        if sp.prompt_logprobs is not None and req.error is None:
-            prompt_logprobs = [None, *req.prompt_logprobs]
+        if sp.prompt_logprobs is not None and req.error is None and not req.sent_prompt:
+            prompt_logprobs = [None, *req.prompt_logprobs]  # a request is reported once its prompt is computed
+            req.sent_prompt = sp.output_kind == "delta"
+        first = min((s.first_token_time for s in samples if s.first_token_time is not None), default=None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [self._completion(s) for s in samples],
                              all(s.is_finished for s in samples), next((s.error for s in samples if s.error), None),
-                             req.adapter_name, req.num_cached_tokens, prompt_logprobs)
+                             req.adapter_name, req.num_cached_tokens, prompt_logprobs, first)
 
     def _completion(self, req: Request) -> CompletionOutput:
         sp = req.sampling_params
         text = req.text if isinstance(req.stop_reason, str) else self.text(req)  # a stop string cut the text
-        if sp.stop_strings and not sp.include_stop_str_in_output and not req.is_finished:
-            text = text[:len(text) - stop_prefix_at_end(text, sp.stop_strings)]
+        if not req.is_finished:  # only text the final output keeps: no unfinished character, no stop string's start
+            text = text.rstrip("\ufffd")
+            if sp.stop_strings and not sp.include_stop_str_in_output:
+                text = text[:len(text) - stop_prefix_at_end(text, sp.stop_strings)]
+        tokens, chars = (req.sent_tokens, req.sent_text) if sp.output_kind == "delta" else (0, 0)
+        if sp.output_kind == "delta":  # every text reported is a prefix of the next (the stop strings' hold-back)
+            req.sent_tokens, req.sent_text = len(req.output_token_ids), len(text)
         return CompletionOutput(
-            index=req.sample_index, text=text, token_ids=list(req.output_token_ids),
+            index=req.sample_index, text=text[chars:], token_ids=req.output_token_ids[tokens:],
             cumulative_logprob=req.cumulative_logprob if sp.logprobs is not None else None,
-            logprobs=list(req.logprobs) if sp.logprobs is not None else None,
+            logprobs=req.logprobs[tokens:] if sp.logprobs is not None else None,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
         )
 

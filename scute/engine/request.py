@@ -90,6 +90,9 @@ class Request:
         # the output text decoded so far, a few tokens at a time (`OutputProcessor.text`): of the output tokens up
         # to `read_offset`; the tokens from `prefix_offset` to there are decoded again with the next ones
         self.text, self.prefix_offset, self.read_offset = "", 0, 0
+        # what outputs of kind "delta" reported already: output tokens, characters of text, the prompt's logprobs
+        self.sent_tokens, self.sent_text, self.sent_prompt = 0, 0, False
+        self.first_token_time: float | None = None  # time.monotonic() when its first output token was appended
         self.eos_token_ids: list[int] = []  # the model's EOS ids (they end it unless ignore_eos)
 
     def bind_adapter(self, adapter: Adapter) -> Adapter:

@@ -37,14 +37,15 @@ class Metrics:
         self.model_name = model_name
 
     def observe_step(self, engine, outputs) -> None:
-        """After each step, on the engine thread: the gauges, and the counters of the requests that finished
-        (aborted ones included: the engine reports those once more)."""
+        """After each step, on the engine thread: the gauges, the tokens reported (the server's outputs are deltas
+        or final: each token once) and the counters of the requests that finished (aborted ones included: the
+        engine reports those once more)."""
         m = self.model_name
         for out in outputs:
+            self.generation_tokens.labels(m).inc(sum(len(d.token_ids) for d in out.outputs))
             if out.finished:
                 c = out.outputs[0] if out.outputs else None
                 self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
-                self.generation_tokens.labels(m).inc(sum(len(d.token_ids) for d in out.outputs))
                 self.requests.labels(m, (c.finish_reason if c else None) or "error").inc()
         self.observe_engine(engine)
 

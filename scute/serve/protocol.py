@@ -98,7 +98,8 @@ _ENGINE_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def sampling_params(req: _Sampling, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """The engine's options for `req`; raises APIError(400) for an option Scute does not serve."""
+    """The engine's options for `req`; raises APIError(400) for an option Scute does not serve. A stream gets
+    each step's new tokens (``output_kind="delta"``), an answer in one body its request's final output alone."""
     for name, default in UNSERVED.items():
         value = getattr(req, name, default)
         if value != default and value not in ({}, []) and name not in _ENGINE_FIELDS:
@@ -106,7 +107,8 @@ def sampling_params(req: _Sampling, max_tokens: int | None, logprobs: int | None
     options = dict(max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed, stop=req.stop,
                    stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
                    skip_special_tokens=req.skip_special_tokens,
-                   include_stop_str_in_output=req.include_stop_str_in_output)
+                   include_stop_str_in_output=req.include_stop_str_in_output,
+                   output_kind="delta" if req.stream else "final_only")
     options.update({k: getattr(req, k) for k in ("temperature", "top_p", "top_k") if getattr(req, k) is not None})
     options.update({k: getattr(req, k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty", "n")
                     if k in _ENGINE_FIELDS})

@@ -27,11 +27,13 @@ class Job:
     request_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.monotonic)
-    first_token: list = field(default_factory=list)  # per prompt: the time its first token arrived, or None
+    first_token: list = field(default_factory=list)  # per prompt: when the engine appended its first token, or None
+    generated: list = field(default_factory=list)  # per prompt: the output tokens reported so far, per completion
 
     def __post_init__(self) -> None:
         self.request_id = f"{self.kind}-{uuid.uuid4().hex}"
         self.first_token = [None] * len(self.prompts)
+        self.generated = [[0] * self.params.n for _ in self.prompts]
         self.include_usage = stream_usage(self.req)
 
     def streams(self) -> list[AsyncIterator[RequestOutput]]:
@@ -40,13 +42,19 @@ class Job:
                 for i, p in enumerate(self.prompts)]
 
     def seen(self, index: int, out: RequestOutput) -> None:
-        """Metrics: the first token's time, and the request's latencies once it finished."""
-        now = time.monotonic()
-        if self.first_token[index] is None and any(c.token_ids for c in out.outputs):
-            self.first_token[index] = now
+        """Each output of prompt `index` (a stream's deltas, or a body's final output: each token reported once):
+        its completions' token counts; metrics, the request's latencies once it finished."""
+        for c in out.outputs:
+            self.generated[index][c.index] += len(c.token_ids)
+        self.first_token[index] = out.first_token_time
         if out.finished and out.error is None and self.state.metrics is not None:
-            self.state.metrics.observe_latency(max(len(c.token_ids) for c in out.outputs), self.arrival,
-                                               self.first_token[index], now)
+            self.state.metrics.observe_latency(max(self.generated[index]), self.arrival, self.first_token[index],
+                                               time.monotonic())
+
+    def usage(self, finals: list[RequestOutput]) -> dict:
+        """OpenAI's usage: the prompts' tokens (of their final outputs) and every token `seen`."""
+        prompt, completion = sum(len(o.prompt_token_ids) for o in finals), sum(map(sum, self.generated))
+        return dict(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 def completion_params(req: _Sampling) -> SamplingParams:
@@ -102,29 +110,23 @@ def completion_body(job: Job, outs: list[RequestOutput]) -> dict:
     for i, out in enumerate(outs):
         for c in out.outputs:
             choice = dict(index=i * job.params.n + c.index, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                          logprobs=_logprobs(job, c.token_ids, c.logprobs, 0))
+                          logprobs=_logprobs(job, c.token_ids, c.logprobs))
             if job.chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
             else:
                 choice["text"] = c.text
             choices.append(choice)
     return dict(id=job.request_id, object="chat.completion" if job.chat else "text_completion",
-                created=job.created, model=job.req.model, choices=choices, usage=_usage(outs))
+                created=job.created, model=job.req.model, choices=choices, usage=job.usage(outs))
 
 
-def _usage(outs) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return dict(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-def _logprobs(job: Job, token_ids, logprobs, start: int):
-    """OpenAI's logprobs of tokens[start:] (completions: tokens/token_logprobs/top_logprobs; chat: content)."""
-    if logprobs is None:
+def _logprobs(job: Job, ids, steps):
+    """OpenAI's logprobs of tokens `ids` from their engine logprobs `steps` (completions: tokens / token_logprobs /
+    top_logprobs; chat: content)."""
+    if steps is None:
         return None
     tok = job.state.engine.engine.tokenizer
     text = (lambda t: tok.decode([t])) if tok is not None else str
-    ids, steps = token_ids[start:], logprobs[start:len(token_ids)]
     if job.chat:
         k = job.req.top_logprobs or 0
         return {"content": [dict(token=text(t), logprob=lp[t], bytes=list(text(t).encode()),
@@ -180,8 +182,10 @@ async def stream_job(job: Job) -> AsyncIterator[str]:
 
 
 async def _events(job: Job, queue: asyncio.Queue, pending: list, tasks: list) -> AsyncIterator[str]:
+    """A chunk per output a completion's tokens advance (the engine's deltas, `sampling_params`; as vLLM, one even
+    for a token whose text is held back), its finish reason on its last."""
     n = job.params.n  # prompt i's completion j is choice i·n + j
-    sent_text, sent_tokens, ended, finals = [""] * (n * len(tasks)), [0] * (n * len(tasks)), set(), {}
+    ended, finals = set(), {}
     try:
         if job.chat:
             for index in range(n):
@@ -198,22 +202,18 @@ async def _events(job: Job, queue: asyncio.Queue, pending: list, tasks: list) ->
                 index, finished = i * n + c.index, c.finish_reason is not None
                 if index in ended:
                     continue
-                text = c.text if finished or not c.text.endswith("\ufffd") else c.text.rstrip("\ufffd")
-                delta, lp = text[len(sent_text[index]):], _logprobs(job, c.token_ids, c.logprobs, sent_tokens[index])
-                sent_text[index] = text
-                if out.error is not None:
-                    delta = ""
-                if not delta and not finished and len(c.token_ids) == sent_tokens[index]:
-                    continue  # nothing new (a chunk per new token, as vLLM: even one whose text is held back)
-                sent_tokens[index] = len(c.token_ids)
-                choice = dict(index=index, logprobs=lp, finish_reason=c.finish_reason if finished else None)
+                if not finished and not c.token_ids:
+                    continue  # another sample of the request advanced
+                delta = "" if out.error is not None else c.text
+                choice = dict(index=index, logprobs=_logprobs(job, c.token_ids, c.logprobs),
+                              finish_reason=c.finish_reason if finished else None)
                 choice.update(delta={"content": delta} if job.chat else {}, **({} if job.chat else {"text": delta}))
                 if finished:
                     choice["stop_reason"] = c.stop_reason
                     ended.add(index)
                 yield _sse(job, [choice])
         if job.include_usage:
-            yield _sse(job, [], usage=_usage([finals[i] for i in sorted(finals)]))
+            yield _sse(job, [], usage=job.usage(list(finals.values())))
         yield "data: [DONE]\n\n"
     finally:
         for t in tasks:  # a client gone mid-stream: the pumps' streams close, which aborts their requests

@@ -122,10 +122,11 @@ def test_unsupported_options_raise_never_ignored(served, llm):
         with pytest.raises(shim.UnsupportedOptionError, match=next(iter(kwargs))):
             shim.LLM(folder, **kwargs)
     for kwargs in ({"bad_words": ["x"]}, {"min_p": 0.1},
-                   {"logit_bias": {1: 2.0}}, {"output_kind": shim.RequestOutputKind.DELTA}):
+                   {"logit_bias": {1: 2.0}}):
         with pytest.raises(shim.UnsupportedOptionError, match=next(iter(kwargs))):
             shim.SamplingParams(**kwargs)
     shim.SamplingParams(n=1, presence_penalty=0.0, output_kind=shim.RequestOutputKind.FINAL_ONLY)  # defaults pass
+    assert shim.SamplingParams(output_kind=shim.RequestOutputKind.DELTA).to_scute().output_kind == "delta"
     with pytest.raises(shim.UnsupportedOptionError, match="priority"):
         llm.generate("the cat", priority=[1], use_tqdm=False)
     with pytest.raises(ValueError, match="must be the same"):

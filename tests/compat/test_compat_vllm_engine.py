@@ -83,6 +83,23 @@ def test_dict_prompts_and_final_only(served):
     assert seen["ids"][0].prompt is None and seen["ids"][0].prompt_token_ids == ids
 
 
+def test_delta_outputs_join_to_the_cumulative_ones(served):
+    """``RequestOutputKind.DELTA``: each step reports only the new token, its text and its logprobs (vLLM's
+    `Logprob`s, ranked as in a cumulative stream); joined they are the cumulative request's last output."""
+    engine = shim.LLMEngine.from_engine_args(engine_args(served))
+    kw = dict(temperature=0, max_tokens=6, min_tokens=6, logprobs=2, prompt_logprobs=1)
+    lora = shim.LoRARequest("ia3", 1, str(served / "ia3"))
+    seen = run_loop(engine, [("the quick brown fox", shim.SamplingParams(**kw), lora),
+                             ("the quick brown fox", shim.SamplingParams(**kw, output_kind=shim.RequestOutputKind.DELTA),
+                              lora)])
+    whole, deltas = seen["0"][-1], seen["1"]
+    assert len(deltas) == 6 and all(len(d.outputs[0].token_ids) == 1 for d in deltas) and deltas[-1].finished
+    assert [t for d in deltas for t in d.outputs[0].token_ids] == whole.outputs[0].token_ids
+    assert "".join(d.outputs[0].text for d in deltas) == whole.outputs[0].text
+    assert [lp for d in deltas for lp in d.outputs[0].logprobs] == whole.outputs[0].logprobs
+    assert deltas[0].prompt_logprobs == whole.prompt_logprobs and deltas[1].prompt_logprobs is None
+
+
 def test_abort(served):
     engine = shim.LLMEngine.from_engine_args(engine_args(served))
     sp = shim.SamplingParams(temperature=0, max_tokens=8, min_tokens=8)

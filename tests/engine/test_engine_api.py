@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from scute import Engine, SamplingParams
@@ -48,6 +50,53 @@ def test_streaming_steps_and_abort():
         assert tokens == full[i].outputs[0].token_ids
         assert [len(s) for s in seen[f"r{i}"]] == list(range(1, 13))  # one token per step, streamed
     assert not eng.requests  # finished requests are dropped once reported
+
+
+def stream(eng: Engine, prompts, params: list[SamplingParams]) -> dict[str, list]:
+    """Every output `step` reports of each request, in order."""
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", prompt, sp)
+    seen: dict[str, list] = {f"r{i}": [] for i in range(len(prompts))}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            seen[out.request_id].append(out)
+    return seen
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_output_kinds_report_the_same_outputs(n):
+    """Deltas joined are the cumulative outputs (tokens, text, logprobs; prompt logprobs once); "final_only"
+    reports a request once, finished, the same as the others' last; a stop string's start is never in a delta."""
+    eng = Engine(tiny_model(), tokenizer=LetterTokenizer(), device="cpu", max_model_len=64)
+    prompt = "abcdef"
+    kw = dict(temperature=0 if n == 1 else 1.0, seed=7, n=n, max_tokens=14, ignore_eos=True, logprobs=2,
+              prompt_logprobs=1)
+    [whole] = eng.generate([prompt], SamplingParams(**kw), use_tqdm=False)
+    text = whole.outputs[0].text
+    stop = text[9:12]  # across three tokens (a letter each), later than a first occurrence of its start
+    assert text.find(stop) == 9
+    params = [SamplingParams(**kw, output_kind=kind) for kind in ("cumulative", "delta", "final_only")] + \
+        [SamplingParams(**kw, output_kind=kind, stop=[stop]) for kind in ("cumulative", "delta")]
+    seen = stream(eng, [prompt] * len(params), params)
+    cumulative, delta, final, stop_cumulative, stop_delta = (seen[f"r{i}"] for i in range(5))
+    assert len(final) == 1 and final[0].finished and len(delta) == len(cumulative) >= 14
+    for outs, last in ((delta, cumulative[-1]), (stop_delta, stop_cumulative[-1])):
+        assert outs[0].prompt_logprobs == last.prompt_logprobs is not None  # in the first delta alone
+        assert all(o.prompt_logprobs is None for o in outs[1:]) and outs[-1].finished
+        for j in range(n):
+            want, parts = last.outputs[j], [o.outputs[j] for o in outs]
+            assert [t for p in parts for t in p.token_ids] == want.token_ids
+            assert "".join(p.text for p in parts) == want.text
+            assert [lp for p in parts for lp in p.logprobs] == want.logprobs
+            assert parts[-1].cumulative_logprob == want.cumulative_logprob
+    assert dataclasses.replace(final[0], request_id="r0") == cumulative[-1]
+    assert all(o.prompt_logprobs is not None for o in cumulative)
+    assert [o.outputs[0].token_ids for o in cumulative][:14] == [whole.outputs[0].token_ids[:k] for k in range(1, 15)]
+    assert cumulative[-1].outputs[0].text == text and stop_cumulative[-1].outputs[0].text == text[:9]
+    assert all(len(o.outputs[0].token_ids) == 1 for o in delta[:14])  # one new token a step
+    assert all(stop[0] not in o.outputs[0].text for o in stop_delta)  # held back, then cut
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="deltas")
 
 
 def test_stop_token_ids_eos_and_length():

@@ -134,7 +134,7 @@ def test_a_stream_never_shows_text_its_stop_string_cuts(include):
 
 
 def test_the_outputs_bench_runs(tmp_path):
-    """`bench/bench_outputs.py` on a few requests: both ways of decoding timed at each length."""
+    """`bench/bench_outputs.py` on a few requests: deltas and both ways of decoding timed at each length."""
     import importlib.util
     import os
 
@@ -144,4 +144,4 @@ def test_the_outputs_bench_runs(tmp_path):
     spec.loader.exec_module(bench)
     result = bench.main(["--requests", "3", "--lengths", "4,16", "--out", str(tmp_path / "o.json")])
     assert [r["length"] for r in result["rows"]] == [4, 16]
-    assert all(r["incremental_ms"] > 0 and r["full_ms"] > 0 for r in result["rows"])
+    assert all(r["delta_ms"] > 0 and r["incremental_ms"] > 0 and r["full_ms"] > 0 for r in result["rows"])
