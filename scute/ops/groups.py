@@ -97,12 +97,30 @@ def pool_facts(slots: Sequence[Sequence[Slots | None]], out_features: Sequence[i
     ranks = [r for g in set(groups) - {shared} for r in facts[g].ranks]
     blocks = [b for f in facts for b in f.blocks]
     a_of = shared_a_of(columns[shared]) if shared >= 0 else (-1,) * len(slots)
-    return PoolFacts(tuple(out_features), tuple(groups), shared, masks, max(ranks, default=0),
-                     1 << (max(blocks, default=1) - 1).bit_length(), min(blocks, default=1),
-                     any(f.exact_delta for f in facts), a_of,
-                     tuple(0 if a < 0 else o for a, o in zip(a_of, out_features)),
-                     sum(1 << s for s, f in enumerate(facts) if f.plain and groups[s] != shared),
-                     tuple(sum(1 << s for s, f in enumerate(facts) if f.lowrank_in[p]) for p in range(len(slots))))
+    return shared_facts(PoolFacts(
+        tuple(out_features), tuple(groups), shared, masks, max(ranks, default=0),
+        1 << (max(blocks, default=1) - 1).bit_length(), min(blocks, default=1), any(f.exact_delta for f in facts),
+        a_of, tuple(0 if a < 0 else o for a, o in zip(a_of, out_features)),
+        sum(1 << s for s, f in enumerate(facts) if f.plain and groups[s] != shared),
+        tuple(sum(1 << s for s, f in enumerate(facts) if f.lowrank_in[p]) for p in range(len(slots)))))
+
+
+# Pools of one kind (a model's q/k/v pools, its o pools, ...) hold alike slots: an adapter adapts every layer, so
+# a placement changes each such pool from equal facts in the same way. Equal facts are one object (`shared_facts`,
+# where they are computed in full, at a cost that grows with the slots anyway), and a change of one slot is worked
+# out once per object (`_TRANSITIONS`, keyed by its identity: no hash of facts that grow with the slots), so a
+# placement over 128 pools works out 4 transitions, not 128. Both are bounded; a miss only costs the computation.
+_SHARED: dict[PoolFacts, PoolFacts] = {}
+_TRANSITIONS: dict[tuple, tuple[PoolFacts, PoolFacts | None]] = {}  # (id(prev), ...) -> (prev, its transition)
+_MAX_SHARED, _MAX_TRANSITIONS = 256, 256
+
+
+def shared_facts(facts: PoolFacts) -> PoolFacts:
+    """The one object of facts equal to `facts` (see `_SHARED`)."""
+    got = _SHARED.setdefault(facts, facts)
+    if len(_SHARED) > _MAX_SHARED:
+        del _SHARED[next(iter(_SHARED))]  # the oldest
+    return got
 
 
 def pool_facts_slot(prev: PoolFacts, slots: Sequence[Sequence[Slots | None]], s: int, memo: list,
@@ -119,10 +137,24 @@ def pool_facts_slot(prev: PoolFacts, slots: Sequence[Sequence[Slots | None]], s:
     rep = prev.shared_group
     rep_facts = memo[rep][2] if hit is not None and rep >= 0 and memo[rep] is not None else None
     new = slot_facts(column) if new is None else new
-    facts = None if hit is None else _changed_alone(prev, hit[2], new, s, rep_facts)
+    facts = None if hit is None else _transition(prev, hit[2], new, s, rep_facts)
     if keep:
         memo[s] = (tuple(map(id, column)), column, new)  # the full computation below reuses it
     return (pool_facts(slots, prev.out_features, memo), False) if facts is None else (facts, True)
+
+
+def _transition(prev: PoolFacts, old: SlotFacts, new: SlotFacts, s: int,
+                rep_facts: SlotFacts | None) -> PoolFacts | None:
+    """`_changed_alone`, worked out once per `prev` object (`_TRANSITIONS`): pools of one kind share it."""
+    key = (id(prev), s, old, new, rep_facts)  # an entry keeps its prev alive: no other object has that id
+    hit = _TRANSITIONS.get(key)
+    if hit is not None:
+        return hit[1]
+    facts = _changed_alone(prev, old, new, s, rep_facts)
+    _TRANSITIONS[key] = (prev, facts)
+    if len(_TRANSITIONS) > _MAX_TRANSITIONS:
+        del _TRANSITIONS[next(iter(_TRANSITIONS))]
+    return facts
 
 
 def _changed_alone(prev: PoolFacts, old: SlotFacts, new: SlotFacts, s: int,

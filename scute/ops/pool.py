@@ -35,7 +35,8 @@ from collections.abc import Collection, Sequence
 import torch
 from torch import Tensor
 
-from scute.ops.groups import PoolFacts, StepKinds, pool_facts, pool_facts_slot, shared_a_of, step_kinds, storage_key
+from scute.ops.groups import (PoolFacts, StepKinds, pool_facts, pool_facts_slot, shared_a_of, shared_facts, step_kinds,
+                              storage_key)
 from scute.ops.slots import Slots
 from scute.ops.table_writes import TableWrites, refill, write
 
@@ -96,8 +97,8 @@ class SlotPool:
         self._joined = 0  # slots in another slot's group (group_key is None without any)
         self.h_width = 1
         self._clear_shared()
-        self._set_facts(PoolFacts(self.out_features, tuple(range(num_slots)), -1, StepKinds(0, 0, 0, 0), 0, 1, 1,
-                                  False, self.shared_a_of, self.shared_outs))
+        self._set_facts(shared_facts(PoolFacts(self.out_features, tuple(range(num_slots)), -1, StepKinds(0, 0, 0, 0),
+                                               0, 1, 1, False, self.shared_a_of, self.shared_outs)))
 
     def _clear_shared(self) -> None:
         self.shared_group, self.shared_a_of, self.shared_outs = -1, (-1,) * self.num_proj, (0,) * self.num_proj

@@ -152,6 +152,32 @@ def test_update_slot_equals_a_rebuild(monkeypatch):
     assert sum(f is not None for f in alone) >= 10, "the facts from the changed slot's alone, often"
 
 
+def test_pools_of_one_kind_work_out_a_placement_once(monkeypatch):
+    """Six pools of one kind (a model's layers), each given its own alike adapter slot after slot: the change of
+    their facts is worked out once per placement and shared (one object), not once per pool; a pool given another
+    rank works out its own; every pool's facts equal those of a pool built from its slots at once."""
+    monkeypatch.setattr(groups, "_SHARED", {})
+    monkeypatch.setattr(groups, "_TRANSITIONS", {})
+    alone, changed_alone = [], groups._changed_alone
+    monkeypatch.setattr(groups, "_changed_alone", lambda *a: alone.append(1) or changed_alone(*a))
+    pools = [SlotPool(8, (6, 6), 4, "cpu", torch.float32) for _ in range(6)]
+    slots = [[[None] * 4 for _ in range(2)] for _ in pools]
+    for pool, own in zip(pools, slots):
+        pool.update(own)  # built empty, as on a first forward
+    for s in range(4):
+        before = len(alone)
+        for i, pool in enumerate(pools):
+            rank = 5 if (s, i) == (2, 3) else 2  # one pool's adapter differs at slot 2
+            for p in range(2):
+                slots[i][p][s] = lora(rank)
+            pool.update_slot(slots[i], s)
+            fresh = SlotPool(8, (6, 6), 4, "cpu", torch.float32)
+            fresh.update(slots[i])
+            assert pool.facts == fresh.facts and pool.signature == fresh.signature, (s, i)
+        assert len(alone) - before == (2 if s >= 2 else 1), s  # from slot 2 on, pool 3's facts are its own
+        assert len({id(p.facts) for p in pools}) == (2 if s >= 2 else 1)
+
+
 def _qkv_and_o(num_slots: int):
     """A q/k/v group and a lone o projection (8 -> 6) with their pools: (members, group, o, linears by name)."""
     from scute.model.linear import LinearGroup, ScuteLinear, pool_for
