@@ -8,7 +8,8 @@ time. A rate is *sustained* when the p90 time per output token stays within ``--
 request alone) and the queue does not grow (every request starts within ``--max-queue-s`` of its arrival: a run
 stops, its requests aborted, as soon as one has waited longer, so an overloaded rate costs seconds). For each (method, N, popularity, variant) the highest sustained rate is found by doubling from ``--start-rate``,
 then bisecting; every run's TTFT and TPOT percentiles are recorded, with the engine's counts of what bounds it
-(`engine_counts`: steps, those that ran eagerly, graphs captured). Before each (variant, N), one request per
+(`engine_counts`: steps, those that ran eagerly, graphs captured, Triton kernels compiled) and its slowest step
+(a compile or a capture mid-run stalls every running request: it shows there). Before each (variant, N), one request per
 adapter the device slots hold warms them and a shrinking batch captures the graphs of every batch size up to
 ``--requests`` (`warm_graphs`: a server's steady state), ``--warm-arrivals`` requests arriving at ``--start-rate``
 run unmeasured (mixed steps, prompts beside decodes, whose kernels compile on first use), then one request alone
@@ -81,7 +82,7 @@ def run_load(engine, paths: list[str], rate: float, args, seed: int) -> dict:
     prompts = [torch.randint(0, vocab, (args.prompt,), generator=g).tolist() for _ in arrivals]
     first, last, started, nxt, waited = {}, {}, {}, 0, 0.0
     oldest = 0  # the earliest arrival not started yet (arrivals are sorted: its wait is the longest)
-    counts = engine_counts(engine)
+    counts, slowest = engine_counts(engine), 0.0
     start = time.perf_counter()
     while nxt < len(arrivals) or engine.has_unfinished_requests():
         now = time.perf_counter() - start
@@ -99,7 +100,10 @@ def run_load(engine, paths: list[str], rate: float, args, seed: int) -> dict:
         if not engine.has_unfinished_requests():
             time.sleep(min(0.01, max(0.0, arrivals[nxt] - now)) if nxt < len(arrivals) else 0)
             continue
-        for out in engine.step():
+        before = time.perf_counter()
+        outs = engine.step()
+        slowest = max(slowest, time.perf_counter() - before)
+        for out in outs:
             i = int(out.request_id.rsplit("-", 1)[1])
             if out.error is not None:
                 raise RuntimeError(f"request {i} failed: {out.error}")
@@ -118,17 +122,35 @@ def run_load(engine, paths: list[str], rate: float, args, seed: int) -> dict:
                 output_tok_s=len(last) * args.new_tokens / duration if duration else None,
                 ttft_p50=percentile(ttft, 50), ttft_p90=percentile(ttft, 90), ttft_p99=percentile(ttft, 99),
                 tpot_p50=percentile(tpot, 50), tpot_p90=percentile(tpot, 90), tpot_p99=percentile(tpot, 99),
-                max_queue_s=max(queue) if queue else None,
+                max_queue_s=max(queue) if queue else None, slowest_step_s=slowest,
                 **{k: v - counts[k] for k, v in engine_counts(engine).items()})
 
 
 def engine_counts(engine) -> dict[str, float]:
     """What bounds a run, counted by the engine: its steps, those replayed from a CUDA graph (the others ran
-    eagerly: prefills, mixed steps), graphs captured and the seconds that took (a run that captures waits for it)."""
+    eagerly: prefills, mixed steps), graphs captured and the seconds that took (a run that captures waits for it),
+    and the Triton kernels compiled (`count_compiles`)."""
     graphs = engine.runner.graphs  # None without CUDA graphs
     return dict(steps=engine.stats["steps"], graph_replays=graphs.num_replays if graphs else 0,
                 graphs_captured=graphs.num_captured if graphs else 0,
-                capture_s=graphs.capture_seconds if graphs else 0.0)
+                capture_s=graphs.capture_seconds if graphs else 0.0, kernels_compiled=COMPILES[0])
+
+
+COMPILES = [0]  # Triton kernels compiled in this process since `count_compiles`
+
+
+def count_compiles() -> None:
+    """Count each Triton kernel specialization compiled (a compile on a step stalls it for a second or so; on the
+    CPU the interpreter compiles nothing): Triton's JIT cache hook, called before each compilation."""
+    import triton
+
+    def hook(*args, **kwargs) -> bool:
+        COMPILES[0] += 1
+        return False  # compile as usual
+
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is not None and hasattr(runtime, "jit_cache_hook"):
+        runtime.jit_cache_hook = hook
 
 
 def warm_graphs(engine, paths: list[str], args) -> None:
@@ -158,7 +180,8 @@ def max_rate(engine, paths: list[str], args, unloaded_tpot: float) -> tuple[floa
         runs.append(run)
         tpot = "-" if run["tpot_p90"] is None else f"{1e3 * run['tpot_p90']:.1f} ms"
         print(f"    rate {rate:8.2f}/s: tpot p90 {tpot}, queue {run['max_queue_s']:.2f} s, {run['steps']} steps "
-              f"({run['steps'] - run['graph_replays']} eager, {run['graphs_captured']} graphs captured), "
+              f"({run['steps'] - run['graph_replays']} eager, {run['graphs_captured']} graphs captured, "
+              f"{run['kernels_compiled']} kernels compiled, slowest {1e3 * run['slowest_step_s']:.0f} ms), "
               f"{'ok' if run['sustained'] else 'over (stopped early)' if run['aborted'] else 'over'}", flush=True)
         good, bad, rate = (rate, None, 2 * rate) if run["sustained"] else (good, rate, rate)
     for _ in range(args.bisect if bad is not None else 0):
@@ -237,6 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--root", default="/tmp/scute-bench-rate")
     p.add_argument("--out", default="request_rate.json")
     args = p.parse_args(argv)
+    count_compiles()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from scute import Engine

@@ -9,6 +9,9 @@ from tests.helpers import bench_module
 
 
 def test_request_rate_bench_runs_and_records_rows(tmp_path, monkeypatch):
+    import triton
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", None)  # the bench sets it: restored after
     bench_request_rate = bench_module("bench_request_rate")
     out = tmp_path / "rate.json"
     loads, run_load = [], bench_request_rate.run_load
@@ -32,11 +35,20 @@ def test_request_rate_bench_runs_and_records_rows(tmp_path, monkeypatch):
         assert run["requests"] == 8 and run["ttft_p50"]  # 1000 requests/s for 8 ms: more than --requests <= run["ttft_p90"] <= run["ttft_p99"]
     native, lora = saved["rows"]
     assert native["conversion_error"] is None and 0 < lora["conversion_error"] < 1  # IA3 is not rank 4
+    run = native["runs"][0]
+    assert run["slowest_step_s"] > 0 and run["kernels_compiled"] == 0  # the CPU's interpreter compiles nothing
+    before = bench_request_rate.COMPILES[0]
+    assert triton.knobs.runtime.jit_cache_hook(key="k", repr="r", fn=None, compile={}, is_manual_warmup=False,
+                                               already_compiled=False) is False
+    assert bench_request_rate.COMPILES[0] == before + 1
 
 
-def test_an_overloaded_run_stops_early(tmp_path):
+def test_an_overloaded_run_stops_early(tmp_path, monkeypatch):
     """A rate whose queue outgrows --max-queue-s stops its run at once (its requests aborted) and is not
     sustained; the search then reports no sustained rate."""
+    import triton
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", None)
     bench_request_rate = bench_module("bench_request_rate")
     result = bench_request_rate.main([
         "--tiny", "--methods", "ia3", "--adapters", "2", "--ranks", "4", "--convert", "0", "--requests", "40",
