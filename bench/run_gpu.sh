@@ -13,6 +13,9 @@
 #            uniform), on 4 layers (budget scaled to them), native vs rank-64 conversions, for each of $RATE_METHODS
 #            (default: ia3 vera; one method at N = 1024 takes 4-7 minutes of a 10-minute call, and its 43 GB of
 #            files are deleted after it): rate_<method>_<N>[_zipf].json and .log
+#   serving  bench/serve_bench.py: `scute serve` of the 8B shape with 64 adapters of the five methods under load
+#            (serving.json, serving.log); the server's wheels the image lacks come from .whl (made by
+#            `bash bench/gpu_wheels.sh`, carried with the call), installed under /tmp/site
 #   load     bench/bench_adapter_load.py: each method's time from a PEFT folder to servable (adapter_load.json)
 #   background bench/bench_background_loads.py: the decode step while cold adapters load (background_loads.json)
 #   decode   bench/profile_decode.py: GPU time per kernel and idle gaps of graph-replayed decode steps (decode.json)
@@ -56,6 +59,12 @@ for step in $steps; do
               --out "$OUT/rate_${m}_${name}.json" 2>&1 | tr '\r' '\n' | grep -v "Capturing\|files:" > "$OUT/rate_${m}_${name}.log"
             tail -4 "$OUT/rate_${m}_${name}.log"; rm -rf /tmp/scute-rate-1024
           done ;;
+    serving) if ls .whl/*.whl > /dev/null 2>&1; then
+               python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+                 .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+             fi
+             timeout 560 python3 bench/serve_bench.py --num-prompts 100 --out "$OUT/serving.json" > "$OUT/serving.log" 2>&1
+             tail -12 "$OUT/serving.log" ;;
     load) timeout 280 python3 bench/bench_adapter_load.py --device cuda --out "$OUT/adapter_load.json" > "$OUT/load.log" 2>&1
           tail -12 "$OUT/load.log" ;;
     background) timeout 400 python3 bench/bench_background_loads.py --out "$OUT/background_loads.json" \
