@@ -46,8 +46,11 @@ def step_ms(out, length: int, requests: int, kind: str = "cumulative", steps: in
         for req in reqs:
             req.append_token(rng.randrange(out.tokenizer.vocab_size))
         if k < length - 1 and out.incremental:  # a stream made an output at every step before
-            for req in reqs:
-                out.make_output(req) if kind == "delta" else out.text(req)
+            for req in reqs:  # a delta stream's outputs advance its counts; a whole one's decode its text
+                if kind == "delta":
+                    out.make_output(req)
+                else:
+                    out.text(req)
         if k >= length - 1:
             start = time.perf_counter()
             for req in reqs:

@@ -16,6 +16,8 @@
 #   serving  bench/serve_bench.py: `scute serve` of the 8B shape with 64 adapters of the five methods under load
 #            (serving.json, serving.log); the server's wheels the image lacks come from .whl (made by
 #            `bash bench/gpu_wheels.sh`, carried with the call), installed under /tmp/site
+#   compiles bench/bench_compiles.py: Triton compiles and the slowest step of bursts of new step sizes on IA3
+#            adapters, 4 layers (compiles.json, compiles.log)
 #   load     bench/bench_adapter_load.py: each method's time from a PEFT folder to servable (adapter_load.json)
 #   background bench/bench_background_loads.py: the decode step while cold adapters load (background_loads.json)
 #   decode   bench/profile_decode.py: GPU time per kernel and idle gaps of graph-replayed decode steps (decode.json)
@@ -65,6 +67,8 @@ for step in $steps; do
              fi
              timeout 560 python3 bench/serve_bench.py --num-prompts 100 --out "$OUT/serving.json" > "$OUT/serving.log" 2>&1
              tail -12 "$OUT/serving.log" ;;
+    compiles) timeout 300 python3 bench/bench_compiles.py --out "$OUT/compiles.json" 2>&1 | grep -v Capturing \
+                > "$OUT/compiles.log"; tail -14 "$OUT/compiles.log" ;;
     load) timeout 280 python3 bench/bench_adapter_load.py --device cuda --out "$OUT/adapter_load.json" > "$OUT/load.log" 2>&1
           tail -12 "$OUT/load.log" ;;
     background) timeout 400 python3 bench/bench_background_loads.py --out "$OUT/background_loads.json" \

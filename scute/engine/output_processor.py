@@ -113,26 +113,29 @@ class OutputProcessor:
     def _completion(self, req: Request) -> CompletionOutput:
         sp = req.sampling_params
         text = req.text if isinstance(req.stop_reason, str) else self.text(req)  # a stop string cut the text
+        end = len(text)  # what is reported ends here: a delta's slice never copies the text before it
         if not req.is_finished:  # only text the final output keeps: no unfinished character, no stop string's start
-            text = text.rstrip("\ufffd")
+            end = len(text.rstrip("\ufffd"))
             if sp.stop_strings and not sp.include_stop_str_in_output:
-                text = text[:len(text) - stop_prefix_at_end(text, sp.stop_strings)]
-        tokens, chars = (req.sent_tokens, req.sent_text) if sp.output_kind == "delta" else (0, 0)
+                end -= stop_prefix_at_end(text, sp.stop_strings, end)
+        tokens = chars = 0
         if sp.output_kind == "delta":  # every text reported is a prefix of the next (the stop strings' hold-back)
-            req.sent_tokens, req.sent_text = len(req.output_token_ids), len(text)
+            tokens, chars = req.sent_tokens, req.sent_text
+            req.sent_tokens, req.sent_text = len(req.output_token_ids), end
         return CompletionOutput(
-            index=req.sample_index, text=text[chars:], token_ids=req.output_token_ids[tokens:],
+            index=req.sample_index, text=text[chars:end], token_ids=req.output_token_ids[tokens:],
             cumulative_logprob=req.cumulative_logprob if sp.logprobs is not None else None,
             logprobs=req.logprobs[tokens:] if sp.logprobs is not None else None,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
         )
 
 
-def stop_prefix_at_end(text: str, stops: Sequence[str]) -> int:
-    """The length of the longest end of `text` that begins one of `stops` (a proper prefix of it): what a running
-    request's output holds back, since a stop string completed by later tokens cuts the text where it starts, and
-    a stream shows only text the final output keeps (vLLM holds back the longest stop string's length less one)."""
-    for k in range(min(len(text), max(map(len, stops)) - 1), 0, -1):
-        if any(len(s) > k and text.endswith(s[:k]) for s in stops):
+def stop_prefix_at_end(text: str, stops: Sequence[str], end: int) -> int:
+    """The length of the longest end of ``text[:end]`` that begins one of `stops` (a proper prefix of it): what a
+    running request's output holds back, since a stop string completed by later tokens cuts the text where it
+    starts, and a stream shows only text the final output keeps (vLLM holds back the longest stop string's length
+    less one)."""
+    for k in range(min(end, max(map(len, stops)) - 1), 0, -1):
+        if any(len(s) > k and text.endswith(s[:k], 0, end) for s in stops):
             return k
     return 0

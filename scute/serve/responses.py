@@ -27,12 +27,10 @@ class Job:
     request_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.monotonic)
-    first_token: list = field(default_factory=list)  # per prompt: when the engine appended its first token, or None
     generated: list = field(default_factory=list)  # per prompt: the output tokens reported so far, per completion
 
     def __post_init__(self) -> None:
         self.request_id = f"{self.kind}-{uuid.uuid4().hex}"
-        self.first_token = [None] * len(self.prompts)
         self.generated = [[0] * self.params.n for _ in self.prompts]
         self.include_usage = stream_usage(self.req)
 
@@ -46,9 +44,8 @@ class Job:
         its completions' token counts; metrics, the request's latencies once it finished."""
         for c in out.outputs:
             self.generated[index][c.index] += len(c.token_ids)
-        self.first_token[index] = out.first_token_time
         if out.finished and out.error is None and self.state.metrics is not None:
-            self.state.metrics.observe_latency(max(self.generated[index]), self.arrival, self.first_token[index],
+            self.state.metrics.observe_latency(max(self.generated[index]), self.arrival, out.first_token_time,
                                                time.monotonic())
 
     def usage(self, finals: list[RequestOutput]) -> dict:

@@ -1,5 +1,6 @@
 """`bench/bench_request_rate.py` end to end on the CPU with a tiny model: native IA3 adapters and their rank-4 LoRA
-conversions through one engine, a rate search per row, the JSON the GPU run records."""
+conversions through one engine, a rate search per row, the JSON the GPU run records; and `bench/bench_compiles.py`
+alike."""
 
 from __future__ import annotations
 
@@ -58,3 +59,17 @@ def test_an_overloaded_run_stops_early(tmp_path, monkeypatch):
         (run,) = row["runs"]
         assert run["aborted"] and not run["sustained"] and row["max_rate"] == 0
         assert run["max_queue_s"] > 0.000001
+
+
+def test_compiles_bench_runs(tmp_path, monkeypatch):
+    """`bench/bench_compiles.py` on the CPU: every burst stepped to its end and recorded (the interpreter compiles
+    nothing, so every count is 0)."""
+    import triton
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", None)  # the bench sets it: restored after
+    bench_compiles = bench_module("bench_compiles")
+    result = bench_compiles.main(["--tiny", "--root", str(tmp_path / "adapters"), "--out", str(tmp_path / "c.json")])
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert rows == result["rows"] and len(rows) == len(bench_compiles.BURSTS)
+    assert [r["tokens"] for r in rows] == [n * length for n, length in bench_compiles.BURSTS]
+    assert all(r["steps"] >= 4 and r["slowest_ms"] > 0 and r["compiles"] == 0 for r in rows)
