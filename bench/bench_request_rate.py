@@ -136,16 +136,23 @@ def engine_counts(engine) -> dict[str, float]:
                 capture_s=graphs.capture_seconds if graphs else 0.0, kernels_compiled=COMPILES[0])
 
 
-COMPILES = [0]  # Triton kernels compiled in this process since `count_compiles`
+COMPILES = [0, 0]  # Triton kernels compiled in this process since `count_compiles`: all, on the adapter loader
+STEP_LOOP_COMPILES: list[str] = []  # the names of the kernels compiled elsewhere than on the adapter loader
 
 
 def count_compiles() -> None:
     """Count each Triton kernel specialization compiled (a compile on a step stalls it for a second or so; on the
     CPU the interpreter compiles nothing): Triton's JIT cache hook, called before each compilation."""
+    import threading
+
     import triton
 
     def hook(*args, **kwargs) -> bool:
         COMPILES[0] += 1
+        if threading.current_thread().name == "scute-adapter-loader":  # its warm-up (`warm_kernels`)
+            COMPILES[1] += 1
+        else:
+            STEP_LOOP_COMPILES.append(getattr(kwargs.get("fn"), "name", "?"))
         return False  # compile as usual
 
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)

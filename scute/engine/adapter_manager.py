@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -43,6 +44,7 @@ from scute.engine.adapter_placer import Placer
 from scute.engine.request import Request, RequestStatus
 from scute.model.hf import prepare_adapter
 from scute.model.linear import ScuteLinear
+from scute.model.warmup import warm_kernels
 
 MAX_PREFETCH = 4  # adapter loads in progress or staged on the device (waiting for a slot), at most
 
@@ -68,7 +70,11 @@ class AdapterManager:
         self._moved: SharedMemo = {}  # shared matrices on the device, one copy for every adapter (loader thread)
         self._interned: Interned = {}  # shared matrices by content: every adapter loaded here shares them
         self.dtype = next((m.weight.dtype for m in linears.values()), torch.float32)  # the device slots' matrices
-        self.loader = AdapterLoader(device, self.dtype, prepare=lambda a, pause: prepare_adapter(linears, a, pause))
+        # the token counts the engine steps at (set by it): staging an adapter of a new kind compiles the kernel
+        # variants its placement will run, on the loader (`warm_kernels`; `_warmed`: the kinds done)
+        self.warm_tokens: tuple[int, ...] = ()
+        self._warmed: set = set()
+        self.loader = AdapterLoader(device, self.dtype, prepare=self._prepare)
         self.memory = AdapterMemory(memory_bytes, self.dtype)
         self._loads: dict[tuple, Load] = {}  # ("path", folder, signature) or ("move", identity) -> its load
         self._queue: list[tuple[int, int, tuple]] = []  # heap of (arrival of a waiting request, seq, load key)
@@ -82,6 +88,18 @@ class AdapterManager:
         # bumped whenever a request not ready may have become so (a load or a placement ended, a load failed): a
         # request `ready` refused needs asking again only after that (`Scheduler`)
         self.version = 0
+
+    def _prepare(self, adapter: Adapter, pause: Callable[[], None]) -> dict:
+        """What the loader does for an adapter it stages, after the copy: the kernel variants its placement needs
+        compiled (`warm_kernels`), its rows in the slot pools (`prepare_adapter`). A warm-up out of device memory
+        (its calls hold one step's activations beside the step loop's) fails nothing: the kernels then compile
+        where the steps first need them."""
+        try:
+            warm_kernels(self.linears, adapter, self.warm_tokens, self._warmed, pause)
+        except torch.OutOfMemoryError:
+            warnings.warn("scute: no device memory to compile an adapter's kernels on the adapter loader; they "
+                          "compile on the first steps that need them (stalling those steps)", stacklevel=1)
+        return prepare_adapter(self.linears, adapter, pause)
 
     # ------------------------------------------------------------------ CPU tier
     def load(self, path: str | os.PathLike, name: str | None = None, **options: object) -> Adapter:

@@ -55,6 +55,7 @@ class Engine:
             self.runner = ModelRunner(loaded, self.config, num_blocks, self.max_model_len, self.tp and self.tp.send)
             if self.runner.graphs is not None:
                 self.runner.capture_graphs()
+            self.adapters.warm_tokens = self.runner.step_sizes()
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager, self.adapters)
         self.requests: dict[str, Request] = {}

@@ -96,7 +96,7 @@ class ModelRunner:
         self.decode_sizes = capture_sizes(max_seqs) if padded else []  # decode steps run at these batch sizes
         # mixed steps at these token counts (tensor parallelism: decode steps only, as its workers run them)
         self.mixed_sizes = mixed_sizes(max_tokens) if padded and config.tensor_parallel_size == 1 else []
-        self.max_num_seqs = max_seqs
+        self.max_num_seqs, self.max_num_batched_tokens = max_seqs, max_tokens
         use_graphs = padded and not config.enforce_eager
         shapes = [GraphShape(n) for n in self.decode_sizes] + [GraphShape(n, True) for n in self.mixed_sizes]
         self.graphs = StepGraphs(self._graph_forward, self._pad_inputs, shapes, self.device, max_seqs) \
@@ -104,6 +104,21 @@ class ModelRunner:
         self._host_token_bufs = [torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)] \
             if padded else []
         self.broadcast = broadcast
+
+    def step_sizes(self) -> tuple[int, ...]:
+        """Token counts that stand for the steps this runner runs, for the kernel warm-up
+        (`AdapterManager.warm_tokens`): each decode and mixed graph's, then eager steps from twice the largest
+        graph's, doubling, up to the token budget (the kernels' token and row counts are not specialized on; what
+        else a step's size decides changes at thresholds these cover). Empty where the Triton kernels do not run
+        (no graph sizes)."""
+        sizes = {*self.decode_sizes, *self.mixed_sizes}
+        if not sizes:
+            return ()
+        n = 2 * max(sizes)
+        while n < self.max_num_batched_tokens:
+            sizes.add(n)
+            n *= 2
+        return tuple(sorted(sizes | {self.max_num_batched_tokens}))
 
     def _zeros(self, shape, dtype: torch.dtype) -> Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.device)

@@ -60,7 +60,7 @@ def placing(linears: dict[str, ScuteLinear], index: int, adapter: Adapter | None
     if missing := set(layers) - set(linears):
         raise ValueError(f"adapter {adapter.name!r} adapts {min(missing)}, which is not a ScuteLinear here")
     placement = Placement(prepared)
-    for linear, group, names in _pools(linears):
+    for linear, group, names in layer_pools(linears):
         if group is None:
             linear.set_slot(index, layers.get(names[0]), placement)
         else:  # each group once, its pool updated once for all its members
@@ -89,7 +89,7 @@ def prepare_adapter(linears: dict[str, ScuteLinear], adapter: Adapter,
         if pool is not None and (ready := prepare_column(pool, column)) is not None:
             prepared[pool] = ready
 
-    for linear, group, names in paused(_pools(linears), pause):
+    for linear, group, names in paused(layer_pools(linears), pause):
         if group is None:  # its own pool (a group it belongs to without all its members here is left alone)
             add(linear.pool, [adapter.layers.get(names[0])])
         else:
@@ -99,7 +99,7 @@ def prepare_adapter(linears: dict[str, ScuteLinear], adapter: Adapter,
     return prepared
 
 
-def _pools(linears: dict[str, ScuteLinear]):
+def layer_pools(linears: dict[str, ScuteLinear]):
     """(linear, its group or None, the names of the group's members or its own) for each layer that owns a pool
     update: a group once (at its first member), a layer outside a complete group alone."""
     names = {id(linear): name for name, linear in linears.items()}

@@ -330,3 +330,24 @@ def test_the_loader_runs_idle_work_only_where_the_step_loop_does_not_hold_its_tu
         with turns.waiting():
             pause_elsewhere()
         assert ran == ["other", "other"]  # while the step loop waits
+
+
+def test_a_kernel_warm_up_out_of_memory_fails_no_load(oracle, monkeypatch):
+    """The loader's kernel warm-up (`scute.model.warmup`) running out of device memory warns and lets the load
+    go on: the requests get PEFT's tokens."""
+    from scute.engine import adapter_manager
+
+    warmed = []
+
+    def out_of_memory(linears, adapter, tokens, done, pause):
+        warmed.append((adapter.peft_type, tokens))
+        raise torch.OutOfMemoryError("no room for the warm-up")
+
+    monkeypatch.setattr(adapter_manager, "warm_kernels", out_of_memory)
+    engine = oracle.engine()
+    engine.adapters.warm_tokens = (1, 16)
+    prompts, adapters = [PROMPTS[0], PROMPTS[1]], ["lora", "ia3"]
+    with pytest.warns(UserWarning, match="no device memory to compile"):
+        outputs = engine.generate(prompts, GREEDY, [oracle.paths[a] for a in adapters], use_tqdm=False)
+    check(oracle, outputs, prompts, adapters)
+    assert sorted(warmed) == [("IA3", (1, 16)), ("LORA", (1, 16))]

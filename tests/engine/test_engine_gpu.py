@@ -95,3 +95,45 @@ def test_staging_copies_both_ways_in_chunks(nbytes, dtype):
     assert torch.equal(on_device.cpu().view(torch.uint8), src.view(torch.uint8))  # bytes: random bf16 holds NaNs
     back = staging.copy(on_device, torch.device("cpu"))
     assert not back.is_cuda and not back.is_pinned() and torch.equal(back.view(torch.uint8), src.view(torch.uint8))
+
+
+WARM_SCRIPT = r'''
+import sys, threading, torch, triton
+from scute import Engine, SamplingParams
+from tests.helpers import FIVE_METHODS, make_adapter, tiny_model
+
+compiles = {"loader": 0, "other": 0}
+names = []
+def hook(**kwargs):
+    on_loader = threading.current_thread().name == "scute-adapter-loader"
+    compiles["loader" if on_loader else "other"] += 1
+    names.extend([] if on_loader else [getattr(kwargs.get("fn"), "name", "?")])
+    return False
+triton.knobs.runtime.jit_cache_hook = hook
+make_adapter(sys.argv[1], FIVE_METHODS[sys.argv[2]](), "llama", torch.float32, seed=3)
+engine = Engine(tiny_model("llama"), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16,
+                max_num_batched_tokens=256)
+sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+prompts = [[1 + i] * n for i, n in enumerate((3, 5, 40, 130, 7, 2))]  # graph and eager steps of several sizes
+engine.generate(prompts, sp, use_tqdm=False)  # the base model's kernels of these steps
+base, named = dict(compiles), len(names)
+outs = engine.generate(prompts, sp, [sys.argv[1]] * len(prompts), use_tqdm=False)
+assert all(o.error is None for o in outs), [o.error for o in outs]
+print("COMPILES", compiles["loader"] - base["loader"], compiles["other"] - base["other"], *names[named:])
+'''
+
+
+@pytest.mark.parametrize("method", ["ia3", "oft"])
+def test_a_new_methods_kernels_compile_on_the_loader(tmp_path, method):
+    """With an empty Triton cache (a fresh process), the first requests on an adapter of a method compile its
+    kernel variants on the adapter loader's thread (`scute.model.warmup`), none on the step loop."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "PYTHONPATH": os.getcwd()}
+    proc = subprocess.run([sys.executable, "-c", WARM_SCRIPT, str(tmp_path / method), method], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    loader, step_loop, *kernels = proc.stdout.split("COMPILES")[-1].split()
+    assert int(loader) > 0 and int(step_loop) == 0, (loader, step_loop, kernels)
