@@ -42,7 +42,7 @@ from scute.engine.adapter_loader import AdapterLoader, Load, PendingAdapter, Sta
 from scute.engine.adapter_memory import AdapterMemory
 from scute.engine.adapter_placer import Placer
 from scute.engine.request import Request, RequestStatus
-from scute.model.hf import prepare_adapter
+from scute.model.hf import layer_pools, prepare_adapter
 from scute.model.linear import ScuteLinear
 from scute.model.warmup import warm_kernels
 
@@ -74,6 +74,7 @@ class AdapterManager:
         # variants its placement will run, on the loader (`warm_kernels`; `_warmed`: the kinds done)
         self.warm_tokens: tuple[int, ...] = ()
         self._warmed: set = set()
+        self._units = list(layer_pools(linears))  # the pools' layers, for the warm-up
         self.loader = AdapterLoader(device, self.dtype, prepare=self._prepare)
         self.memory = AdapterMemory(memory_bytes, self.dtype)
         self._loads: dict[tuple, Load] = {}  # ("path", folder, signature) or ("move", identity) -> its load
@@ -95,7 +96,7 @@ class AdapterManager:
         (its calls hold one step's activations beside the step loop's) fails nothing: the kernels then compile
         where the steps first need them."""
         try:
-            warm_kernels(self.linears, adapter, self.warm_tokens, self._warmed, pause)
+            warm_kernels(self._units, adapter, self.warm_tokens, self._warmed, pause)
         except torch.OutOfMemoryError:
             warnings.warn("scute: no device memory to compile an adapter's kernels on the adapter loader; they "
                           "compile on the first steps that need them (stalling those steps)", stacklevel=1)

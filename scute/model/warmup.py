@@ -21,7 +21,6 @@ import torch
 
 from scute.adapters import Adapter
 from scute.adapters.adapter import Pause, no_pause, paused
-from scute.model.hf import layer_pools
 from scute.model.linear import ScuteLinear
 from scute.ops import SlotPool, build_lora_meta, scute_linears_deferred, scute_linears_triton, triton_enabled
 from scute.ops.groups import pool_facts
@@ -30,7 +29,7 @@ from scute.ops.plan import step_facts
 from scute.ops.slots import Slots
 
 
-def warm_kernels(linears: dict[str, ScuteLinear], adapter: Adapter, token_counts: Sequence[int], warmed: set,
+def warm_kernels(units: Sequence[tuple], adapter: Adapter, token_counts: Sequence[int], warmed: set,
                  pause: Pause = no_pause) -> int:
     """Run every kind of layer call `adapter`'s placement makes new, at each of `token_counts` tokens, all of them
     on its slot, with the passes of its slot alone and of the whole pool (an eager step of its tokens, a CUDA
@@ -38,9 +37,9 @@ def warm_kernels(linears: dict[str, ScuteLinear], adapter: Adapter, token_counts
     is its shape and dtype with its signature before the adapter and the adapter's part in it (`_parts`), then
     what the plans of its calls read of the scratch pool (`pool_facts`, `step_facts`), so that a second adapter of
     a method, or a mix whose plans are the same, makes no call. Layers of the CPU path, sharded layers (tensor
-    parallelism) and an empty `token_counts` make none. `pause` before each pool and each call."""
+    parallelism) and an empty `token_counts` make none. `units`: the model's `layer_pools`, walked once by the
+    caller. `pause` before each pool and each call."""
     calls = 0
-    units = list(layer_pools(linears))
     # the whole adapter at once: an adapter of a config (and layers) warmed before, over pools of the same
     # signatures, makes no call; this costs a load a hash of each pool's signature, not the walk below
     config = json.dumps({k: v for k, v in adapter.config.items() if k not in _PER_FOLDER}, sort_keys=True, default=str)

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 import scute.model.warmup as warmup_mod
 from scute.adapters import load_adapter
 from scute.model.context import ForwardContext, forward_context
-from scute.model.hf import place_adapter, swap_linears
+from scute.model.hf import layer_pools, place_adapter, swap_linears
 from scute.model.layers import mlp_forward
 from tests.helpers import FIVE_METHODS, make_adapter, tiny_model
 
@@ -60,6 +60,7 @@ def test_new_kinds_of_pools_are_run_once_each_and_nothing_of_the_model_changes(t
     linears = swap_linears(model, 4)
     for layer in model.model.layers:  # gate/up through `project`, as the engine's forwards call them
         layer.mlp.forward = types.MethodType(mlp_forward, layer.mlp)
+    units = list(layer_pools(linears))
     lora, ia3, ia3_2 = (load_adapter(paths[n], model, name=n) for n in ("lora", "ia3", "ia3_2"))
     place_adapter(linears, 1, lora)
     before = _logits(model, [1, -1])  # builds the layers' pools
@@ -68,7 +69,7 @@ def test_new_kinds_of_pools_are_run_once_each_and_nothing_of_the_model_changes(t
     tables = {id(p): p.table.clone() for ps in pools.values() for p in ps if p is not None}
     warmed: set = set()
 
-    n = warmup_mod.warm_kernels(linears, ia3, (1, 16), warmed)
+    n = warmup_mod.warm_kernels(units, ia3, (1, 16), warmed)
     # IA3 adapts k, v (the q/k/v group's pool) and down (its own): two kinds of pool, each at one layer of two;
     # each token count with the passes of the adapter's slot and of the whole pool, one token also deferred
     assert n == len(calls) == 2 * (2 * 2 + 2)
@@ -76,9 +77,9 @@ def test_new_kinds_of_pools_are_run_once_each_and_nothing_of_the_model_changes(t
     # slot 0, the first free one: the adapter's passes alone, and the pool's (LoRA's in slot 1 too)
     assert {None if a is None else frozenset(a) for _, _, a, _ in calls} == {frozenset({0}), None}
     assert sum(deferred for *_, deferred in calls) == 4
-    assert warmup_mod.warm_kernels(linears, ia3_2, (1, 16), warmed) == 0  # the same kinds: nothing new
-    assert warmup_mod.warm_kernels(linears, ia3_2, (1, 16), set()) == n  # a new engine's set: run again
-    assert warmup_mod.warm_kernels(linears, lora, (), set()) == 0  # no token counts (the CPU path's engine)
+    assert warmup_mod.warm_kernels(units, ia3_2, (1, 16), warmed) == 0  # the same kinds: nothing new
+    assert warmup_mod.warm_kernels(units, ia3_2, (1, 16), set()) == n  # a new engine's set: run again
+    assert warmup_mod.warm_kernels(units, lora, (), set()) == 0  # no token counts (the CPU path's engine)
 
     for name, lin in linears.items():  # the model's slots and pools are only read
         assert lin.slots == slots[name] and (lin.pool, None if lin.group is None else lin.group.pool) == pools[name]
@@ -88,4 +89,4 @@ def test_new_kinds_of_pools_are_run_once_each_and_nothing_of_the_model_changes(t
     after = _logits(model, [0, 1, -1])
     assert torch.allclose(after[1:], before, atol=1e-5) and not torch.allclose(after[0], after[2], atol=1e-3)
     # the pools' signatures changed with the placement, the plans of a second IA3 adapter's calls did not
-    assert warmup_mod.warm_kernels(linears, ia3_2, (1, 16), warmed) == 0
+    assert warmup_mod.warm_kernels(units, ia3_2, (1, 16), warmed) == 0
