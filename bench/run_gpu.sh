@@ -16,8 +16,8 @@
 #   serving  bench/serve_bench.py: `scute serve` of the 8B shape with 64 adapters of the five methods under load
 #            (serving.json, serving.log); the server's wheels the image lacks come from .whl (made by
 #            `bash bench/gpu_wheels.sh`, carried with the call), installed under /tmp/site
-#   compiles bench/bench_compiles.py: Triton compiles and the slowest step of bursts of new step sizes on IA3
-#            adapters, 4 layers (compiles.json, compiles.log)
+#   compiles bench/bench_compiles.py: Triton compiles (on the step loop, on the adapter loader) and the running
+#            requests' slowest step in bursts of new step sizes on IA3 adapters, 4 layers (compiles.json, compiles.log)
 #   load     bench/bench_adapter_load.py: each method's time from a PEFT folder to servable (adapter_load.json)
 #   background bench/bench_background_loads.py: the decode step while cold adapters load (background_loads.json)
 #   decode   bench/profile_decode.py: GPU time per kernel and idle gaps of graph-replayed decode steps (decode.json)
