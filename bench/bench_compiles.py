@@ -71,9 +71,8 @@ def top_up(engine, background: int) -> None:
     from scute import SamplingParams
 
     running = [r for r in engine.requests if r.startswith("bg-")]
-    for _ in range(background - len(running)):
-        engine.add_request(f"bg-{next(_BACKGROUND)}", [1 + next(_BACKGROUND) % 100] * 8,
-                           SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    for i in itertools.islice(_BACKGROUND, background - len(running)):
+        engine.add_request(f"bg-{i}", [1 + i % 100] * 8, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
 
 
 def main(argv: list[str] | None = None) -> dict:

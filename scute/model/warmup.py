@@ -23,10 +23,9 @@ from scute.adapters import Adapter
 from scute.adapters.adapter import Pause, no_pause, paused
 from scute.model.linear import ScuteLinear
 from scute.ops import SlotPool, build_lora_meta, scute_linears_deferred, scute_linears_triton, triton_enabled
-from scute.ops.groups import pool_facts
+from scute.ops.groups import pool_facts, slot_facts
 from scute.ops.launch import LaunchResources, config, tile_tokens
 from scute.ops.plan import step_facts
-from scute.ops.slots import Slots
 
 
 def warm_kernels(units: Sequence[tuple], adapter: Adapter, token_counts: Sequence[int], warmed: set,
@@ -34,7 +33,7 @@ def warm_kernels(units: Sequence[tuple], adapter: Adapter, token_counts: Sequenc
     """Run every kind of layer call `adapter`'s placement makes new, at each of `token_counts` tokens, all of them
     on its slot, with the passes of its slot alone and of the whole pool (an eager step of its tokens, a CUDA
     graph); returns the calls run. `warmed` (the caller's, kept between calls) holds the kinds done: a pool's kind
-    is its shape and dtype with its signature before the adapter and the adapter's part in it (`_parts`), then
+    is its shape and dtype with its signature before the adapter and the adapter's part in it (`slot_facts`), then
     what the plans of its calls read of the scratch pool (`pool_facts`, `step_facts`), so that a second adapter of
     a method, or a mix whose plans are the same, makes no call. Layers of the CPU path, sharded layers (tensor
     parallelism) and an empty `token_counts` make none. `units`: the model's `layer_pools`, walked once by the
@@ -53,9 +52,9 @@ def warm_kernels(units: Sequence[tuple], adapter: Adapter, token_counts: Sequenc
         x = linear.weight
         if all(sl is None for sl in column) or not triton_enabled(x[:0]) or any(m.shard is not None for m in members):
             continue
-        real = linear.pool if group is None else group.pool
+        real, part = linear.pool if group is None else group.pool, slot_facts(column)
         kind = (x.shape[1], tuple(m.out_features for m in members), x.dtype, x.device,
-                None if real is None else real.signature, tuple(map(_parts, column)))
+                None if real is None else real.signature, part._replace(share_key=part.share_key is not None))
         if kind in warmed:
             continue
         warmed.add(kind)
@@ -81,16 +80,6 @@ def warm_kernels(units: Sequence[tuple], adapter: Adapter, token_counts: Sequenc
 
 
 _PER_FOLDER = ("base_model_name_or_path", "revision")  # config keys that differ between adapters of one recipe
-
-
-def _parts(sl: Slots | None) -> tuple | None:
-    """Which slots `sl` fills, with its rank and OFT block: what of an adapter's layer can change a pool's plans
-    (the shapes the layer fixes aside). A few attribute reads: it is worked out for every pool at each load."""
-    if sl is None:
-        return None
-    return (sl.t is not None, None if sl.t_blocks is None else sl.t_blocks.shape[-1], sl.o is not None,
-            sl.o2 is not None, sl.rot_group, sl.c is not None, None if sl.A is None else sl.A.shape[0],
-            sl.m is not None, sl.B is not None, sl.v is not None, bool(sl.shared))
 
 
 @torch.inference_mode()

@@ -98,28 +98,24 @@ def test_staging_copies_both_ways_in_chunks(nbytes, dtype):
 
 
 WARM_SCRIPT = r'''
-import sys, threading, torch, triton
+import sys, torch
+sys.path.insert(0, "bench")
+from bench_request_rate import COMPILES, STEP_LOOP_COMPILES, count_compiles
 from scute import Engine, SamplingParams
 from tests.helpers import FIVE_METHODS, make_adapter, tiny_model
 
-compiles = {"loader": 0, "other": 0}
-names = []
-def hook(**kwargs):
-    on_loader = threading.current_thread().name == "scute-adapter-loader"
-    compiles["loader" if on_loader else "other"] += 1
-    names.extend([] if on_loader else [getattr(kwargs.get("fn"), "name", "?")])
-    return False
-triton.knobs.runtime.jit_cache_hook = hook
+count_compiles()  # Triton's JIT cache hook: compiles in all, on the adapter loader, the others' kernel names
 make_adapter(sys.argv[1], FIVE_METHODS[sys.argv[2]](), "llama", torch.float32, seed=3)
 engine = Engine(tiny_model("llama"), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16,
                 max_num_batched_tokens=256)
 sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 prompts = [[1 + i] * n for i, n in enumerate((3, 5, 40, 130, 7, 2))]  # graph and eager steps of several sizes
 engine.generate(prompts, sp, use_tqdm=False)  # the base model's kernels of these steps
-base, named = dict(compiles), len(names)
+base, named = list(COMPILES), len(STEP_LOOP_COMPILES)
 outs = engine.generate(prompts, sp, [sys.argv[1]] * len(prompts), use_tqdm=False)
 assert all(o.error is None for o in outs), [o.error for o in outs]
-print("COMPILES", compiles["loader"] - base["loader"], compiles["other"] - base["other"], *names[named:])
+loader = COMPILES[1] - base[1]
+print("COMPILES", loader, COMPILES[0] - base[0] - loader, *STEP_LOOP_COMPILES[named:])
 '''
 
 
@@ -131,8 +127,10 @@ def test_a_new_methods_kernels_compile_on_the_loader(tmp_path, method):
     import subprocess
     import sys
 
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "PYTHONPATH": os.getcwd()}
-    proc = subprocess.run([sys.executable, "-c", WARM_SCRIPT, str(tmp_path / method), method], env=env,
+    from tests.interpreter import ROOT
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-c", WARM_SCRIPT, str(tmp_path / method), method], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     loader, step_loop, *kernels = proc.stdout.split("COMPILES")[-1].split()
