@@ -37,6 +37,11 @@ class PoolFacts(NamedTuple):
     shared_outs: tuple[int, ...]  # out_p where the shared group adapts p, else 0
     plain_mask: int = 0  # slots whose every projection is a plain low-rank delta or nothing (bit s: slot s)
     lowrank_masks: tuple[int, ...] = ()  # per projection, the slots with A there
+    # counts that let a slot leave without a pass over the others (`_changed_alone`)
+    top_rank_slots: int = 0  # groups outside the shared one whose largest rank is `max_rank` (when it is > 0)
+    exact_slots: int = 0  # slots that keep their delta in float32
+    shared_size: int = 0  # the shared group's members
+    runner_up: int = 0  # the members of the largest other group of shared matrices
 
     @property
     def shared_products(self) -> int:
@@ -94,15 +99,19 @@ def pool_facts(slots: Sequence[Sequence[Slots | None]], out_features: Sequence[i
     masks = StepKinds(*(sum(1 << s for s in range(num_slots) if bit(s)) for bit in (
         lambda s: facts[s].transform, lambda s: lowrank[s] and groups[s] == shared,
         lambda s: lowrank[s] and groups[s] != shared, lambda s: facts[s].expand)))
-    ranks = [r for g in set(groups) - {shared} for r in facts[g].ranks]
+    tops = [max(facts[g].ranks, default=0) for g in set(groups) - {shared}]
+    max_rank = max(tops, default=0)
     blocks = [b for f in facts for b in f.blocks]
     a_of = shared_a_of(columns[shared]) if shared >= 0 else (-1,) * len(slots)
+    sizes = Counter(g for s, g in enumerate(groups) if facts[g].share_key is not None)  # groups of shared matrices
+    exact = sum(f.exact_delta for f in facts)
     return shared_facts(PoolFacts(
-        tuple(out_features), tuple(groups), shared, masks, max(ranks, default=0),
-        1 << (max(blocks, default=1) - 1).bit_length(), min(blocks, default=1), any(f.exact_delta for f in facts),
+        tuple(out_features), tuple(groups), shared, masks, max_rank,
+        1 << (max(blocks, default=1) - 1).bit_length(), min(blocks, default=1), exact > 0,
         a_of, tuple(0 if a < 0 else o for a, o in zip(a_of, out_features)),
         sum(1 << s for s, f in enumerate(facts) if f.plain and groups[s] != shared),
-        tuple(sum(1 << s for s, f in enumerate(facts) if f.lowrank_in[p]) for p in range(len(slots)))))
+        tuple(sum(1 << s for s, f in enumerate(facts) if f.lowrank_in[p]) for p in range(len(slots))),
+        tops.count(max_rank) if max_rank else 0, exact, sizes.pop(shared, 0), max(sizes.values(), default=0)))
 
 
 # Pools of one kind (a model's q/k/v pools, its o pools, ...) hold alike slots: an adapter adapts every layer, so
@@ -162,17 +171,26 @@ def _changed_alone(prev: PoolFacts, old: SlotFacts, new: SlotFacts, s: int,
     """`prev` with slot s's facts `old` replaced by `new` (`rep_facts`: the shared group's representative's), or
     None where that needs the other slots: s joins, leaves or starts a group of shared matrices other than as a
     member of the shared group after its representative (other slots' groups, or which group is shared, may move),
-    either has an OFT block (the block extremes), or it held the largest rank or the only float32 delta."""
+    leaves the shared group when that may stop it being the largest, either has an OFT block (the block extremes),
+    or it held the largest rank and no other group does (the counts in `PoolFacts` say)."""
     shared = prev.shared_group
-    joins = new.share_key is not None and rep_facts is not None and new.share_key == rep_facts.share_key and s > shared
+    key = None if rep_facts is None or s <= shared else rep_facts.share_key
+    joins, was_member = key is not None and new.share_key == key, key is not None and old.share_key == key
     if old.blocks or new.blocks or (new.share_key is not None and not joins):
         return None
-    if old.share_key is not None and not (joins and old.share_key == new.share_key):
+    if old.share_key is not None and not was_member:
+        return None
+    size = prev.shared_size + joins - was_member
+    if was_member and not joins and size <= prev.runner_up:
         return None
     top = 0 if joins else max(new.ranks, default=0)  # the shared group's rank is not the table's
-    own = old.ranks if old.share_key is None else ()
-    if (own and max(own) >= prev.max_rank > top) or (old.exact_delta and not new.exact_delta):
+    own = max(old.ranks, default=0) if old.share_key is None else 0
+    count = prev.top_rank_slots - (own == prev.max_rank > 0)
+    if count == 0 and prev.max_rank > top:
         return None
+    max_rank = max(prev.max_rank, top)
+    count = 1 if top > prev.max_rank else count + (top == max_rank > 0)
+    exact = prev.exact_slots - old.exact_delta + new.exact_delta
     bit = 1 << s
 
     def put(mask: int, on: bool) -> int:
@@ -183,10 +201,10 @@ def _changed_alone(prev: PoolFacts, old: SlotFacts, new: SlotFacts, s: int,
                       put(k.lowrank, not joins and new.lowrank), put(k.expand, new.expand))
     groups = prev.groups if prev.groups[s] == (shared if joins else s) else \
         prev.groups[:s] + (shared if joins else s,) + prev.groups[s + 1:]
-    return prev._replace(groups=groups, kind_masks=kinds, max_rank=max(prev.max_rank, top),
-                         exact_delta=prev.exact_delta or new.exact_delta,
+    return prev._replace(groups=groups, kind_masks=kinds, max_rank=max_rank, exact_delta=exact > 0,
                          plain_mask=put(prev.plain_mask, new.plain and not joins),
-                         lowrank_masks=tuple(put(m, on) for m, on in zip(prev.lowrank_masks, new.lowrank_in)))
+                         lowrank_masks=tuple(put(m, on) for m, on in zip(prev.lowrank_masks, new.lowrank_in)),
+                         top_rank_slots=count, exact_slots=exact, shared_size=size)
 
 
 def shared_a_of(column: Sequence[Slots | None]) -> tuple[int, ...]:

@@ -102,10 +102,12 @@ def write(dst: Tensor, src: Tensor) -> None:
 
 
 def refill(old: Tensor | None, new: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """`new` in `old`'s memory when the shapes match (a captured graph keeps reading there), else a new copy."""
+    """`new` in `old`'s memory when the shapes match (a captured graph keeps reading there), else a new copy: the
+    buffer is the pool's own, never `new` itself (a later refill writes into it, and `new` may be an adapter's
+    tensor that other adapters share, such as VeRA's B)."""
     if old is not None and old.shape == new.shape:
         if new.device == old.device:
             return old.copy_(new)
         write(old, new.to(old.dtype))
         return old
-    return new.to(device=device, dtype=dtype).contiguous()
+    return torch.empty(new.shape, dtype=dtype, device=device).copy_(new)

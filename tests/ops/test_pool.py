@@ -116,15 +116,16 @@ def test_update_slot_equals_a_rebuild(monkeypatch):
     from scute.ops.testing import random_slots
 
     g = torch.Generator().manual_seed(0)
-    pair = (torch.randn(4, 8, generator=g), torch.randn(6, 4, generator=g))
+    pairs = [(torch.randn(4, 8, generator=g), torch.randn(6, 4, generator=g)) for _ in range(2)]
 
-    def vera() -> Slots:
-        return Slots(8, 6, A=pair[0], B=pair[1], m=torch.randn(4, generator=g), v=torch.randn(6, generator=g),
+    def vera(k: int = 0) -> Slots:
+        return Slots(8, 6, A=pairs[k][0], B=pairs[k][1], m=torch.randn(4, generator=g), v=torch.randn(6, generator=g),
                      shared=frozenset({"A", "B"}))
 
     makers = [lambda: lora(2), lambda: lora(5), vera, lambda: Slots(8, 6, o=torch.rand(6, generator=g)),
               lambda: random_slots("dora", 8, 6, rank=3, generator=g),
-              lambda: random_slots("oft", 8, 6, block=4, generator=g), lambda: None]
+              lambda: random_slots("oft", 8, 6, block=4, generator=g), lambda: None, lambda: lora(5),
+              lambda: vera(1)]
     slots = [[None] * 5 for _ in range(2)]
     pool = SlotPool(8, (6, 6), 5, "cpu", torch.float32)
     pool.update(slots)
@@ -132,8 +133,8 @@ def test_update_slot_equals_a_rebuild(monkeypatch):
     pool.update = lambda *args: rebuilds.append(1) or update(*args)
     alone, changed_alone = [], groups._changed_alone  # the facts from the changed slot's alone
     monkeypatch.setattr(groups, "_changed_alone", lambda *a: alone.append(changed_alone(*a)) or alone[-1])
-    order, joined = torch.randint(0, len(makers), (80,), generator=g).tolist(), 0
-    for step, (s, m) in enumerate(zip(torch.randint(0, 5, (80,), generator=g).tolist(), order)):
+    order, joined = torch.randint(0, len(makers), (160,), generator=g).tolist(), 0
+    for step, (s, m) in enumerate(zip(torch.randint(0, 5, (160,), generator=g).tolist(), order)):
         for p in range(2):
             slots[p][s] = makers[m]() if (p + step) % 3 else None  # projections adapted or not
         before = len(rebuilds)
@@ -147,9 +148,58 @@ def test_update_slot_equals_a_rebuild(monkeypatch):
         assert torch.equal(pool.slot_group, fresh.slot_group), where
         assert len(pool._cache) == len(fresh._cache), where
         assert torch.equal(pool.shared_m, fresh.shared_m) and torch.equal(pool.shared_a, fresh.shared_a), where
-    assert 0 < len(rebuilds) < 40 and joined, "the slot's rows alone ran (a VeRA slot joining the shared group too)"
+    assert 0 < len(rebuilds) < 80 and joined, "the slot's rows alone ran (a VeRA slot joining the shared group too)"
     assert len(rebuilds) >= 1, "and a rebuild, for a change of the grouping"
     assert sum(f is not None for f in alone) >= 10, "the facts from the changed slot's alone, often"
+
+
+def test_a_pool_never_writes_into_an_adapters_tensors():
+    """The shared group's buffers are the pool's own: when another pair of shared matrices becomes the largest group,
+    the buffers are refilled with it and the first pair (VeRA's B, which every adapter of the pair holds) keeps its
+    values."""
+    g = torch.Generator().manual_seed(2)
+    pairs = [(torch.randn(4, 8, generator=g), torch.randn(6, 4, generator=g)) for _ in range(2)]
+    saved = [(a.clone(), b.clone()) for a, b in pairs]
+
+    def vera(k: int) -> Slots:
+        return Slots(8, 6, A=pairs[k][0], B=pairs[k][1], m=torch.randn(4, generator=g), shared=frozenset({"A", "B"}))
+
+    slots = [[vera(0), None, None]]
+    pool = SlotPool(8, (6,), 3, "cpu", torch.float32)
+    pool.update(slots)
+    slots[0][1:] = [vera(1), vera(1)]
+    pool.update(slots)
+    assert pool.shared_group == 1 and torch.equal(pool.shared_b[0], pairs[1][1])
+    assert all(torch.equal(x, y) for pair, copy in zip(pairs, saved) for x, y in zip(pair, copy))
+
+
+def test_an_eviction_is_worked_out_from_the_slot_alone(monkeypatch):
+    """Emptying the slot of an adapter that holds the pool's largest rank, or of a member of the shared group, costs
+    the slot alone while another group holds that rank and the shared group stays the largest (a full pool
+    evicting for memory must not pay for every resident adapter), and gives the facts a rebuild gives; the last
+    holder of the largest rank, or a shared group that may stop being the largest, costs the full computation."""
+    g = torch.Generator().manual_seed(1)
+    pairs = [(torch.randn(4, 8, generator=g), torch.randn(6, 4, generator=g)) for _ in range(2)]
+
+    def vera(k: int) -> Slots:
+        return Slots(8, 6, A=pairs[k][0], B=pairs[k][1], m=torch.randn(4, generator=g), shared=frozenset({"A", "B"}))
+
+    # slots 0-2: LoRA of rank 5, 5, 2; 3-5: VeRA of one pair; 6: VeRA of another (the runner-up group); 7: empty
+    slots = [[lora(5), lora(5), lora(2), vera(0), vera(0), vera(0), vera(1), None]]
+    pool = SlotPool(8, (6,), 8, "cpu", torch.float32)
+    pool.update(slots)
+    full, pool_facts = [], groups.pool_facts
+    monkeypatch.setattr(groups, "pool_facts", lambda *a: full.append(1) or pool_facts(*a))
+    for s, alone in [(0, True), (1, False), (5, True), (4, False)]:
+        slots[0][s] = None
+        before = len(full)
+        pool.update_slot(slots, s)
+        assert (len(full) == before) is alone, f"slot {s}"
+        fresh = SlotPool(8, (6,), 8, "cpu", torch.float32)
+        fresh.update(slots)
+        assert pool.facts == fresh.facts and pool.signature == fresh.signature, f"slot {s}"
+        assert torch.equal(pool.slot_group, fresh.slot_group) and _decoded(pool) == _decoded(fresh), f"slot {s}"
+    assert pool.facts.max_rank == 4 and pool.facts.shared_group == 3  # the other pair's VeRA is in the table
 
 
 def test_pools_of_one_kind_work_out_a_placement_once(monkeypatch):
