@@ -352,12 +352,28 @@ class AdapterManager:
         self.memory.pin(adapter)
 
     def _evict(self) -> int:
-        """Empty the slot of the least recently used unused adapter; returns the slot."""
-        evicted, _ = self._unused.popitem(last=False)
+        """Empty the slot of the least recently used unused adapter, passing over those that represent a group of
+        shared matrices (`_represents`) while another can go; returns the slot."""
+        evicted = next((i for i in self._unused if not self._represents(i)), None)
+        if evicted is None:
+            evicted = next(iter(self._unused))
+        del self._unused[evicted]
         slot = self._slot_of.pop(evicted)
         heapq.heappush(self._free_slots, slot)
         self.memory.drop(evicted)
         return slot
+
+    def _represents(self, identity: str) -> bool:
+        """Whether the adapter holds shared storages (VeRA's pair) in the lowest slot of the adapters that hold them:
+        in every pool its slot represents their group, so emptying it regroups every member, rebuilds each pool's
+        table (a pass over all its slots) and changes the pools' signatures (the graphs are captured again), where
+        emptying a member's slot costs each pool that slot alone."""
+        held = self.memory.held.members
+        shared = held[identity].shared
+        if not shared:
+            return False
+        key, slot = next(iter(shared)), self._slot_of[identity]
+        return all(self._slot_of[i] > slot for i, st in held.items() if i != identity and key in st.shared)
 
     def release(self, adapter: Adapter | None) -> None:
         if adapter is None:

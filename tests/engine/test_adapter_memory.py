@@ -10,8 +10,8 @@ import torch
 
 from scute.config import EngineConfig
 from scute.engine.adapter_manager import MAX_PREFETCH
-from scute.engine.adapter_memory import (DEFAULT_RANK, DEFAULT_SHARE, AdapterMemory, adapter_budget, adapter_storages,
-                                         default_budget, lora_bytes)
+from scute.engine.adapter_memory import (DEFAULT_RANK, DEFAULT_SHARE, AdapterMemory, Storages, adapter_budget,
+                                         adapter_storages, default_budget, lora_bytes)
 from tests.helpers import GREEDY, METHODS, Oracle, check, mixed_requests
 
 
@@ -53,6 +53,23 @@ def test_the_budget_bounds_the_slots_and_eviction_keeps_tokens(oracle, sizes):
     assert seen and max(seen) <= budget < sum(sizes.values())
     assert engine.adapters.memory.pinned.bytes == 0 and not engine.adapters.memory.pinned.members  # all released
     assert engine.adapters._free_slots  # slots were emptied to make room, not all refilled
+
+
+def test_eviction_passes_over_the_representative_of_shared_matrices(oracle):
+    """The least recently used unused adapter is evicted, but one that holds shared matrices (VeRA's pair) in the
+    lowest slot of their holders, which represents their group in every pool, is passed over while another can
+    go; alone, it goes."""
+    manager = oracle.engine(max_adapters=4).adapters
+    pair, other = ("vera", 1), ("vera", 2)  # storage keys
+    for slot, (ident, shared) in enumerate([("v0", {pair: 8}), ("v1", {pair: 8}), ("lora", {}), ("w0", {other: 8})]):
+        manager._slot_of[ident] = slot
+        manager.memory.held.add(ident, Storages(4, shared))
+        manager._unused[ident] = None  # least recently used first
+    manager._free_slots = []
+    evicted = []
+    while manager._unused:
+        evicted.append(manager._evict())
+    assert evicted == [1, 2, 0, 3]  # v1, lora; then v0 and w0, each alone of its pair by then
 
 
 def test_an_adapter_larger_than_the_budget_fails_alone(oracle, sizes):
