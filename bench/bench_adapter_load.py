@@ -13,8 +13,9 @@ load on the adapter loader does (`AdapterManager._job`: read, validate and conve
 device in the serving dtype, its rows in the slot pools prepared: `prepare_adapter`) and then the placement in a
 device slot with those rows (`place_adapter`, as the engine's `Placer` does), synchronized; its split
 ``load_s`` (read + convert, the CPU tier's adapter), ``move_s`` (to the device, when the conversion ran on the
-CPU) and ``place_s``; ``ratio`` = servable / read. The placement goes into slot 0 with two other adapters of the
-method in slots 1 and 2 (a server that serves the method already). cProfile of one load (by own and by
+CPU) and ``place_s``; ``ratio`` = servable / read. The placement goes into slot 2 with two other adapters of the
+method in slots 0 and 1 (a server that serves the method already; the slot above theirs, as the engine gives a
+VeRA adapter: `AdapterManager._free_slot`). cProfile of one load (by own and by
 cumulative time): ``--profile METHOD``.
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/bench_adapter_load.py --device cuda --out bench/results/adapter_load.json``.
@@ -61,11 +62,12 @@ def measure(engine, path: str, resident: list[str], repeats: int) -> dict:
 
     manager, device = engine.adapters, engine.adapters.device
     file = os.path.join(path, "adapter_model.safetensors")
-    # two other adapters of the method in slots 1 and 2, as in a server that serves the method already: the
+    # two other adapters of the method in slots 0 and 1, as in a server that serves the method already: the
     # placement then changes no pool's passes, and a VeRA adapter joins the shared group the others formed (a
     # first adapter of a method, or a first pair of VeRA adapters, changes what the pools bake into CUDA graphs:
     # each pool's rows are then applied alone, and the graphs captured again)
-    for slot, other in enumerate(resident, 1):
+    mine = len(resident)  # the measured adapter's slot, above theirs
+    for slot, other in enumerate(resident):
         _, staged = manager._job(other)
         place_adapter(manager.linears, slot, staged.use(), staged.prepared)
     rows = []
@@ -76,14 +78,14 @@ def measure(engine, path: str, resident: list[str], repeats: int) -> dict:
         load_s, (_, on_device) = timed(lambda: manager._load(path), device)
         move_s = timed(lambda: manager.loader.move(adapter, manager._moved), device)[0] if on_device is None else 0.0
         # with the rows the loader prepared as it staged the copy, as the engine places it (`Placer`)
-        place_s, _ = timed(lambda: place_adapter(manager.linears, 0, staged.use(), staged.prepared), device)
+        place_s, _ = timed(lambda: place_adapter(manager.linears, mine, staged.use(), staged.prepared), device)
         if i == 0:  # one step on the adapter: the layers' slot pools exist from now on, as in a server
             from scute import SamplingParams
 
             engine.generate([[1, 2, 3]], SamplingParams(max_tokens=1), [adapter], use_tqdm=False)
-            place_adapter(manager.linears, 0, None)
+            place_adapter(manager.linears, mine, None)
             continue
-        place_adapter(manager.linears, 0, None)
+        place_adapter(manager.linears, mine, None)
         rows.append(dict(read_s=read_s, read_checkpoint_s=read_checkpoint_s, servable_s=total + place_s,
                          load_s=load_s, move_s=move_s, place_s=place_s))
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}

@@ -38,7 +38,7 @@ def phases(engine, path: str, other: str, repeats: int) -> dict[str, float]:
 
     manager, device = engine.adapters, engine.adapters.device
     _, staged = manager._job(other)
-    place_adapter(manager.linears, 1, staged.use(), staged.prepared)
+    place_adapter(manager.linears, 0, staged.use(), staged.prepared)  # below the measured slot
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=1), [staged.adapter], use_tqdm=False)  # pools exist
     rows = []
     for _ in range(repeats + 1):
@@ -63,18 +63,18 @@ def phases(engine, path: str, other: str, repeats: int) -> dict[str, float]:
         lap("device")
         prepared = prepare_adapter(manager.linears, moved)
         lap("prepare")
-        place_adapter(manager.linears, 0, moved, prepared)
+        place_adapter(manager.linears, 1, moved, prepared)
         lap("place")
-        place_adapter(manager.linears, 0, None)
+        place_adapter(manager.linears, 1, None)
         rows.append(times)
     med = {k: statistics.median(r[k] for r in rows[1:]) for k in rows[0]}
     prof = cProfile.Profile()
     prepared = prepare_adapter(manager.linears, moved)
     prof.enable()
-    place_adapter(manager.linears, 0, moved, prepared)
+    place_adapter(manager.linears, 1, moved, prepared)
     sync(device)
     prof.disable()
-    place_adapter(manager.linears, 0, None)
+    place_adapter(manager.linears, 1, None)
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     return med
 

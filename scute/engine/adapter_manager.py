@@ -340,7 +340,7 @@ class AdapterManager:
             emptied.append(self._evict())
         if not self._free_slots:
             self._evict()
-        slot = heapq.heappop(self._free_slots)  # the lowest empty slot
+        slot = self._free_slot(adapter)
         for s in emptied:
             if s != slot:
                 self.placer.add(s, None)
@@ -361,6 +361,23 @@ class AdapterManager:
         slot = self._slot_of.pop(evicted)
         heapq.heappush(self._free_slots, slot)
         self.memory.drop(evicted)
+        return slot
+
+    def _free_slot(self, adapter: Adapter) -> int:
+        """Take the lowest empty slot; for an adapter of shared matrices that adapters in the slots hold (VeRA's
+        pair), the lowest above theirs where there is one: below, its slot would represent their group, which
+        regroups every member as `_represents` says."""
+        shared = self.memory.storages(adapter).shared
+        if not shared:
+            return heapq.heappop(self._free_slots)
+        key = next(iter(shared))
+        lowest = min((self._slot_of[i] for i, st in self.memory.held.members.items() if key in st.shared), default=-1)
+        above = [s for s in self._free_slots if s > lowest]
+        if not above:
+            return heapq.heappop(self._free_slots)
+        slot = min(above)
+        self._free_slots.remove(slot)
+        heapq.heapify(self._free_slots)
         return slot
 
     def _represents(self, identity: str) -> bool:

@@ -72,6 +72,22 @@ def test_eviction_passes_over_the_representative_of_shared_matrices(oracle):
     assert evicted == [1, 2, 0, 3]  # v1, lora; then v0 and w0, each alone of its pair by then
 
 
+def test_an_adapter_of_shared_matrices_is_placed_above_their_group(oracle, monkeypatch):
+    """An adapter whose shared matrices adapters in the slots hold takes the lowest empty slot above theirs (below,
+    it would represent their group in every pool); any other takes the lowest empty slot."""
+    from types import SimpleNamespace
+
+    manager = oracle.engine(max_adapters=5).adapters
+    pair = ("vera", 1)
+    manager._slot_of["v"] = 2
+    manager.memory.held.add("v", Storages(4, {pair: 8}))
+    manager._free_slots = [0, 1, 3, 4]
+    monkeypatch.setattr(manager.memory, "storages", lambda adapter: adapter.storages)
+    vera, lora, new_pair = (SimpleNamespace(storages=Storages(4, shared)) for shared in ({pair: 8}, {}, {("w", 1): 8}))
+    assert [manager._free_slot(a) for a in (vera, lora, new_pair, vera)] == [3, 0, 1, 4]
+    assert manager._free_slots == []
+
+
 def test_an_adapter_larger_than_the_budget_fails_alone(oracle, sizes):
     big = max(sizes, key=sizes.get)
     budget = max(n for m, n in sizes.items() if m != big)
