@@ -198,7 +198,7 @@ class SlotPool:
                 return others_old != others_new
         group = new[s]
         out = TableWrites() if placement is None else placement.writes
-        if ready is not None and group == s:  # its own group: the rows depend on its slots alone
+        if ready is not None and (group != s) == ready.member:  # its own group, or a member of another slot's
             rows, width, keep, mine = ready.rows, ready.width, ready.keep, set(ready.keep)
         else:
             keep, mine = {}, set()

@@ -3,8 +3,10 @@
 The table layout (`F_*` fields, `HAS_*` flags) is the kernels' contract (`scute.ops.kernels.common`). `column_rows`
 builds slot s's rows [P][NUM_FIELDS] from its slots in each projection, through the pool's `dev` (its device copy
 of a tensor). `prepare_column` builds them off the step loop (the adapter loader, as it stages an adapter): for a
-column that will be its own group and whose tensors are already as the pool serves them, the rows depend on the
-column alone, so a placement then only applies them (`SlotPool.update_slot`).
+column whose tensors are already as the pool serves them, the rows depend on the column alone, either as its own
+group's (a slot of its own) or as a member's of another slot's group (slots of shared matrices, VeRA's: the
+group's low-rank fields are at its representative's rows), so a placement then only applies them
+(`SlotPool.update_slot`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ Dev = Callable[[Tensor, str], Tensor]  # the pool's copy of a tensor as kind 've
 
 class PreparedColumn(NamedTuple):
     """One column's rows computed ahead (`prepare_column`): valid for the pool `pool` and the slots whose ids are
-    `ids`, placed as their own group."""
+    `ids`, placed as their own group, or, for `member` rows (a column of shared matrices), in another slot's group."""
 
     pool: object
     ids: tuple[int, ...]
@@ -41,6 +43,7 @@ class PreparedColumn(NamedTuple):
     width: int  # the group's rank rows of h
     keep: dict[tuple, tuple[Tensor, Tensor]]  # the copies the rows point to, by storage key (the tensors themselves)
     facts: SlotFacts
+    member: bool  # rows of a member of another slot's group (no group fields), else of its own group
 
 
 def served(x: Tensor, kind: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -103,14 +106,14 @@ class _NotServed(Exception):
 
 
 def prepare_column(pool, column: Sequence[Slots | None]) -> PreparedColumn | None:
-    """`column`'s rows in `pool` as its own group, computed from the column alone (no state of the pool but its
-    device, dtype and size is read: any thread may call it), or None where they are not: slots of a group of
-    shared matrices (VeRA's), or a tensor that is not as the pool serves it (its copy is the pool's to make)."""
+    """`column`'s rows in `pool`, computed from the column alone (no state of the pool but its device, dtype and
+    size is read: any thread may call it): as its own group, or for slots of shared matrices (VeRA's) as a member
+    of the group of slots holding the same ones (whose representative has A in the same projections: HAS_LR as
+    its own); None where a tensor is not as the pool serves it (its copy is the pool's to make)."""
     if len(column) != pool.num_proj:
         return None
     facts = slot_facts(column)
-    if facts.share_key is not None:
-        return None
+    member = facts.share_key is not None
     keep: dict[tuple, tuple[Tensor, Tensor]] = {}
 
     def dev(x: Tensor, kind: str) -> Tensor:
@@ -120,7 +123,7 @@ def prepare_column(pool, column: Sequence[Slots | None]) -> PreparedColumn | Non
         return x
 
     try:
-        rows, width = column_rows(column, column, True, dev)
+        rows, width = column_rows(column, column, not member, dev)
     except _NotServed:
         return None
-    return PreparedColumn(pool, tuple(map(id, column)), rows, width, keep, facts)
+    return PreparedColumn(pool, tuple(map(id, column)), rows, width, keep, facts, member)

@@ -315,8 +315,9 @@ def test_placing_a_served_slot_calls_torch_for_metadata_only():
 def test_rows_prepared_off_the_step_loop_place_as_the_slots_do(monkeypatch):
     """`prepare_adapter` (the adapter loader, as it stages an adapter) computes its rows in every pool from the
     adapter alone; placing it then takes them as they are (no row is built on the step loop) and leaves the tables
-    a fresh build of the slots gives. Rows prepared for other slots are ignored, and so are slots of a group of
-    shared matrices (VeRA's: its rows depend on the group)."""
+    a fresh build of the slots gives. Rows prepared for other slots are ignored. A column of shared matrices
+    (VeRA's) gets a member's rows: the first such adapter, which forms the group, is placed by a rebuild; the next
+    joins it with its rows as prepared."""
     from types import SimpleNamespace
 
     from scute.model.hf import place_adapter, prepare_adapter
@@ -324,7 +325,7 @@ def test_rows_prepared_off_the_step_loop_place_as_the_slots_do(monkeypatch):
     g = torch.Generator().manual_seed(5)
     served = lambda r: _served(r, g)  # noqa: E731
 
-    members, group, alone, linears = _qkv_and_o(4)
+    members, group, alone, linears = _qkv_and_o(5)
     built = []
     fill = SlotPool._fill_column
     monkeypatch.setattr(SlotPool, "_fill_column", lambda self, *a: built.append(self) or fill(self, *a))
@@ -333,6 +334,8 @@ def test_rows_prepared_off_the_step_loop_place_as_the_slots_do(monkeypatch):
     one = SimpleNamespace(name="one", layers={"q": served(8), "v": served(16), "o": served(8)})
     two = SimpleNamespace(name="two", layers={"k": served(8), "o": served(16)})
     shared = SimpleNamespace(name="vera", layers={"q": vera, "o": served(8)})
+    joins = SimpleNamespace(name="vera2", layers={"q": Slots(8, 6, A=pair[0], B=pair[1], m=torch.randn(8, generator=g),
+                                                          shared=frozenset({"A", "B"})), "o": served(8)})
     prepared = prepare_adapter(linears, one)
     assert set(prepared) == {group.pool, alone.pool}
     place_adapter(linears, 1, one, prepared)
@@ -340,10 +343,13 @@ def test_rows_prepared_off_the_step_loop_place_as_the_slots_do(monkeypatch):
     place_adapter(linears, 2, two, prepared)  # rows prepared for `one`: not these slots
     assert sorted(map(id, built)) == sorted([id(group.pool), id(alone.pool)])
     ready = prepare_adapter(linears, shared)
-    assert set(ready) == {alone.pool}
+    assert set(ready) == {group.pool, alone.pool} and ready[group.pool].member
     place_adapter(linears, 3, shared, ready)
     assert {id(p) for p in built[2:]} == {id(group.pool)}  # the o pool as prepared; the q/k/v pool rebuilt
+    del built[:]
+    place_adapter(linears, 4, joins, prepare_adapter(linears, joins))
+    assert built == [] and group.pool.facts.groups[4] == 3  # joined the group with its rows as prepared
     for pool, slots in ((group.pool, [m.slots for m in members]), (alone.pool, [alone.slots])):
-        fresh = SlotPool(8, pool.out_features, 4, "cpu", torch.float32)
+        fresh = SlotPool(8, pool.out_features, 5, "cpu", torch.float32)
         fresh.update(slots)
         assert _decoded(pool) == _decoded(fresh) and pool.facts == fresh.facts and pool.signature == fresh.signature
