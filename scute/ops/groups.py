@@ -68,14 +68,28 @@ class SlotFacts(NamedTuple):
 
 
 def slot_facts(column: Sequence[Slots | None]) -> SlotFacts:
-    live = [sl for sl in column if sl is not None]
-    lowrank_in = tuple(sl is not None and sl.A is not None for sl in column)
-    return SlotFacts(_share_key(list(column)), any(sl.t is not None or sl.t_blocks is not None for sl in live),
-                     any(needs_expand(sl) for sl in live), lowrank_in,
-                     tuple(sl.A.shape[0] for sl in live if sl.A is not None),
-                     tuple(sl.t_blocks.shape[-1] for sl in live if sl.t_blocks is not None),
-                     any(_exact_delta(sl) for sl in live),
-                     any(lowrank_in) and all(_plain_lowrank(sl) for sl in live))
+    """One slot's `SlotFacts` from its slots in each projection, in one pass over them (a load computes it for
+    every pool, a placement for every pool it changes)."""
+    transform = expand = exact = False
+    plain = True
+    lowrank_in, ranks, blocks = [], [], []
+    for sl in column:
+        if sl is None:
+            lowrank_in.append(False)
+            continue
+        f = sl.__dict__  # the fields, read without an attribute lookup each (as `Slots.live` does)
+        a, tb, epilogue = f["A"], f["t_blocks"], f["o"] is not None or f["o2"] is not None or f["c"] is not None
+        lowrank_in.append(a is not None)
+        transform = transform or f["t"] is not None or tb is not None
+        expand = expand or epilogue or a is not None
+        if a is not None:
+            ranks.append(a.shape[0])
+            exact = exact or epilogue
+        if tb is not None:
+            blocks.append(tb.shape[-1])
+        plain = plain and not (epilogue or f["t"] is not None or tb is not None or f["v"] is not None)
+    return SlotFacts(_share_key(list(column)), transform, expand, tuple(lowrank_in), tuple(ranks), tuple(blocks),
+                     exact, bool(ranks) and plain)
 
 
 def pool_facts(slots: Sequence[Sequence[Slots | None]], out_features: Sequence[int],
@@ -271,16 +285,6 @@ def slot_storages(sl: Slots, matrix_bytes: int, names: Collection[str] | None = 
 def needs_expand(sl: Slots | None) -> bool:
     """Whether a slot changes the base output at all (an epilogue term or a low-rank part)."""
     return sl is not None and (sl.o is not None or sl.o2 is not None or sl.c is not None or sl.A is not None)
-
-
-def _plain_lowrank(sl: Slots) -> bool:
-    """The slot's output is z + B (m ⊙ A x) or z: no input transform, no epilogue term but the delta."""
-    return all(x is None for x in (sl.t, sl.t_blocks, sl.o, sl.o2, sl.c, sl.v))
-
-
-def _exact_delta(sl: Slots | None) -> bool:
-    """The slot adds a low-rank delta to a base output it also scales, rotates or shifts (see `delta_dtype`)."""
-    return sl is not None and sl.A is not None and (sl.o is not None or sl.o2 is not None or sl.c is not None)
 
 
 def _share_key(column: list[Slots | None]) -> tuple | None:
