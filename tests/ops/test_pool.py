@@ -353,3 +353,44 @@ def test_rows_prepared_off_the_step_loop_place_as_the_slots_do(monkeypatch):
         fresh = SlotPool(8, pool.out_features, 5, "cpu", torch.float32)
         fresh.update(slots)
         assert _decoded(pool) == _decoded(fresh) and pool.facts == fresh.facts and pool.signature == fresh.signature
+
+
+def test_placements_with_prepared_rows_equal_a_rebuild():
+    """Random placements (LoRA, VeRA of three pairs, IA3-like, empty; projections adapted or not) each with the rows
+    `prepare_column` computed ahead: the table, facts and shared buffers equal a fresh build of the same slots at
+    every step, and the prepared rows are taken, a VeRA member's among them."""
+    from scute.ops.pool import Placement
+    from scute.ops.pool_rows import prepare_column
+
+    g = torch.Generator().manual_seed(3)
+    pairs = [(torch.randn(8, 8, generator=g), torch.randn(6, 8, generator=g)) for _ in range(3)]
+
+    def vera(k: int) -> Slots:
+        return Slots(8, 6, A=pairs[k][0], B=pairs[k][1], m=torch.randn(8, generator=g), v=torch.randn(6, generator=g),
+                     shared=frozenset({"A", "B"}))
+
+    makers = [lambda: _served(8, g), lambda: _served(16, g), lambda: vera(0), lambda: vera(0), lambda: vera(1),
+              lambda: vera(2), lambda: Slots(8, 6, o=torch.rand(6, generator=g)), lambda: None]
+    slots = [[None] * 6 for _ in range(2)]
+    pool = SlotPool(8, (6, 6), 6, "cpu", torch.float32)
+    pool.update(slots)
+    taken = {False: 0, True: 0}
+    fill = pool._fill_column
+    for step, (s, m) in enumerate(zip(torch.randint(0, 6, (150,), generator=g).tolist(),
+                                      torch.randint(0, len(makers), (150,), generator=g).tolist())):
+        for p in range(2):
+            slots[p][s] = makers[m]() if (p + step) % 4 else None
+        ready = prepare_column(pool, [row[s] for row in slots])
+        placement, built = Placement({} if ready is None else {pool: ready}), []
+        pool._fill_column = lambda *a: built.append(1) or fill(*a)
+        pool.update_slot(slots, s, placement)
+        placement.writes.flush()
+        if ready is not None and not built:
+            taken[ready.member] += 1
+        fresh = SlotPool(8, (6, 6), 6, "cpu", torch.float32)
+        fresh.update(slots)
+        where = f"step {step}: slot {s} <- {m}"
+        assert _decoded(pool) == _decoded(fresh) and pool.facts == fresh.facts, where
+        assert pool.signature == fresh.signature and torch.equal(pool.slot_group, fresh.slot_group), where
+        assert torch.equal(pool.shared_m, fresh.shared_m), where
+    assert taken[False] > 20 and taken[True] > 0, taken
