@@ -335,11 +335,11 @@ class AdapterManager:
         ident = adapter.identity
         staged, _ = self._staged.pop(ident)
         self._start()  # a load may take the staged copy's place
-        emptied = []
+        emptied, floor = [], self._group_floor(adapter)
         while not self.memory.fits(adapter, self.memory.held):
-            emptied.append(self._evict())
+            emptied.append(self._evict(floor))
         if not self._free_slots:
-            self._evict()
+            self._evict(floor)
         slot = self._free_slot(adapter)
         for s in emptied:
             if s != slot:
@@ -351,27 +351,35 @@ class AdapterManager:
         self._refs[ident] = 1
         self.memory.pin(adapter)
 
-    def _evict(self) -> int:
+    def _evict(self, floor: int = -1) -> int:
         """Empty the slot of the least recently used unused adapter, passing over those that represent a group of
-        shared matrices (`_represents`) while another can go; returns the slot."""
-        evicted = next((i for i in self._unused if not self._represents(i)), None)
-        if evicted is None:
-            evicted = next(iter(self._unused))
+        shared matrices (`_represents`) while another can go, and, while one above can, those at or below `floor`
+        (the lowest slot of the group the adapter being placed will join: `_group_floor`); returns the slot."""
+        keep = self._represents
+        evicted = next((i for i in self._unused if self._slot_of[i] > floor and not keep(i)), None) or next(
+            (i for i in self._unused if not keep(i)), None) or next(iter(self._unused))
         del self._unused[evicted]
         slot = self._slot_of.pop(evicted)
         heapq.heappush(self._free_slots, slot)
         self.memory.drop(evicted)
         return slot
 
-    def _free_slot(self, adapter: Adapter) -> int:
-        """Take the lowest empty slot; for an adapter of shared matrices that adapters in the slots hold (VeRA's
-        pair), the lowest above theirs where there is one: below, its slot would represent their group, which
-        regroups every member as `_represents` says."""
+    def _group_floor(self, adapter: Adapter) -> int:
+        """The lowest slot of the adapters in the slots that hold `adapter`'s shared matrices (VeRA's pair): the slot
+        that represents their group in every pool; −1 if none does, or it has no shared matrices."""
         shared = self.memory.storages(adapter).shared
         if not shared:
-            return heapq.heappop(self._free_slots)
+            return -1
         key = next(iter(shared))
-        lowest = min((self._slot_of[i] for i, st in self.memory.held.members.items() if key in st.shared), default=-1)
+        return min((self._slot_of[i] for i, st in self.memory.held.members.items() if key in st.shared), default=-1)
+
+    def _free_slot(self, adapter: Adapter) -> int:
+        """Take the lowest empty slot; for an adapter of shared matrices that adapters in the slots hold, the lowest
+        above theirs where there is one: below, its slot would represent their group, which regroups every member
+        as `_represents` says."""
+        lowest = self._group_floor(adapter)
+        if lowest < 0:
+            return heapq.heappop(self._free_slots)
         above = [s for s in self._free_slots if s > lowest]
         if not above:
             return heapq.heappop(self._free_slots)

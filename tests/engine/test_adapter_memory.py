@@ -72,6 +72,21 @@ def test_eviction_passes_over_the_representative_of_shared_matrices(oracle):
     assert evicted == [1, 2, 0, 3]  # v1, lora; then v0 and w0, each alone of its pair by then
 
 
+def test_a_full_engine_evicts_above_the_group_a_new_adapter_joins(oracle):
+    """With every slot full, the slot for an adapter whose shared matrices a group in the slots holds is taken from
+    above that group's lowest slot (`_evict`'s floor), not from the least recently used adapter below it, where the
+    new adapter would represent the group."""
+    manager = oracle.engine(max_adapters=4).adapters
+    pair = ("vera", 1)
+    for slot, (ident, shared) in enumerate([("lora", {}), ("v0", {pair: 8}), ("v1", {pair: 8}), ("lora2", {})]):
+        manager._slot_of[ident] = slot
+        manager.memory.held.add(ident, Storages(4, shared))
+        manager._unused[ident] = None  # least recently used first
+    manager._free_slots = []
+    assert manager._evict(floor=1) == 2  # v1: above v0's slot, and not v0 (it represents the group)
+    assert manager._evict() == 0  # without a floor: the least recently used
+
+
 def test_an_adapter_of_shared_matrices_is_placed_above_their_group(oracle, monkeypatch):
     """An adapter whose shared matrices adapters in the slots hold takes the lowest empty slot above theirs (below,
     it would represent their group in every pool); any other takes the lowest empty slot."""
