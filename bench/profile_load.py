@@ -4,12 +4,14 @@ The model and adapters of `bench/bench_adapter_load.py` (Llama-3-8B shape, rando
 for a quick look); per method, the median over ``--repeats`` of each phase of `AdapterManager._job` and the
 placement, run one after the other and synchronized after each: ``read`` (`read_checkpoint` and its hash),
 ``convert`` (`convert_checkpoint`: the file's tensors to the converter's device and dtype, checked, converted per
-layer), ``fold`` (`fold_layers`), ``device`` (the serving copy: `AdapterLoader.to_device`, or
-`move` of a CPU conversion), ``prepare`` (`prepare_adapter`), ``place`` (`place_adapter` with the prepared rows);
+layer), ``fold`` (`fold_layers`), ``device`` (the serving copy: `AdapterLoader.to_device`), ``prepare`` (`prepare_adapter`), ``place`` (`place_adapter` with the prepared rows);
 then cProfile of the placement (own time, top 25). The phases of a load on the loader overlap a little more
 than here (its hash runs on beside the conversion).
 
-Run on a GPU: ``PYTHONPATH=. python3 bench/profile_load.py --methods lora``.
+Run on a GPU: ``PYTHONPATH=. python3 bench/profile_load.py --methods lora``. The host's part of each phase
+(its Python, with the slot pools the GPU path has) on a CPU, with a narrower model of the same 32 layers and
+projections: ``SCUTE_TRITON_CPU=1 TRITON_INTERPRET=1 PYTHONPATH=. python3 bench/profile_load.py --device cpu
+--hidden 256`` (the pools exist once a step has run on the adapter, in the interpreter: a few seconds).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def phases(engine, path: str, other: str, repeats: int) -> dict[str, float]:
         lap("fold")
         adapter = Adapter("a", path, ckpt.peft_type, ckpt.config, identity, folded)
         loader = manager.loader
-        moved = loader.device_copy(adapter, manager._moved) or loader.move(adapter, manager._moved).adapter
+        moved = loader.to_device(adapter, manager._moved)
         lap("device")
         prepared = prepare_adapter(manager.linears, moved)
         lap("prepare")
@@ -85,6 +87,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--methods", default="lora")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--hidden", type=int, default=None, help="a narrower model: this hidden size, the 8B shape's "
+                   "ratios (MLP 3.5x, heads of 64, 4 query heads per KV head), a 1000-token vocabulary")
     p.add_argument("--root", default="/tmp/scute-bench-adapter-load")
     args = p.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -94,9 +98,13 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
+    shape = {**B.LLAMA3_8B, "num_hidden_layers": args.layers}
+    if args.hidden:
+        heads = max(4, args.hidden // 64)
+        shape.update(hidden_size=args.hidden, intermediate_size=args.hidden * 7 // 2, num_attention_heads=heads,
+                     num_key_value_heads=heads // 4, head_dim=args.hidden // heads, vocab_size=1000)
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(LlamaConfig(**{**B.LLAMA3_8B, "num_hidden_layers": args.layers}),
-                                              dtype=dtype).eval()
+        model = LlamaForCausalLM._from_config(LlamaConfig(**shape), dtype=dtype).eval()
     paths = {m: B.make_adapters(model, m, 2, args.root) for m in args.methods.split(",")}
     engine = Engine(model, device=args.device, dtype=str(dtype).split(".")[1], enforce_eager=True, max_adapters=3,
                     max_adapter_rank=256, max_model_len=64, max_num_seqs=4, kv_cache_memory_bytes=64 << 20)
