@@ -104,6 +104,7 @@ class SlotPool:
         self.shared_group, self.shared_a_of, self.shared_outs = -1, (-1,) * self.num_proj, (0,) * self.num_proj
         self.shared_a = torch.empty(0, 0, 0, dtype=self.dtype, device=self.device)
         self.shared_b: list[Tensor] = []
+        self._b_owned = False  # shared_b: copies of the pool's own, or the adapters' B themselves (`_fill_shared`)
         self.shared_m = torch.empty(0, dtype=torch.float32, device=self.device)
         self._shared_src: tuple = ()
 
@@ -242,12 +243,15 @@ class SlotPool:
         self.max_rank, self.kind_masks = facts.max_rank, facts.kind_masks
         self.signature = (self.h_width, tuple(self.step_kinds(None)), self.exact_delta, self.block_b,
                           self.min_block, self.max_rank, self.shared_group, self.shared_a_of, self.shared_outs,
-                          tuple(self.shared_a.shape))
+                          tuple(self.shared_a.shape), self._b_owned)
 
     def _fill_shared(self, slots: Sequence[Sequence[Slots | None]], members: list[int], group: int) -> None:
         """The shared group's buffers. They are kept, and refilled in place, while their shapes stay (a captured
         graph holds their addresses: their shapes are in `signature`); the matrices are copied only when they
-        change."""
+        change. The first pair's B is the adapters' own (views of VeRA's one B: a copy per pool would be 21 MB a
+        layer at Llama-3-8B sizes), never written into (other adapters and later loads hold it); a later pair of the
+        same shapes gets copies of the pool's own, refilled in place from then on (the switch to them is in
+        `signature`: the graphs are captured again once)."""
         column = [row[group] for row in slots]
         a_src: dict[tuple, Tensor] = {}  # the distinct A's (VeRA's q, k and v share one)
         for sl in column:
@@ -261,11 +265,15 @@ class SlotPool:
                                     for sl in column)
         if self._shared_src[:1] != (src,):
             self.shared_a = refill(self.shared_a, torch.stack(list(a_src.values())), self.device, self.dtype)
-            # A buffer per projection, even where two B views coincide (VeRA's k and v: 0.5 MB a layer at Llama-3-8B
-            # sizes): each is refilled in place, so a graph never reads a buffer another projection took over.
-            placeholder, olds = torch.zeros(1, rank, dtype=self.dtype), self.shared_b or [None] * self.num_proj
-            self.shared_b = [refill(old, placeholder if sl is None or sl.B is None else sl.B, self.device, self.dtype)
-                             for old, sl in zip(olds, column)]
+            news = [torch.zeros(1, rank, dtype=self.dtype) if sl is None or sl.B is None else sl.B for sl in column]
+            same = bool(self.shared_b) and all(o.shape == n.shape for o, n in zip(self.shared_b, news))
+            if same:  # a buffer per projection, even where two B views coincide (VeRA's k and v), each refilled
+                # in place, so a graph never reads a buffer another projection took over
+                olds = self.shared_b if self._b_owned else [None] * self.num_proj
+                self.shared_b = [refill(old, new, self.device, self.dtype) for old, new in zip(olds, news)]
+            else:
+                self.shared_b = [new.to(device=self.device, dtype=self.dtype).contiguous() for new in news]
+            self._b_owned = same
             self._shared_src = (src, column)  # the column keeps the sources alive: their keys stay theirs
         m = torch.ones(self.num_proj, self.num_slots, rank, device=self.device)
         for p, row in enumerate(slots):  # the members' m, gathered where they are (the device, when served)
