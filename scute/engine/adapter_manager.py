@@ -335,12 +335,13 @@ class AdapterManager:
         ident = adapter.identity
         staged, _ = self._staged.pop(ident)
         self._start()  # a load may take the staged copy's place
-        emptied, floor = [], self._group_floor(adapter)
+        emptied, shared = [], self.memory.storages(adapter).shared
+        floor = self._group_floor(shared)
         while not self.memory.fits(adapter, self.memory.held):
             emptied.append(self._evict(floor))
         if not self._free_slots:
             self._evict(floor)
-        slot = self._free_slot(adapter)
+        slot = self._free_slot(self._group_floor(shared))  # again: an eviction may have taken the group's lowest
         for s in emptied:
             if s != slot:
                 self.placer.add(s, None)
@@ -364,20 +365,19 @@ class AdapterManager:
         self.memory.drop(evicted)
         return slot
 
-    def _group_floor(self, adapter: Adapter) -> int:
-        """The lowest slot of the adapters in the slots that hold `adapter`'s shared matrices (VeRA's pair): the slot
-        that represents their group in every pool; −1 if none does, or it has no shared matrices."""
-        shared = self.memory.storages(adapter).shared
+    def _group_floor(self, shared: dict[tuple, int]) -> int:
+        """The lowest slot of the adapters in the slots that hold the shared matrices `shared` (an adapter's
+        `Storages.shared`: VeRA's pair), the slot that represents their group in every pool; −1 if none does, or
+        `shared` is empty."""
         if not shared:
             return -1
         key = next(iter(shared))
         return min((self._slot_of[i] for i, st in self.memory.held.members.items() if key in st.shared), default=-1)
 
-    def _free_slot(self, adapter: Adapter) -> int:
-        """Take the lowest empty slot; for an adapter of shared matrices that adapters in the slots hold, the lowest
-        above theirs where there is one: below, its slot would represent their group, which regroups every member
-        as `_represents` says."""
-        lowest = self._group_floor(adapter)
+    def _free_slot(self, lowest: int = -1) -> int:
+        """Take the lowest empty slot above `lowest` (the `_group_floor` of an adapter of shared matrices that
+        adapters in the slots hold: below, its slot would represent their group, which regroups every member as
+        `_represents` says) where there is one, else the lowest."""
         if lowest < 0:
             return heapq.heappop(self._free_slots)
         above = [s for s in self._free_slots if s > lowest]

@@ -87,19 +87,16 @@ def test_a_full_engine_evicts_above_the_group_a_new_adapter_joins(oracle):
     assert manager._evict() == 0  # without a floor: the least recently used
 
 
-def test_an_adapter_of_shared_matrices_is_placed_above_their_group(oracle, monkeypatch):
+def test_an_adapter_of_shared_matrices_is_placed_above_their_group(oracle):
     """An adapter whose shared matrices adapters in the slots hold takes the lowest empty slot above theirs (below,
     it would represent their group in every pool); any other takes the lowest empty slot."""
-    from types import SimpleNamespace
-
     manager = oracle.engine(max_adapters=5).adapters
     pair = ("vera", 1)
     manager._slot_of["v"] = 2
     manager.memory.held.add("v", Storages(4, {pair: 8}))
     manager._free_slots = [0, 1, 3, 4]
-    monkeypatch.setattr(manager.memory, "storages", lambda adapter: adapter.storages)
-    vera, lora, new_pair = (SimpleNamespace(storages=Storages(4, shared)) for shared in ({pair: 8}, {}, {("w", 1): 8}))
-    assert [manager._free_slot(a) for a in (vera, lora, new_pair, vera)] == [3, 0, 1, 4]
+    vera, lora, new_pair = {pair: 8}, {}, {("w", 1): 8}  # their shared storages
+    assert [manager._free_slot(manager._group_floor(a)) for a in (vera, lora, new_pair, vera)] == [3, 0, 1, 4]
     assert manager._free_slots == []
 
 
