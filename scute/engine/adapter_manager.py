@@ -335,8 +335,7 @@ class AdapterManager:
         ident = adapter.identity
         staged, _ = self._staged.pop(ident)
         self._start()  # a load may take the staged copy's place
-        emptied, storages = [], self.memory.storages(adapter)  # a walk of its tensors: once per placement
-        shared = storages.shared
+        emptied, shared = [], self.memory.storages(adapter).shared  # read once, kept for the asks below
         floor = self._group_floor(shared)
         while not self.memory.fits(adapter, self.memory.held):
             emptied.append(self._evict(floor))
@@ -349,7 +348,7 @@ class AdapterManager:
         self.placer.add(slot, staged)
         self._slot_of[ident] = slot
         self._placing.add(ident)
-        self.memory.held.add(ident, storages)  # `AdapterMemory.hold`, with the storages read above
+        self.memory.hold(adapter)
         self._refs[ident] = 1
         self.memory.pin(adapter)
 

@@ -129,10 +129,17 @@ class AdapterMemory:
         self.budget, self.matrix_bytes = budget, dtype.itemsize
         self.held, self.pinned = StorageUnion(), StorageUnion()
         self._totals: dict[str, int] = {}  # identity -> its bytes alone (a number per adapter ever asked about)
+        self._last: tuple[Adapter, Storages] | None = None  # the last adapter asked about that is not held
 
     def storages(self, adapter: Adapter) -> Storages:
+        """The adapter's storages: a held one's as held, else read from its tensors (a walk of every one of them),
+        kept for the next ask (an adapter being placed is asked about at each eviction that makes it room)."""
         held = self.held.members.get(adapter.identity)
-        return held if held is not None else adapter_storages(adapter, self.matrix_bytes)
+        if held is not None:
+            return held
+        if self._last is None or self._last[0] is not adapter:  # the object: another copy has other storages
+            self._last = (adapter, adapter_storages(adapter, self.matrix_bytes))
+        return self._last[1]
 
     def total(self, adapter: Adapter) -> int:
         if adapter.identity not in self._totals:
