@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     from bench_request_rate import TINY
     from scute import Engine, SamplingParams
     from scute.engine.adapter_loader import AdapterLoader
-    from scute.model.hf import place_adapter, prepare_adapter
+    from scute.model.hf import layer_pools, place_adapter, prepare_adapter
 
     cfg = LlamaConfig(**{**TINY, "num_hidden_layers": args.layers})
     torch.manual_seed(0)
@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> dict:
     linears = engine.adapters.linears
     pools = {id(x.pool) for x in linears.values() if x.pool is not None}
     pools |= {id(x.group.pool) for x in linears.values() if x.group is not None and x.group.pool is not None}
-    prepared = [prepare_adapter(linears, a) for a in adapters]
+    units = list(layer_pools(linears))
+    prepared = [prepare_adapter(units, a) for a in adapters]
 
     def placements(ready: bool) -> float:
         times = []

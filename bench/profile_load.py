@@ -4,8 +4,8 @@ The model and adapters of `bench/bench_adapter_load.py` (Llama-3-8B shape, rando
 for a quick look); per method, the median over ``--repeats`` of each phase of `AdapterManager._job` and the
 placement, run one after the other and synchronized after each: ``read`` (`read_checkpoint` and its hash),
 ``convert`` (`convert_checkpoint`: the file's tensors to the converter's device and dtype, checked, converted per
-layer), ``fold`` (`fold_layers`), ``device`` (the serving copy: `AdapterLoader.to_device`), ``prepare`` (`prepare_adapter`), ``place`` (`place_adapter` with the prepared rows);
-then cProfile of the placement (own time, top 25). The phases of a load on the loader overlap a little more
+layer), ``fold`` (`fold_layers`), ``device`` (the serving copy: `AdapterLoader.to_device`), ``prepare``
+(`prepare_adapter`), ``place`` (`place_adapter` with the prepared rows); then cProfile of the placement (own time, top 25). The phases of a load on the loader overlap a little more
 than here (its hash runs on beside the conversion).
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/profile_load.py --methods lora``. The host's part of each phase
@@ -63,7 +63,7 @@ def phases(engine, path: str, other: str, repeats: int) -> dict[str, float]:
         loader = manager.loader
         moved = loader.to_device(adapter, manager._moved)
         lap("device")
-        prepared = prepare_adapter(manager.linears, moved)
+        prepared = prepare_adapter(manager._units, moved)
         lap("prepare")
         place_adapter(manager.linears, 1, moved, prepared)
         lap("place")
@@ -71,7 +71,7 @@ def phases(engine, path: str, other: str, repeats: int) -> dict[str, float]:
         rows.append(times)
     med = {k: statistics.median(r[k] for r in rows[1:]) for k in rows[0]}
     prof = cProfile.Profile()
-    prepared = prepare_adapter(manager.linears, moved)
+    prepared = prepare_adapter(manager._units, moved)
     prof.enable()
     place_adapter(manager.linears, 1, moved, prepared)
     sync(device)

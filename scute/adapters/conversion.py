@@ -60,17 +60,18 @@ class LayerCheckpoint:
     options: Mapping[str, object] = field(default_factory=dict)  # the method's own load options, as given
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where the converter computes
     interned: Interned = field(default_factory=dict)  # the shared matrices of the adapters loaded together
-    # the base layer's sizes and the converters' dtype, read from it when not given (the loader gives them: a load
-    # makes a `LayerCheckpoint` per adapted layer, hundreds, and an `nn.Module` attribute costs a Python call)
-    out_features: int = 0
-    in_features: int = 0
-    dtype: torch.dtype | None = None
 
-    def __post_init__(self) -> None:
-        if self.dtype is None or not self.out_features:
-            weight = self.base.weight
-            self.out_features, self.in_features = weight.shape
-            self.dtype = acc_dtype(weight.dtype)
+    @cached_property
+    def in_features(self) -> int:
+        return self.base.weight.shape[1]
+
+    @cached_property
+    def out_features(self) -> int:
+        return self.base.weight.shape[0]
+
+    @cached_property
+    def dtype(self) -> torch.dtype:
+        return acc_dtype(self.base.weight.dtype)
 
     @cached_property
     def weight(self) -> Tensor:
@@ -202,16 +203,14 @@ def convert_checkpoint(
     out: dict[str, Slots] = {}
     for name in paused(shapes, pause):
         tensors, base = groups[name], modules[name]
-        weight, b0 = base.weight, base.bias
-        dtype = acc_dtype(weight.dtype)
-        b0 = None if b0 is None else b0.detach().to(device=device, dtype=dtype)
+        dtype = acc_dtype(base.weight.dtype)
+        b0 = None if base.bias is None else base.bias.detach().to(device=device, dtype=dtype)
         trained_bias = tensors.pop("base_layer.bias", tensors.pop("bias", None))
         bias = b0 if trained_bias is None else trained_bias.to(dtype)
         if bias is not None and tuple(bias.shape) != (shapes[name][0],):
             raise ckpt.error(f"trained bias has shape {tuple(bias.shape)}, layer needs ({shapes[name][0]},)", name)
         layer = LayerCheckpoint(name, ckpt.config, base, bias, tensors, ckpt, globals_, shapes, shared, dense=dense,
-                                options=options, device=device, interned=interned, out_features=shapes[name][0],
-                                in_features=shapes[name][1], dtype=dtype)
+                                options=options, device=device, interned=interned)
         if tensors or (method.tensorless_targets and name in expected):  # method tensors, or derived from globals
             try:
                 slots = method.convert(layer)

@@ -74,7 +74,7 @@ class AdapterManager:
         # variants its placement will run, on the loader (`warm_kernels`; `_warmed`: the kinds done)
         self.warm_tokens: tuple[int, ...] = ()
         self._warmed: set = set()
-        self._units = list(layer_pools(linears))  # the pools' layers, for the warm-up
+        self._units = list(layer_pools(linears))  # the pools' layers: for the warm-up and the prepared rows
         self.loader = AdapterLoader(device, self.dtype, prepare=self._prepare)
         self.memory = AdapterMemory(memory_bytes, self.dtype)
         self._loads: dict[tuple, Load] = {}  # ("path", folder, signature) or ("move", identity) -> its load
@@ -100,7 +100,7 @@ class AdapterManager:
         except torch.OutOfMemoryError:
             warnings.warn("scute: no device memory to compile an adapter's kernels on the adapter loader; they "
                           "compile on the first steps that need them (stalling those steps)", stacklevel=1)
-        return prepare_adapter(self.linears, adapter, pause)
+        return prepare_adapter(self._units, adapter, pause)
 
     # ------------------------------------------------------------------ CPU tier
     def load(self, path: str | os.PathLike, name: str | None = None, **options: object) -> Adapter:
@@ -357,8 +357,9 @@ class AdapterManager:
         shared matrices (`_represents`) while another can go, and, while one above can, those at or below `floor`
         (the lowest slot of the group the adapter being placed will join: `_group_floor`); returns the slot."""
         keep = self._represents
-        evicted = next((i for i in self._unused if self._slot_of[i] > floor and not keep(i)), None) or next(
-            (i for i in self._unused if not keep(i)), None) or next(iter(self._unused))
+        evicted = next((i for i in self._unused if self._slot_of[i] > floor and not keep(i)), None)
+        if evicted is None:
+            evicted = next((i for i in self._unused if not keep(i)), next(iter(self._unused)))
         del self._unused[evicted]
         slot = self._slot_of.pop(evicted)
         heapq.heappush(self._free_slots, slot)
@@ -393,12 +394,8 @@ class AdapterManager:
         in every pool its slot represents their group, so emptying it regroups every member, rebuilds each pool's
         table (a pass over all its slots) and changes the pools' signatures (the graphs are captured again), where
         emptying a member's slot costs each pool that slot alone."""
-        held = self.memory.held.members
-        shared = held[identity].shared
-        if not shared:
-            return False
-        key, slot = next(iter(shared)), self._slot_of[identity]
-        return all(self._slot_of[i] > slot for i, st in held.items() if i != identity and key in st.shared)
+        shared = self.memory.held.members[identity].shared
+        return bool(shared) and self._group_floor(shared) == self._slot_of[identity]
 
     def release(self, adapter: Adapter | None) -> None:
         if adapter is None:

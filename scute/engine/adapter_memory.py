@@ -15,6 +15,7 @@ top, and the default budget has room for them.
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -129,7 +130,8 @@ class AdapterMemory:
         self.budget, self.matrix_bytes = budget, dtype.itemsize
         self.held, self.pinned = StorageUnion(), StorageUnion()
         self._totals: dict[str, int] = {}  # identity -> its bytes alone (a number per adapter ever asked about)
-        self._last: tuple[Adapter, Storages] | None = None  # the last adapter asked about that is not held
+        # the last adapter asked about that is not held (a weak reference: a copy dropped is not kept alive here)
+        self._last: tuple[weakref.ref, Storages] | None = None
 
     def storages(self, adapter: Adapter) -> Storages:
         """The adapter's storages: a held one's as held, else read from its tensors (a walk of every one of them),
@@ -137,8 +139,8 @@ class AdapterMemory:
         held = self.held.members.get(adapter.identity)
         if held is not None:
             return held
-        if self._last is None or self._last[0] is not adapter:  # the object: another copy has other storages
-            self._last = (adapter, adapter_storages(adapter, self.matrix_bytes))
+        if self._last is None or self._last[0]() is not adapter:  # the object: another copy has other storages
+            self._last = (weakref.ref(adapter), adapter_storages(adapter, self.matrix_bytes))
         return self._last[1]
 
     def total(self, adapter: Adapter) -> int:

@@ -78,18 +78,19 @@ def _apply(placement: Placement) -> None:
         vars(linear)["version"] += 1  # past `nn.Module.__setattr__`, as `ScuteLinear.assign` sets it
 
 
-def prepare_adapter(linears: dict[str, ScuteLinear], adapter: Adapter,
+def prepare_adapter(units: Sequence[tuple], adapter: Adapter,
                     pause: Pause = no_pause) -> dict[SlotPool, PreparedColumn]:
     """`adapter`'s rows in the pools that exist now, computed from the adapter alone (`prepare_column`; the
     adapter loader's thread calls it as it stages a copy, so that the placement on the step loop only applies
-    them; `pause` before each pool). Pools built or replaced later are placed as usual."""
+    them; `pause` before each pool). `units`: the model's `layer_pools`, walked once by the caller. Pools built or
+    replaced later are placed as usual."""
     prepared = {}
 
     def add(pool: SlotPool | None, column: list) -> None:
         if pool is not None and (ready := prepare_column(pool, column)) is not None:
             prepared[pool] = ready
 
-    for linear, group, names in paused(layer_pools(linears), pause):
+    for linear, group, names in paused(units, pause):
         if group is None:  # its own pool (a group it belongs to without all its members here is left alone)
             add(linear.pool, [adapter.layers.get(names[0])])
         else:

@@ -41,9 +41,9 @@ def warm_kernels(units: Sequence[tuple], adapter: Adapter, token_counts: Sequenc
     calls = 0
     # the whole adapter at once: an adapter of a config (and layers) warmed before, over pools of the same
     # signatures, makes no call; this costs a load a hash of each pool's signature, not the walk below
-    config = json.dumps({k: v for k, v in adapter.config.items() if k not in _PER_FOLDER}, sort_keys=True, default=str)
+    recipe = json.dumps({k: v for k, v in adapter.config.items() if k not in _PER_FOLDER}, sort_keys=True, default=str)
     pools = (linear.pool if group is None else group.pool for linear, group, _ in units)
-    whole = (adapter.peft_type, config, frozenset(adapter.layers), tuple(p and p.signature for p in pools))
+    whole = (adapter.peft_type, recipe, frozenset(adapter.layers), tuple(p and p.signature for p in pools))
     if not token_counts or whole in warmed:
         return calls
     for linear, group, names in paused(units, pause):
@@ -60,8 +60,7 @@ def warm_kernels(units: Sequence[tuple], adapter: Adapter, token_counts: Sequenc
         warmed.add(kind)
         column = [sl if sl is None or sl.scale == 1.0 else sl.folded() for sl in column]  # as `assign` keeps them
         slots = [list(m.slots) for m in members]
-        free = [s for s in range(len(slots[0])) if all(row[s] is None for row in slots)]
-        s = free[0] if free else 0
+        s = next((s for s in range(len(slots[0])) if all(row[s] is None for row in slots)), 0)  # a free slot
         for row, sl in zip(slots, column):
             row[s] = sl
         facts = pool_facts(slots, kind[1])

@@ -117,7 +117,7 @@ def pool_facts(slots: Sequence[Sequence[Slots | None]], out_features: Sequence[i
     max_rank = max(tops, default=0)
     blocks = [b for f in facts for b in f.blocks]
     a_of = shared_a_of(columns[shared]) if shared >= 0 else (-1,) * len(slots)
-    sizes = Counter(g for s, g in enumerate(groups) if facts[g].share_key is not None)  # groups of shared matrices
+    sizes = Counter(g for g in groups if facts[g].share_key is not None)  # the groups of shared matrices
     exact = sum(f.exact_delta for f in facts)
     return shared_facts(PoolFacts(
         tuple(out_features), tuple(groups), shared, masks, max_rank,

@@ -35,7 +35,8 @@ Dev = Callable[[Tensor, str], Tensor]  # the pool's copy of a tensor as kind 've
 
 class PreparedColumn(NamedTuple):
     """One column's rows computed ahead (`prepare_column`): valid for the pool `pool` and the slots whose ids are
-    `ids`, placed as their own group, or, for `member` rows (a column of shared matrices), in another slot's group."""
+    `ids`, placed as their own group, or, for a column of shared matrices (``facts.share_key`` set: `member`),
+    as a member of another slot's group."""
 
     pool: object
     ids: tuple[int, ...]
@@ -43,7 +44,11 @@ class PreparedColumn(NamedTuple):
     width: int  # the group's rank rows of h
     keep: dict[tuple, tuple[Tensor, Tensor]]  # the copies the rows point to, by storage key (the tensors themselves)
     facts: SlotFacts
-    member: bool  # rows of a member of another slot's group (no group fields), else of its own group
+
+    @property
+    def member(self) -> bool:
+        """Rows of a member of another slot's group (no group fields), else of its own group's."""
+        return self.facts.share_key is not None
 
 
 def served(x: Tensor, kind: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -113,7 +118,6 @@ def prepare_column(pool, column: Sequence[Slots | None]) -> PreparedColumn | Non
     if len(column) != pool.num_proj:
         return None
     facts = slot_facts(column)
-    member = facts.share_key is not None
     keep: dict[tuple, tuple[Tensor, Tensor]] = {}
 
     def dev(x: Tensor, kind: str) -> Tensor:
@@ -123,7 +127,7 @@ def prepare_column(pool, column: Sequence[Slots | None]) -> PreparedColumn | Non
         return x
 
     try:
-        rows, width = column_rows(column, column, not member, dev)
+        rows, width = column_rows(column, column, facts.share_key is None, dev)
     except _NotServed:
         return None
-    return PreparedColumn(pool, tuple(map(id, column)), rows, width, keep, facts, member)
+    return PreparedColumn(pool, tuple(map(id, column)), rows, width, keep, facts)

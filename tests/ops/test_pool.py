@@ -314,12 +314,13 @@ def test_rows_prepared_off_the_step_loop_place_as_the_slots_do(monkeypatch):
     joins it with its rows as prepared."""
     from types import SimpleNamespace
 
-    from scute.model.hf import place_adapter, prepare_adapter
+    from scute.model.hf import layer_pools, place_adapter, prepare_adapter
 
     g = torch.Generator().manual_seed(5)
     served = lambda r: _served(r, g)  # noqa: E731
 
     members, group, alone, linears = _qkv_and_o(5)
+    units = list(layer_pools(linears))
     built = []
     fill = SlotPool._fill_column
     monkeypatch.setattr(SlotPool, "_fill_column", lambda self, *a: built.append(self) or fill(self, *a))
@@ -330,18 +331,18 @@ def test_rows_prepared_off_the_step_loop_place_as_the_slots_do(monkeypatch):
     shared = SimpleNamespace(name="vera", layers={"q": vera, "o": served(8)})
     joins = SimpleNamespace(name="vera2", layers={"q": Slots(8, 6, A=pair[0], B=pair[1], m=torch.randn(8, generator=g),
                                                           shared=frozenset({"A", "B"})), "o": served(8)})
-    prepared = prepare_adapter(linears, one)
+    prepared = prepare_adapter(units, one)
     assert set(prepared) == {group.pool, alone.pool}
     place_adapter(linears, 1, one, prepared)
     assert built == []  # every row as prepared
     place_adapter(linears, 2, two, prepared)  # rows prepared for `one`: not these slots
     assert sorted(map(id, built)) == sorted([id(group.pool), id(alone.pool)])
-    ready = prepare_adapter(linears, shared)
+    ready = prepare_adapter(units, shared)
     assert set(ready) == {group.pool, alone.pool} and ready[group.pool].member
     place_adapter(linears, 3, shared, ready)
     assert {id(p) for p in built[2:]} == {id(group.pool)}  # the o pool as prepared; the q/k/v pool rebuilt
     del built[:]
-    place_adapter(linears, 4, joins, prepare_adapter(linears, joins))
+    place_adapter(linears, 4, joins, prepare_adapter(units, joins))
     assert built == [] and group.pool.facts.groups[4] == 3  # joined the group with its rows as prepared
     for pool, slots in ((group.pool, [m.slots for m in members]), (alone.pool, [alone.slots])):
         fresh = SlotPool(8, pool.out_features, 5, "cpu", torch.float32)
