@@ -390,12 +390,16 @@ class AdapterManager:
         return slot
 
     def _represents(self, identity: str) -> bool:
-        """Whether the adapter holds shared storages (VeRA's pair) in the lowest slot of the adapters that hold them:
-        in every pool its slot represents their group, so emptying it regroups every member, rebuilds each pool's
-        table (a pass over all its slots) and changes the pools' signatures (the graphs are captured again), where
-        emptying a member's slot costs each pool that slot alone."""
-        shared = self.memory.held.members[identity].shared
-        return bool(shared) and self._group_floor(shared) == self._slot_of[identity]
+        """Whether the adapter holds shared storages (VeRA's pair) in the lowest slot of two or more adapters that
+        hold them: in every pool its slot represents their group, so emptying it regroups every member, rebuilds
+        each pool's table (a pass over all its slots) and changes the pools' signatures (the graphs are captured
+        again), where emptying a member's slot costs each pool that slot alone. An adapter alone with its
+        matrices has no members to regroup: it goes in its turn."""
+        held = self.memory.held
+        shared = held.members[identity].shared
+        if not shared or held.holders(next(iter(shared))) < 2:
+            return False
+        return self._group_floor(shared) == self._slot_of[identity]
 
     def release(self, adapter: Adapter | None) -> None:
         if adapter is None:

@@ -117,6 +117,10 @@ class StorageUnion:
                 del self._refs[key]
                 self.bytes -= n
 
+    def holders(self, key: tuple) -> int:
+        """How many members hold the shared storage `key`."""
+        return self._refs.get(key, 0)
+
     def extra(self, storages: Storages) -> int:
         """The bytes `storages` would add to the union."""
         return storages.own + sum(n for key, n in storages.shared.items() if key not in self._refs)

@@ -57,11 +57,11 @@ def test_the_budget_bounds_the_slots_and_eviction_keeps_tokens(oracle, sizes):
 
 def test_eviction_passes_over_the_representative_of_shared_matrices(oracle):
     """The least recently used unused adapter is evicted, but one that holds shared matrices (VeRA's pair) in the
-    lowest slot of their holders, which represents their group in every pool, is passed over while another can
-    go; alone, it goes."""
+    lowest slot of two or more holders, which represents their group in every pool, is passed over while another
+    can go; one alone with its matrices (no member to regroup) goes in its turn."""
     manager = oracle.engine(max_adapters=4).adapters
     pair, other = ("vera", 1), ("vera", 2)  # storage keys
-    for slot, (ident, shared) in enumerate([("v0", {pair: 8}), ("v1", {pair: 8}), ("lora", {}), ("w0", {other: 8})]):
+    for slot, (ident, shared) in enumerate([("v0", {pair: 8}), ("v1", {pair: 8}), ("w0", {other: 8}), ("lora", {})]):
         manager._slot_of[ident] = slot
         manager.memory.held.add(ident, Storages(4, shared))
         manager._unused[ident] = None  # least recently used first
@@ -69,7 +69,7 @@ def test_eviction_passes_over_the_representative_of_shared_matrices(oracle):
     evicted = []
     while manager._unused:
         evicted.append(manager._evict())
-    assert evicted == [1, 2, 0, 3]  # v1, lora; then v0 and w0, each alone of its pair by then
+    assert evicted == [1, 0, 2, 3]  # v1 (v0 represents it); then v0, alone by then, w0 (alone) and lora in turn
 
 
 def test_a_full_engine_evicts_above_the_group_a_new_adapter_joins(oracle):
