@@ -1,19 +1,21 @@
 """The request-rate experiment: how many requests per second an engine sustains over N adapters of one method,
 served natively against the same adapters converted to LoRA (`scute convert`), in the same process.
 
-Requests arrive as a gamma process (vLLM's `bench serve` convention: shape = burstiness, mean 1 / rate; burstiness
-1 = Poisson), each picking one of N adapters (``uniform``, or ``zipf`` with exponent 1), ``--prompt`` random tokens,
+Requests arrive as a gamma process (vLLM's `bench serve` convention: shape = burstiness, mean 1 / rate; burstiness 1
+= Poisson), each picking one of N adapters (``uniform``, or ``zipf`` with exponent 1), ``--prompt`` random tokens,
 ``--new-tokens`` generated (greedy, ``ignore_eos``), driven through `Engine.add_request` / `Engine.step` in real
 time. A rate is *sustained* when the p90 time per output token stays within ``--slo`` times the unloaded one (one
 request alone) and the queue does not grow (every request starts within ``--max-queue-s`` of its arrival: a run
-stops, its requests aborted, as soon as one has waited longer, so an overloaded rate costs seconds). For each (method, N, popularity, variant) the highest sustained rate is found by doubling from ``--start-rate``,
-then bisecting; every run's TTFT and TPOT percentiles are recorded, with the engine's counts of what bounds it
-(`engine_counts`: steps, those that ran eagerly, graphs captured, Triton kernels compiled) and its slowest step
-(a compile or a capture mid-run stalls every running request: it shows there). Before each (variant, N), one request per
-adapter the device slots hold warms them and a shrinking batch captures the graphs of every batch size up to
-``--requests`` (`warm_graphs`: a server's steady state), ``--warm-arrivals`` requests arriving at ``--start-rate``
-run unmeasured (mixed steps, prompts beside decodes, whose kernels compile on first use), then one request alone
-gives the unloaded TPOT.
+stops, its requests aborted, as soon as one has waited longer, so an overloaded rate costs seconds). For each
+(method, N, popularity, variant) the highest sustained rate is found by doubling from ``--start-rate``, then
+bisecting; every run's TTFT and TPOT percentiles are recorded, with the engine's counts of what bounds it
+(`engine_counts`: steps, those that ran eagerly, graphs captured, Triton kernels compiled), the mean time of a step
+and its mean tokens (a rate that fails on time per token: slower steps, or more requests in each) and its slowest
+step (a compile or a capture mid-run stalls every running request: it shows there). Before each (variant, N), one
+request per adapter the device slots hold warms them and a shrinking batch captures the graphs of every batch size
+up to ``--requests`` (`warm_graphs`: a server's steady state), ``--warm-arrivals`` requests arriving at
+``--start-rate`` run unmeasured (mixed steps, prompts beside decodes, whose kernels compile on first use), then one
+request alone gives the unloaded TPOT.
 
 Variants: ``native`` (the method's own adapters) and ``lora-rR`` for each ``--ranks`` R. A conversion's adapters
 are N LoRA checkpoints of the conversion's shape (rank R on the same modules; random tensors: what the engine
@@ -82,7 +84,7 @@ def run_load(engine, paths: list[str], rate: float, args, seed: int) -> dict:
     prompts = [torch.randint(0, vocab, (args.prompt,), generator=g).tolist() for _ in arrivals]
     first, last, started, nxt, waited = {}, {}, {}, 0, 0.0
     oldest = 0  # the earliest arrival not started yet (arrivals are sorted: its wait is the longest)
-    counts, slowest = engine_counts(engine), 0.0
+    counts, slowest, busy = engine_counts(engine), 0.0, 0.0  # busy: the seconds spent in `engine.step`
     start = time.perf_counter()
     while nxt < len(arrivals) or engine.has_unfinished_requests():
         now = time.perf_counter() - start
@@ -102,7 +104,8 @@ def run_load(engine, paths: list[str], rate: float, args, seed: int) -> dict:
             continue
         before = time.perf_counter()
         outs = engine.step()
-        slowest = max(slowest, time.perf_counter() - before)
+        took = time.perf_counter() - before
+        slowest, busy = max(slowest, took), busy + took
         for out in outs:
             i = int(out.request_id.rsplit("-", 1)[1])
             if out.error is not None:
@@ -117,13 +120,15 @@ def run_load(engine, paths: list[str], rate: float, args, seed: int) -> dict:
     tpot = [(last[i] - first[i]) / (args.new_tokens - 1) for i in last if args.new_tokens > 1]
     queue = [started[i] - arrivals[i] for i in started] + [waited]
     duration = max(last.values()) if last else 0.0
+    counted = {k: v - counts[k] for k, v in engine_counts(engine).items()}
     return dict(rate=rate, requests=len(arrivals), aborted=waited > args.max_queue_s, duration_s=duration,
                 throughput_req_s=len(last) / duration if duration else None,
                 output_tok_s=len(last) * args.new_tokens / duration if duration else None,
                 ttft_p50=percentile(ttft, 50), ttft_p90=percentile(ttft, 90), ttft_p99=percentile(ttft, 99),
                 tpot_p50=percentile(tpot, 50), tpot_p90=percentile(tpot, 90), tpot_p99=percentile(tpot, 99),
                 max_queue_s=max(queue) if queue else None, slowest_step_s=slowest,
-                **{k: v - counts[k] for k, v in engine_counts(engine).items()})
+                mean_step_s=busy / max(counted["steps"], 1),
+                tokens_per_step=counted["batched_tokens"] / max(counted["steps"], 1), **counted)
 
 
 def engine_counts(engine) -> dict[str, float]:
@@ -131,7 +136,8 @@ def engine_counts(engine) -> dict[str, float]:
     eagerly: prefills, mixed steps), graphs captured and the seconds that took (a run that captures waits for it),
     and the Triton kernels compiled (`count_compiles`)."""
     graphs = engine.runner.graphs  # None without CUDA graphs
-    return dict(steps=engine.stats["steps"], graph_replays=graphs.num_replays if graphs else 0,
+    return dict(steps=engine.stats["steps"], batched_tokens=engine.stats["batched_tokens"],
+                graph_replays=graphs.num_replays if graphs else 0,
                 graphs_captured=graphs.num_captured if graphs else 0,
                 capture_s=graphs.capture_seconds if graphs else 0.0, kernels_compiled=COMPILES[0])
 
@@ -180,23 +186,26 @@ def sustained(run: dict, unloaded_tpot: float, args) -> bool:
 
 def max_rate(engine, paths: list[str], args, unloaded_tpot: float) -> tuple[float, list[dict]]:
     """The highest sustained rate: doubled from --start-rate while sustained, then --bisect bisections."""
-    runs, good, bad, rate = [], 0.0, None, args.start_rate
-    while bad is None and rate <= args.max_rate:
+    runs: list[dict] = []
+
+    def attempt(rate: float) -> bool:
         run = run_load(engine, paths, rate, args, seed=len(runs))
         run["sustained"] = sustained(run, unloaded_tpot, args)
         runs.append(run)
         tpot = "-" if run["tpot_p90"] is None else f"{1e3 * run['tpot_p90']:.1f} ms"
-        print(f"    rate {rate:8.2f}/s: tpot p90 {tpot}, queue {run['max_queue_s']:.2f} s, {run['steps']} steps "
+        print(f"    rate {rate:8.2f}/s: tpot p90 {tpot}, queue {run['max_queue_s']:.2f} s, {run['steps']} steps of "
+              f"{1e3 * run['mean_step_s']:.2f} ms, {run['tokens_per_step']:.1f} tokens "
               f"({run['steps'] - run['graph_replays']} eager, {run['graphs_captured']} graphs captured, "
               f"{run['kernels_compiled']} kernels compiled, slowest {1e3 * run['slowest_step_s']:.0f} ms), "
               f"{'ok' if run['sustained'] else 'over (stopped early)' if run['aborted'] else 'over'}", flush=True)
-        good, bad, rate = (rate, None, 2 * rate) if run["sustained"] else (good, rate, rate)
+        return run["sustained"]
+
+    good, bad, rate = 0.0, None, args.start_rate
+    while bad is None and rate <= args.max_rate:
+        good, bad, rate = (rate, None, 2 * rate) if attempt(rate) else (good, rate, rate)
     for _ in range(args.bisect if bad is not None else 0):
         rate = (good + bad) / 2 if good else bad / 2
-        run = run_load(engine, paths, rate, args, seed=len(runs))
-        run["sustained"] = sustained(run, unloaded_tpot, args)
-        runs.append(run)
-        good, bad = (rate, bad) if run["sustained"] else (good, rate)
+        good, bad = (rate, bad) if attempt(rate) else (good, rate)
     return good, runs
 
 

@@ -33,11 +33,16 @@ def test_request_rate_bench_runs_and_records_rows(tmp_path, monkeypatch):
     for row in result["rows"]:
         assert row["max_rate"] == 1000 and row["unloaded_tpot"] > 0  # a bound this loose is always met
         run = row["runs"][0]
-        assert run["requests"] == 8 and run["ttft_p50"]  # 1000 requests/s for 8 ms: more than --requests <= run["ttft_p90"] <= run["ttft_p99"]
+        # 1000 requests/s for 8 ms: no more than --requests
+        assert run["requests"] == 8 and 0 < run["ttft_p50"] <= run["ttft_p90"] <= run["ttft_p99"]
     native, lora = saved["rows"]
     assert native["conversion_error"] is None and 0 < lora["conversion_error"] < 1  # IA3 is not rank 4
     run = native["runs"][0]
     assert run["slowest_step_s"] > 0 and run["kernels_compiled"] == 0  # the CPU's interpreter compiles nothing
+    assert 0 < run["mean_step_s"] <= run["slowest_step_s"]
+    # 8 requests of --prompt tokens, each generating --new-tokens: every token computed once (no prefix hits)
+    tokens = 8 * (saved["prompt"] + saved["new_tokens"] - 1)
+    assert run["tokens_per_step"] * run["steps"] == run["batched_tokens"] == tokens
     before = list(bench_request_rate.COMPILES)
     assert triton.knobs.runtime.jit_cache_hook(key="k", repr="r", fn=None, compile={}, is_manual_warmup=False,
                                                already_compiled=False) is False
