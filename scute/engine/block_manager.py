@@ -122,6 +122,9 @@ class BlockManager:
         """Grow the request's block table to cover num_computed_tokens + num_new_tokens (a new request
         first takes `computed_blocks` from the prefix cache). Returns False, changing nothing, if fewer than
         `reserve` free blocks would remain."""
+        if not computed_blocks and not reserve and \
+                req.num_computed_tokens + num_new_tokens <= len(req.block_table) * self.block_size:
+            return True  # its blocks hold them already (a decode step's usual case)
         total = len(computed_blocks) * self.block_size if computed_blocks else req.num_computed_tokens
         have = len(computed_blocks) if computed_blocks else len(req.block_table)
         new = max(0, self.blocks_needed(total + num_new_tokens) - have)

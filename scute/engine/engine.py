@@ -269,7 +269,7 @@ class Engine:
         """One output per request, its n samples together (reported by the id of sample 0); a request not
         finished is reported only when streaming, and not if its `SamplingParams.output_kind` is "final_only"."""
         heads = dict.fromkeys(r if r.parent is None else r.parent.head for r in reqs)
-        return [self._output(h) for h in heads if all(s.is_finished for s in h.samples)
+        return [self._output(h) for h in heads if (h.is_finished if h.parent is None else h.parent.finished)
                 or stream and h.sampling_params.output_kind != "final_only"]
 
     def _output(self, req: Request) -> RequestOutput:

@@ -105,10 +105,14 @@ class OutputProcessor:
         if sp.prompt_logprobs is not None and req.error is None and not req.sent_prompt:
             prompt_logprobs = [None, *req.prompt_logprobs]  # a request is reported once its prompt is computed
             req.sent_prompt = sp.output_kind == "delta"
-        first = min((s.first_token_time for s in samples if s.first_token_time is not None), default=None)
+        if req.parent is None:  # one sample (n = 1): reported every step of a stream, so without the walks below
+            finished, error, first = req.is_finished, req.error or None, req.first_token_time
+        else:
+            finished = all(s.is_finished for s in samples)
+            error = next((s.error for s in samples if s.error), None)
+            first = min((s.first_token_time for s in samples if s.first_token_time is not None), default=None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [self._completion(s) for s in samples],
-                             all(s.is_finished for s in samples), next((s.error for s in samples if s.error), None),
-                             req.adapter_name, req.num_cached_tokens, prompt_logprobs, first)
+                             finished, error, req.adapter_name, req.num_cached_tokens, prompt_logprobs, first)
 
     def _completion(self, req: Request) -> CompletionOutput:
         sp = req.sampling_params

@@ -142,12 +142,19 @@ class Request:
 
     def token_adapter_slots(self, start: int, num: int) -> list[int]:
         """The adapter slots of the tokens at positions [start, start + num) (−1: the base model)."""
-        before = min(max(self.adapter_start - start, 0), num)
+        if start >= self.adapter_start:
+            return [self.adapter_slot] * num
+        before = min(self.adapter_start - start, num)
         return [-1] * before + [self.adapter_slot] * (num - before)
 
     @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+    def status(self) -> RequestStatus:
+        return self._status
+
+    @status.setter
+    def status(self, value: RequestStatus) -> None:
+        # `is_finished` is read several times per request per step: an attribute, kept here, not a property
+        self._status, self.is_finished = value, value is RequestStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -64,6 +64,18 @@ class GraphStep:
     capture: bool = False
 
 
+def _append_one(x: StepInputs | GraphStep, req: Request, pos: int, block_size: int) -> bool:
+    """Append the request's token at position `pos` to the token lists of `x` (its id, a 0 if the host does not
+    have it yet, its position, KV slot and adapter slot): the per-token lists a multi-token request builds, a
+    decoding request's one token without them. Whether the host has its id."""
+    known = pos < len(req.all_token_ids)
+    x.input_ids.append(req.all_token_ids[pos] if known else 0)
+    x.positions.append(pos)
+    x.slot_mapping.append(req.block_table[pos // block_size] * block_size + pos % block_size)
+    x.token_slots.append(req.adapter_slot if pos >= req.adapter_start else -1)
+    return known
+
+
 def eager_inputs(sched: SchedulerOutput, block_size: int) -> tuple[StepInputs, PromptRows | None]:
     """An eager step's inputs, and the prompt positions whose logits it keeps for prompt logprobs (or None)."""
     bs = block_size
@@ -71,10 +83,13 @@ def eager_inputs(sched: SchedulerOutput, block_size: int) -> tuple[StepInputs, P
     prompt_rows: PromptRows | None = None
     for req, num_new in sched.scheduled:
         start, table = req.num_computed_tokens, req.block_table
-        x.input_ids += req.all_token_ids[start:start + num_new]
-        x.positions += range(start, start + num_new)
-        x.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + num_new)]
-        x.token_slots += req.token_adapter_slots(start, num_new)
+        if num_new == 1:  # a decoding request (most of a step's)
+            _append_one(x, req, start, bs)
+        else:
+            x.input_ids += req.all_token_ids[start:start + num_new]
+            x.positions += range(start, start + num_new)
+            x.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + num_new)]
+            x.token_slots += req.token_adapter_slots(start, num_new)
         if req.needs_prompt_logprobs:  # the logits of its prompt positions too, in token order
             prompt_rows = prompt_rows or PromptRows()
             prompt_rows.add(req, start, num_new, x.query_start_loc[-1], x.logits_indices, x.sample_slots)
@@ -83,7 +98,7 @@ def eager_inputs(sched: SchedulerOutput, block_size: int) -> tuple[StepInputs, P
         x.block_tables.append(table)
         if start + num_new == req.num_tokens:
             x.logits_indices.append(x.query_start_loc[-1] - 1)
-            x.sample_slots.append(req.token_adapter_slots(req.num_tokens - 1, 1)[0])
+            x.sample_slots.append(x.token_slots[-1])  # the request's last token is the step's last
     width = max(len(t) for t in x.block_tables)
     x.block_tables = [t + [0] * (width - len(t)) for t in x.block_tables]
     return x, prompt_rows
@@ -97,14 +112,19 @@ def graph_step(sched: SchedulerOutput, shape: GraphShape, block_size: int,
     step = GraphStep(shape)
     for req, num_new in sched.scheduled:
         start, table, row = req.num_computed_tokens, req.block_table, len(step.input_ids)
-        known = req.all_token_ids[start:start + num_new]
-        for i in range(len(known), num_new):
-            step.gather[0].append(row + i)
-            step.gather[1].append(flight_rows[req])
-        step.input_ids += known + [0] * (num_new - len(known))
-        step.positions += range(start, start + num_new)
-        step.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + num_new)]
-        step.token_slots += req.token_adapter_slots(start, num_new)
+        if num_new == 1:  # a decoding request (most of a step's)
+            if not _append_one(step, req, start, bs):
+                step.gather[0].append(row)
+                step.gather[1].append(flight_rows[req])
+        else:
+            known = req.all_token_ids[start:start + num_new]
+            for i in range(len(known), num_new):
+                step.gather[0].append(row + i)
+                step.gather[1].append(flight_rows[req])
+            step.input_ids += known + [0] * (num_new - len(known))
+            step.positions += range(start, start + num_new)
+            step.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + num_new)]
+            step.token_slots += req.token_adapter_slots(start, num_new)
         step.query_lens.append(num_new)
         step.seq_lens.append(start + num_new)
         step.block_tables.append(table)

@@ -1,0 +1,81 @@
+"""Host time of an engine step around its forward: the scheduler, the block manager, the step's inputs, the
+sampler's batch, appending the tokens and building the outputs, per running request.
+
+A 2-layer toy Llama on the CPU whose forward is stubbed out (zero logits, no model call), so what is timed is
+the Python a decode step pays per request, the part of a step that grows with the batch and bounds it where the
+GPU's work is short (a few layers, or a small model). ``--requests`` greedy requests decode (``ignore_eos``) for
+``--steps`` timed steps after a few untimed ones, for each `SamplingParams.output_kind` (what `Engine.step`
+reports of a running request each step); the best of ``--repeats`` runs, in µs a step and a request.
+The eager path's inputs (`eager_inputs`) stand in for a graph step's (`graph_step`, the same loop over the
+requests).
+
+Run: ``PYTHONPATH=. python3 bench/bench_host_step.py --requests 32,128``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_engine as B  # noqa: E402
+from bench_request_rate import TINY  # noqa: E402
+
+KINDS = ("cumulative", "delta", "final_only")
+
+
+def step_time(engine, requests: int, kind: str, steps: int) -> float:
+    """Seconds of one decode step of `requests` requests (their prompts computed first, untimed)."""
+    from scute import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True, output_kind=kind)
+    for i in range(requests):
+        engine.add_request(f"{kind}-{requests}-{i}", [1 + i % 100] * 16, sp)
+    for _ in range(4):  # the prompts, then decode steps
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    took = (time.perf_counter() - start) / steps
+    engine.abort_request([f"{kind}-{requests}-{i}" for i in range(requests)])
+    while engine.has_unfinished_requests():
+        engine.step()
+    return took
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", default="32,128")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    from scute import Engine
+
+    model = B.random_llama(TINY, device="cpu", dtype=torch.float32)
+    counts = [int(n) for n in args.requests.split(",")]
+    engine = Engine(model, device="cpu", dtype="float32", max_num_seqs=max(counts), max_model_len=256,
+                    max_num_batched_tokens=max(counts) * 16)
+    vocab = engine.vocab_size
+    engine.runner.forward = lambda inputs: torch.zeros(len(inputs.logits_indices), vocab)  # no model call
+    rows = []
+    for n in counts:
+        for kind in KINDS:
+            best = min(step_time(engine, n, kind, args.steps) for _ in range(args.repeats))
+            rows.append(dict(requests=n, output_kind=kind, step_us=1e6 * best, request_us=1e6 * best / n))
+            print(f"{n:5d} requests, {kind:<10}: {1e6 * best:8.1f} µs a step, {1e6 * best / n:5.2f} µs a request",
+                  flush=True)
+    result = dict(command="PYTHONPATH=. python3 " + " ".join(sys.argv), rows=rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
