@@ -289,7 +289,7 @@ class ModelRunner:
             if sp.seed is not None and req.generator is None:
                 req.generator = torch.Generator(device=self.device).manual_seed(sp.seed)
             gens.append(req.generator)
-            if req.num_output_tokens < sp.min_tokens:  # EOS and stop tokens may not end it yet
+            if sp.min_tokens and req.num_output_tokens < sp.min_tokens:  # EOS and stop tokens may not end it yet
                 stops = ([] if sp.ignore_eos else req.eos_token_ids) + sp.stop_token_ids
                 rows += [row] * len(stops)
                 cols += stops

@@ -44,15 +44,15 @@ class OutputProcessor:
             self.check_stop(req, token)
 
     def check_stop(self, req: Request, token: int) -> None:
-        sp = req.sampling_params
-        if req.num_output_tokens > sp.min_tokens:  # EOS and stop tokens were masked before min_tokens
+        sp, count = req.sampling_params, req.num_output_tokens
+        if count > sp.min_tokens:  # EOS and stop tokens were masked before min_tokens
             if not sp.ignore_eos and token in self.eos_token_ids:
                 return req.finish("stop")
             if token in sp.stop_token_ids:
                 return req.finish("stop", stop_reason=token)
             if sp.stop_strings and self._check_stop_strings(req):
                 return None
-        if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or req.num_tokens >= self.max_model_len:
+        if (sp.max_tokens is not None and count >= sp.max_tokens) or req.num_tokens >= self.max_model_len:
             req.finish("length")
         return None
 
