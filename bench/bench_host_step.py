@@ -5,9 +5,10 @@ A 2-layer toy Llama on the CPU whose forward is stubbed out (zero logits, no mod
 the Python a decode step pays per request, the part of a step that grows with the batch and bounds it where the
 GPU's work is short (a few layers, or a small model). ``--requests`` greedy requests decode (``ignore_eos``) for
 ``--steps`` timed steps after a few untimed ones, for each `SamplingParams.output_kind` (what `Engine.step`
-reports of a running request each step); the best of ``--repeats`` runs, in µs a step and a request.
-The eager path's inputs (`eager_inputs`) stand in for a graph step's (`graph_step`, the same loop over the
-requests).
+reports of a running request each step); the best of ``--repeats`` runs, in µs a step and a request. The
+steps run eagerly (`eager_inputs` builds their inputs); what a graph step's inputs cost instead, built
+(`graph_step`) and written into the runner's host mirrors with their padding (`write_padded`), is timed apart on
+the next step's schedule.
 
 Run: ``PYTHONPATH=. python3 bench/bench_host_step.py --requests 32,128``.
 """
@@ -29,9 +30,12 @@ from bench_request_rate import TINY  # noqa: E402
 KINDS = ("cumulative", "delta", "final_only")
 
 
-def step_time(engine, requests: int, kind: str, steps: int) -> float:
-    """Seconds of one decode step of `requests` requests (their prompts computed first, untimed)."""
+def step_time(engine, requests: int, kind: str, steps: int) -> tuple[float, float]:
+    """Seconds of one decode step of `requests` requests (their prompts computed first, untimed), and of building
+    and writing the inputs of their next step as a CUDA graph's (`graph_step`, `ModelRunner._write_inputs`)."""
     from scute import SamplingParams
+    from scute.engine.cuda_graph import GraphShape
+    from scute.engine.step_inputs import graph_step
 
     sp = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True, output_kind=kind)
     for i in range(requests):
@@ -42,10 +46,16 @@ def step_time(engine, requests: int, kind: str, steps: int) -> float:
     for _ in range(steps):
         engine.step()
     took = (time.perf_counter() - start) / steps
+    sched, runner = engine.scheduler.schedule(), engine.runner  # scheduled, never run: the requests end below
+    shape = GraphShape(len(sched.scheduled))
+    start = time.perf_counter()
+    for _ in range(steps):
+        runner._write_inputs(graph_step(sched, shape, runner.block_size))
+    graph_inputs = (time.perf_counter() - start) / steps
     engine.abort_request([f"{kind}-{requests}-{i}" for i in range(requests)])
     while engine.has_unfinished_requests():
         engine.step()
-    return took
+    return took, graph_inputs
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -66,10 +76,12 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for n in counts:
         for kind in KINDS:
-            best = min(step_time(engine, n, kind, args.steps) for _ in range(args.repeats))
-            rows.append(dict(requests=n, output_kind=kind, step_us=1e6 * best, request_us=1e6 * best / n))
-            print(f"{n:5d} requests, {kind:<10}: {1e6 * best:8.1f} µs a step, {1e6 * best / n:5.2f} µs a request",
-                  flush=True)
+            times = [step_time(engine, n, kind, args.steps) for _ in range(args.repeats)]
+            best, graph = min(t[0] for t in times), min(t[1] for t in times)
+            rows.append(dict(requests=n, output_kind=kind, step_us=1e6 * best, request_us=1e6 * best / n,
+                             graph_inputs_us=1e6 * graph))
+            print(f"{n:5d} requests, {kind:<10}: {1e6 * best:8.1f} µs a step, {1e6 * best / n:5.2f} µs a request; "
+                  f"a graph step's inputs {1e6 * graph:6.1f} µs", flush=True)
     result = dict(command="PYTHONPATH=. python3 " + " ".join(sys.argv), rows=rows)
     if args.out:
         with open(args.out, "w") as f:

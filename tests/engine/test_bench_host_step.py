@@ -17,4 +17,5 @@ def test_host_step_rows(tmp_path):
     rows = result["rows"]
     assert [(r["requests"], r["output_kind"]) for r in rows] == [(n, k) for n in (2, 5) for k in bench_host_step.KINDS]
     assert all(r["step_us"] > 0 and abs(r["request_us"] * r["requests"] - r["step_us"]) < 1e-6 for r in rows)
+    assert all(0 < r["graph_inputs_us"] for r in rows)
     assert (tmp_path / "host.json").exists()
