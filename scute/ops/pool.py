@@ -66,8 +66,9 @@ class SlotPool:
     to a base output it also scales, rotates or shifts: see `delta_dtype`), ``block_b`` / ``min_block``
     (power-of-two cover of the largest OFT block, smallest OFT block), ``max_rank`` (the largest rank in the table:
     sizes the kernels' rank tiles). The shared group (module docstring): ``shared_group`` (its representative slot,
-    −1 if none), ``shared_a`` ([NA, r, in]: its distinct A's), ``shared_a_of`` (host tuple: projection p's index
-    there, −1 if the group does not adapt p), ``shared_b`` (P tensors [out_p, r]; a placeholder where it does not),
+    −1 if none), ``shared_a`` (NA tensors [r, in], any row stride: its distinct A's), ``shared_a_of`` (host tuple:
+    projection p's index there, −1 if the group does not adapt p), ``shared_b`` (P tensors [out_p, r]; a
+    placeholder where it does not),
     ``shared_outs`` (out_p, 0 where it does not), ``shared_m`` ([P, num_slots, r] float32: each member's m, ones if
     it has none). ``kind_masks`` (host `StepKinds` of ints): for each pass, the slots whose tokens need it, as bit
     masks (bit s: slot s); `step_kinds` turns the slots of a step into the passes the step runs, and
@@ -102,9 +103,10 @@ class SlotPool:
 
     def _clear_shared(self) -> None:
         self.shared_group, self.shared_a_of, self.shared_outs = -1, (-1,) * self.num_proj, (0,) * self.num_proj
-        self.shared_a = torch.empty(0, 0, 0, dtype=self.dtype, device=self.device)
+        self.shared_a: list[Tensor] = []
         self.shared_b: list[Tensor] = []
-        self._b_owned = False  # shared_b: copies of the pool's own, or the adapters' B themselves (`_fill_shared`)
+        # shared_a and shared_b: copies of the pool's own, or the adapters' A and B themselves (`_fill_shared`)
+        self._owned = False
         self.shared_m = torch.empty(0, dtype=torch.float32, device=self.device)
         self._shared_src: tuple = ()
 
@@ -243,15 +245,16 @@ class SlotPool:
         self.max_rank, self.kind_masks = facts.max_rank, facts.kind_masks
         self.signature = (self.h_width, tuple(self.step_kinds(None)), self.exact_delta, self.block_b,
                           self.min_block, self.max_rank, self.shared_group, self.shared_a_of, self.shared_outs,
-                          tuple(self.shared_a.shape), self._b_owned)
+                          tuple(tuple(a.shape) for a in self.shared_a), self._owned)
 
     def _fill_shared(self, slots: Sequence[Sequence[Slots | None]], members: list[int], group: int) -> None:
         """The shared group's buffers. They are kept, and refilled in place, while their shapes stay (a captured
         graph holds their addresses: their shapes are in `signature`); the matrices are copied only when they
-        change. The first pair's B is the adapters' own (views of VeRA's one B: a copy per pool would be 21 MB a
-        layer at Llama-3-8B sizes), never written into (other adapters and later loads hold it); a later pair of the
-        same shapes gets copies of the pool's own, refilled in place from then on (the switch to them is in
-        `signature`: the graphs are captured again once)."""
+        change. The first pair's A and B are the adapters' own (views of VeRA's one pair: copies per pool would be
+        34 MB a layer at Llama-3-8B sizes, 1.1 GB in all, outside the adapter budget), never written into (other
+        adapters and later loads hold them); a later pair of the same shapes gets copies of the pool's own,
+        refilled in place from then on (the switch to them is in `signature`: the graphs are captured again once).
+        An A stays the view it is (a slice of VeRA's A, rows strided: cuBLAS reads it so); a B is contiguous."""
         column = [row[group] for row in slots]
         a_src: dict[tuple, Tensor] = {}  # the distinct A's (VeRA's q, k and v share one)
         for sl in column:
@@ -264,16 +267,19 @@ class SlotPool:
         src = tuple(a_keys) + tuple(None if sl is None or sl.B is None else storage_key(sl.B, "mat")
                                     for sl in column)
         if self._shared_src[:1] != (src,):
-            self.shared_a = refill(self.shared_a, torch.stack(list(a_src.values())), self.device, self.dtype)
-            news = [torch.zeros(1, rank, dtype=self.dtype) if sl is None or sl.B is None else sl.B for sl in column]
-            same = bool(self.shared_b) and all(o.shape == n.shape for o, n in zip(self.shared_b, news))
-            if same:  # a buffer per projection, even where two B views coincide (VeRA's k and v), each refilled
-                # in place, so a graph never reads a buffer another projection took over
-                olds = self.shared_b if self._b_owned else [None] * self.num_proj
-                self.shared_b = [refill(old, new, self.device, self.dtype) for old, new in zip(olds, news)]
+            new_a = list(a_src.values())
+            new_b = [torch.zeros(1, rank, dtype=self.dtype) if sl is None or sl.B is None else sl.B for sl in column]
+            olds, news = self.shared_a + self.shared_b, new_a + new_b
+            same = bool(self.shared_b) and len(olds) == len(news) and \
+                all(o.shape == n.shape for o, n in zip(olds, news))
+            if same:  # a buffer per A and per projection's B, even where two B views coincide (VeRA's k and v),
+                # each refilled in place, so a graph never reads a buffer another projection took over
+                bufs = [refill(old if self._owned else None, new, self.device, self.dtype)
+                        for old, new in zip(olds, news)]
             else:
-                self.shared_b = [new.to(device=self.device, dtype=self.dtype).contiguous() for new in news]
-            self._b_owned = same
+                bufs = [new.to(device=self.device, dtype=self.dtype) for new in new_a]
+                bufs += [new.to(device=self.device, dtype=self.dtype).contiguous() for new in new_b]
+            self.shared_a, self.shared_b, self._owned = bufs[:len(new_a)], bufs[len(new_a):], same
             self._shared_src = (src, column)  # the column keeps the sources alive: their keys stay theirs
         m = torch.ones(self.num_proj, self.num_slots, rank, device=self.device)
         for p, row in enumerate(slots):  # the members' m, gathered where they are (the device, when served)

@@ -11,9 +11,9 @@ from scute.ops.launch import cdiv, config, kernels, precision, scute_op
 
 
 @scute_op("scute::lora_delta_shared_", mutates_args=("ds", "hv", "hs"))
-def lora_delta_shared_(ds: list[Tensor], hv: Tensor, hs: Tensor, x: Tensor, a: Tensor, bs: list[Tensor], m: Tensor,
-                       sorted_idx: Tensor, sorted_slots: Tensor, num_tokens_per_slot: Tensor, slot_start: Tensor,
-                       group: int, a_of: list[int], outs: list[int]) -> None:
+def lora_delta_shared_(ds: list[Tensor], hv: Tensor, hs: Tensor, x: Tensor, a: list[Tensor], bs: list[Tensor],
+                       m: Tensor, sorted_idx: Tensor, sorted_slots: Tensor, num_tokens_per_slot: Tensor,
+                       slot_start: Tensor, group: int, a_of: list[int], outs: list[int]) -> None:
     """The low-rank delta of the pool's shared group (`scute.ops.pool`), for each projection it adapts.
 
     Semantics (token t of the group at sorted position i, with slot s; projection p with a_of[p] ≥ 0):
@@ -25,16 +25,16 @@ def lora_delta_shared_(ds: list[Tensor], hv: Tensor, hs: Tensor, x: Tensor, a: T
     pass of its own (into hs) from `shared_fused_tokens` + 1 tokens on, else formed inside the GEMM.
 
     Shapes: ds as in `lora_delta_rows_`; hv [NA, T, r] (x's dtype) and hs [P, T, r] (the matrices') scratch;
-    x [T, in]; a [NA, r, in]; bs P tensors [out_p, r] (contiguous); m [P, M, r] float32; sorted_idx,
-    sorted_slots, num_tokens_per_slot, slot_start from `LoraMeta`; group: the group's representative slot;
-    a_of, outs: `SlotPool.shared_a_of`, `SlotPool.shared_outs`.
+    x [T, in]; a NA tensors [r, in] (any row stride); bs P tensors [out_p, r] (contiguous); m [P, M, r] float32;
+    sorted_idx, sorted_slots, num_tokens_per_slot, slot_start from `LoraMeta`; group: the group's representative
+    slot; a_of, outs: `SlotPool.shared_a_of`, `SlotPool.shared_outs`.
     """
     c = config()
-    num_tokens, num_proj, rank = x.shape[0], len(ds), a.shape[1]
+    num_tokens, num_proj, rank = x.shape[0], len(ds), a[0].shape[0]
     if num_tokens == 0:
         return
-    for i in range(a.shape[0]):
-        torch.mm(x, a[i].t(), out=hv[i])
+    for i, a_i in enumerate(a):
+        torch.mm(x, a_i.t(), out=hv[i])
     rank_block = max(16, 1 << (rank - 1).bit_length())  # the scale pass's whole row; the GEMM's K step is capped
     grid, block_m = expand_launch(num_tokens, outs)
     fused = not scale_pass(num_tokens)

@@ -145,8 +145,9 @@ def _folded(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None
 def _shared_delta(ds: list[Tensor], x: Tensor, pool: SlotPool, meta: LoraMeta,
                   side: SideStreams | None) -> list[Tensor]:
     """The shared group's rows of ds, on a side stream of their own; returns its scratch buffers."""
-    hv = x.new_empty((pool.shared_a.shape[0], x.shape[0], pool.shared_a.shape[1]))
-    hs = x.new_empty((pool.num_proj, x.shape[0], pool.shared_a.shape[1]), dtype=pool.dtype)
+    rank = pool.shared_a[0].shape[0]
+    hv = x.new_empty((len(pool.shared_a), x.shape[0], rank))
+    hs = x.new_empty((pool.num_proj, x.shape[0], rank), dtype=pool.dtype)
     if side is not None:
         side.shared.wait_stream(torch.cuda.current_stream(x.device))
     with on(side.shared if side is not None else None):

@@ -301,7 +301,7 @@ def test_three_projections_one_launch(expand_programs, monkeypatch):
     pool = SlotPool(IN, outs, 13, DEVICE, torch.float32)
     pool.update(per_proj)
     assert pool.table[:, 7, 1].tolist() == [8, 0, 0]  # A rank computed for the first projection only
-    assert pool.shared_group == 6 and pool.shared_a.shape[0] == 1 and pool.shared_a_of == (0, 0, 0)
+    assert pool.shared_group == 6 and len(pool.shared_a) == 1 and pool.shared_a_of == (0, 0, 0)
     assert pool.table[:, 6, F_RANK].tolist() == [0, 0, 0]
     ys = run_triton(x, ws, bs, per_proj, ts, torch.float32)
     for y, w, b, slots in zip(ys, ws, bs, per_proj):
@@ -322,7 +322,8 @@ def test_shared_matrix_read_once():
     groups = [g for g in meta.tile_group.tolist() if g >= 0]
     assert groups == sorted(groups) and set(groups) == {0, 2} and meta.num_tokens_per_slot[0] == 7
     assert len(pool._cache) == 2 * 5 + 2  # m, v per VeRA slot; LoRA A, B (the pair is the shared group's)
-    assert pool.shared_group == 0 and pool.shared_a.shape == (1, 8, IN) and pool.shared_b[0].shape == (OUT, 8)
+    assert pool.shared_group == 0 and [a.shape for a in pool.shared_a] == [(8, IN)]
+    assert pool.shared_b[0].shape == (OUT, 8)
     assert pool.max_rank == 4  # the pair's rank is not in the table
     x = torch.randn(8, IN, generator=gen).to(DEVICE)
     w = (torch.randn(OUT, IN, generator=gen) / IN ** 0.5).to(DEVICE)
@@ -450,7 +451,7 @@ def test_shared_group_writes_only_its_rows(fused, monkeypatch):
     the scale pass, or formed inside the tile GEMM (`SHARED_FUSED_TOKENS`)."""
     set_config(monkeypatch, shared_fused_tokens=1 << 20 if fused else 0)
     gen, _, _ = _case(torch.float32, seed=15)
-    pair = vera_pair(8, IN, OUT, device=DEVICE, generator=gen)
+    pair = vera_pair(8, IN + 8, OUT + 4, device=DEVICE, generator=gen)  # wider: each layer's A a strided slice
     kw = dict(dtype=torch.float32, device=DEVICE, generator=gen)
     slots = [random_slots("lora", IN, OUT, rank=4, **kw), random_slots("vera", IN, OUT, vera_pair=pair, **kw),
              random_slots("ia3", IN, OUT, **kw), random_slots("vera", IN, OUT, vera_pair=pair, **kw)]
@@ -460,7 +461,8 @@ def test_shared_group_writes_only_its_rows(fused, monkeypatch):
     pool = SlotPool(IN, (OUT,), len(slots), DEVICE, torch.float32)
     pool.update([slots])
     meta = build_lora_meta(ts, pool.slot_group)
-    n, r = ts.shape[0], pool.shared_a.shape[1]
+    assert not pool.shared_a[0].is_contiguous() and pool.shared_a[0].data_ptr() == pair[0].data_ptr()  # A as held
+    n, r = ts.shape[0], pool.shared_a[0].shape[0]
     ds = [torch.full((n, OUT), float("nan"), device=DEVICE)]
     hv, hs = x.new_empty((1, n, r)), x.new_empty((1, n, r))
     shared_delta.lora_delta_shared_(ds, hv, hs, x, pool.shared_a, pool.shared_b, pool.shared_m, meta.sorted_idx,

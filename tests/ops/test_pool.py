@@ -63,20 +63,23 @@ def test_shared_group_buffers_refilled_in_place():
     pool = SlotPool(8, (6,), 3, "cpu", torch.float32)
     pool.update([[vera(pairs[0], 4), lora(2), vera(pairs[0], 4)]])
     assert pool.shared_b[0].data_ptr() == pairs[0][1].data_ptr()  # the adapters' B itself
+    assert pool.shared_a[0].data_ptr() == pairs[0][0].data_ptr()  # and A
     first = pool.signature
     pool.update([[vera(pairs[1], 4), lora(2), vera(pairs[1], 4)]])
     assert pool.signature != first and torch.equal(pool.shared_b[0], pairs[1][1])  # buffers of its own, once
-    sig, bufs = pool.signature, (pool.shared_a, pool.shared_b[0], pool.shared_m)
+    assert torch.equal(pool.shared_a[0], pairs[1][0]) and pool.shared_a[0].data_ptr() != pairs[1][0].data_ptr()
+    sig, bufs = pool.signature, (pool.shared_a[0], pool.shared_b[0], pool.shared_m)
     slots = [[vera(pairs[0], 4), lora(2), vera(pairs[0], 4)]]
     pool.update(slots)
-    assert pool.signature == sig and all(a is b for a, b in zip(bufs, (pool.shared_a, pool.shared_b[0], pool.shared_m)))
+    assert pool.signature == sig and all(a is b for a, b in zip(bufs, (pool.shared_a[0], pool.shared_b[0],
+                                                                        pool.shared_m)))
     assert torch.equal(pool.shared_a[0], pairs[0][0]) and torch.equal(pool.shared_b[0], pairs[0][1])
     assert torch.equal(pool.shared_m[0, 2], slots[0][2].m) and pool.max_rank == 2
     assert all(torch.equal(x, y) for pair, copy in zip(pairs, saved) for x, y in zip(pair, copy))
     pool.update([[vera((torch.randn(3, 8), torch.randn(6, 3)), 3), lora(2), None]])
-    assert pool.signature != sig and pool.shared_a.shape == (1, 3, 8)
+    assert pool.signature != sig and [a.shape for a in pool.shared_a] == [(3, 8)]
     pool.update([[lora(2), None, None]])
-    assert pool.shared_group == -1 and pool.shared_a.numel() == 0
+    assert pool.shared_group == -1 and pool.shared_a == []
 
 
 def test_step_kinds():
@@ -161,7 +164,9 @@ def test_update_slot_equals_a_rebuild(monkeypatch):
         assert _same_signature(pool, fresh) and pool.facts == fresh.facts, where
         assert torch.equal(pool.slot_group, fresh.slot_group), where
         assert len(pool._cache) == len(fresh._cache), where
-        assert torch.equal(pool.shared_m, fresh.shared_m) and torch.equal(pool.shared_a, fresh.shared_a), where
+        assert torch.equal(pool.shared_m, fresh.shared_m), where
+        assert len(pool.shared_a) == len(fresh.shared_a), where
+        assert all(torch.equal(a, b) for a, b in zip(pool.shared_a, fresh.shared_a)), where
     assert 0 < len(rebuilds) < 80 and joined, "the slot's rows alone ran (a VeRA slot joining the shared group too)"
     assert len(rebuilds) >= 1, "and a rebuild, for a change of the grouping"
     assert sum(f is not None for f in alone) >= 10, "the facts from the changed slot's alone, often"
