@@ -48,10 +48,7 @@ class AsyncEngine:
                 self._run_commands()
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
-                    for out in outputs:
-                        stream = self._streams.get(out.request_id)
-                        if stream is not None:
-                            stream[0].call_soon_threadsafe(stream[1].put_nowait, out)
+                    self._deliver(outputs)
                     if self.on_step is not None:
                         self.on_step(self.engine, outputs)
                 else:
@@ -61,6 +58,17 @@ class AsyncEngine:
             self.error = e
             for loop, q in list(self._streams.values()):
                 loop.call_soon_threadsafe(q.put_nowait, e)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one `call_soon_threadsafe` per event loop, not per output (each
+        call takes the loop's lock and writes to its wake-up pipe: a system call per running request per step)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                batches.setdefault(stream[0], []).append((stream[1], out))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _run_commands(self) -> None:
         while True:
@@ -113,6 +121,11 @@ class _NoLoop:
     @staticmethod
     def call_soon_threadsafe(*args) -> None:
         return None
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:  # unbounded queues: never full
+        q.put_nowait(out)
 
 
 def _settle(future: asyncio.Future, result, error) -> None:
