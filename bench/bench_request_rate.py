@@ -9,13 +9,14 @@ request alone) and the queue does not grow (every request starts within ``--max-
 stops, its requests aborted, as soon as one has waited longer, so an overloaded rate costs seconds). For each
 (method, N, popularity, variant) the highest sustained rate is found by doubling from ``--start-rate``, then
 bisecting; every run's TTFT and TPOT percentiles are recorded, with the engine's counts of what bounds it
-(`engine_counts`: steps, those that ran eagerly, graphs captured, Triton kernels compiled), the mean time of a step
-and its mean tokens (a rate that fails on time per token: slower steps, or more requests in each) and its slowest
-step (a compile or a capture mid-run stalls every running request: it shows there). Before each (variant, N), one
-request per adapter the device slots hold warms them and a shrinking batch captures the graphs of every batch size
-up to ``--requests`` (`warm_graphs`: a server's steady state), ``--warm-arrivals`` requests arriving at
-``--start-rate`` run unmeasured (mixed steps, prompts beside decodes, whose kernels compile on first use), then one
-request alone gives the unloaded TPOT.
+(`engine_counts`: steps, those that ran eagerly, graphs captured, Triton kernels compiled), the mean time of a step,
+of it the mean time the host waited for the GPU (what the host's own work did not fill), and its mean tokens (a rate
+that fails on time per token: slower steps, or more requests in each) and its slowest step (a compile or a capture
+mid-run stalls every running request: it shows there). Before each (variant, N), one request per adapter the device
+slots hold warms them and a shrinking batch captures the graphs of every batch size up to ``--requests``
+(`warm_graphs`: a server's steady state), ``--warm-arrivals`` requests arriving at ``--start-rate`` run unmeasured
+(mixed steps, prompts beside decodes, whose kernels compile on first use), then one request alone gives the unloaded
+TPOT.
 
 Variants: ``native`` (the method's own adapters) and ``lora-rR`` for each ``--ranks`` R. A conversion's adapters
 are N LoRA checkpoints of the conversion's shape (rank R on the same modules; random tensors: what the engine
@@ -128,6 +129,7 @@ def run_load(engine, paths: list[str], rate: float, args, seed: int) -> dict:
                 tpot_p50=percentile(tpot, 50), tpot_p90=percentile(tpot, 90), tpot_p99=percentile(tpot, 99),
                 max_queue_s=max(queue) if queue else None, slowest_step_s=slowest,
                 mean_step_s=busy / max(counted["steps"], 1),
+                mean_wait_s=counted["device_wait_s"] / max(counted["steps"], 1),
                 tokens_per_step=counted["batched_tokens"] / max(counted["steps"], 1), **counted)
 
 
@@ -137,6 +139,7 @@ def engine_counts(engine) -> dict[str, float]:
     and the Triton kernels compiled (`count_compiles`)."""
     graphs = engine.runner.graphs  # None without CUDA graphs
     return dict(steps=engine.stats["steps"], batched_tokens=engine.stats["batched_tokens"],
+                device_wait_s=engine.stats["device_wait_s"],
                 graph_replays=graphs.num_replays if graphs else 0,
                 graphs_captured=graphs.num_captured if graphs else 0,
                 capture_s=graphs.capture_seconds if graphs else 0.0, kernels_compiled=COMPILES[0])
@@ -194,7 +197,8 @@ def max_rate(engine, paths: list[str], args, unloaded_tpot: float) -> tuple[floa
         runs.append(run)
         tpot = "-" if run["tpot_p90"] is None else f"{1e3 * run['tpot_p90']:.1f} ms"
         print(f"    rate {rate:8.2f}/s: tpot p90 {tpot}, queue {run['max_queue_s']:.2f} s, {run['steps']} steps of "
-              f"{1e3 * run['mean_step_s']:.2f} ms, {run['tokens_per_step']:.1f} tokens "
+              f"{1e3 * run['mean_step_s']:.2f} ms ({1e3 * run['mean_wait_s']:.2f} waiting for the GPU), "
+              f"{run['tokens_per_step']:.1f} tokens "
               f"({run['steps'] - run['graph_replays']} eager, {run['graphs_captured']} graphs captured, "
               f"{run['kernels_compiled']} kernels compiled, slowest {1e3 * run['slowest_step_s']:.0f} ms), "
               f"{'ok' if run['sustained'] else 'over (stopped early)' if run['aborted'] else 'over'}", flush=True)

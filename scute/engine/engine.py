@@ -66,7 +66,10 @@ class Engine:
         self.adapters.loader.turns.idle = functools.partial(self.collections.run_due, young=0.5)
         self._forking: list[ParentRequest] = []  # requests with n > 1 whose other samples wait for the prompt
         self._arrivals, self._ids = itertools.count(), itertools.count()
-        self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "batched_tokens": 0, "preemptions": 0}
+        # device_wait_s: seconds the host waited for a launched step's tokens (the GPU still ran it): what of the
+        # graph steps' time the host did not spend on its own work
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "batched_tokens": 0, "preemptions": 0,
+                      "device_wait_s": 0.0}
         self.output_processor = OutputProcessor(self.tokenizer, loaded.eos_token_ids, self.max_model_len, self.stats)
 
     def close(self) -> None:
@@ -232,7 +235,9 @@ class Engine:
         with self.adapters.loader.turns.waiting():
             if not flight.event.query():  # the GPU still runs it: the collections due meanwhile, the young
                 self.collections.run_due(young=0.125)  # from an eighth: the step's outputs then stay below it
+            start = time.perf_counter()
             result = flight.wait()
+            self.stats["device_wait_s"] += time.perf_counter() - start
         live = [r for r in flight.sampling if not r.is_finished]
         for req in flight.sampling:
             req.num_pending -= 1
