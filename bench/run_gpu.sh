@@ -18,6 +18,8 @@
 #            `bash bench/gpu_wheels.sh`, carried with the call), installed under /tmp/site
 #   compiles bench/bench_compiles.py: Triton compiles (on the step loop, on the adapter loader) and the running
 #            requests' slowest step in bursts of new step sizes on IA3 adapters, 4 layers (compiles.json, compiles.log)
+#   host     bench/bench_host_step.py: the engine's host time a decode step per request, forward stubbed, on this
+#            machine's CPU (what bounds the host-bound 4-layer request-rate runs; host_step.json, host.log)
 #   load     bench/bench_adapter_load.py: each method's time from a PEFT folder to servable (adapter_load.json)
 #   background bench/bench_background_loads.py: the decode step while cold adapters load (background_loads.json)
 #   decode   bench/profile_decode.py: GPU time per kernel and idle gaps of graph-replayed decode steps (decode.json)
@@ -69,6 +71,8 @@ for step in $steps; do
              tail -12 "$OUT/serving.log" ;;
     compiles) timeout 300 python3 bench/bench_compiles.py --out "$OUT/compiles.json" 2>&1 | grep -v Capturing \
                 > "$OUT/compiles.log"; tail -14 "$OUT/compiles.log" ;;
+    host) timeout 200 python3 bench/bench_host_step.py --requests 32,128 --repeats 9 --out "$OUT/host_step.json" \
+            > "$OUT/host.log" 2>&1; tail -6 "$OUT/host.log" ;;
     load) timeout 280 python3 bench/bench_adapter_load.py --device cuda --out "$OUT/adapter_load.json" > "$OUT/load.log" 2>&1
           tail -12 "$OUT/load.log" ;;
     background) timeout 400 python3 bench/bench_background_loads.py --out "$OUT/background_loads.json" \
