@@ -14,9 +14,7 @@ from scute.outputs import CompletionOutput, RequestOutput
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: list[int], max_model_len: int, stats: dict) -> None:
         self.tokenizer, self.eos_token_ids, self.max_model_len, self.stats = tokenizer, eos_token_ids, max_model_len, stats
-        # a tokenizer that cleans up spaces (" ." -> ".") can join tokens across a window's start: `text` then
-        # decodes in full, as for a tokenizer unknown to transformers
-        self.incremental = getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
+        self.incremental = keeps_spaces(tokenizer)
 
     def append_tokens(self, sampling: list[Request], result: SamplerOutput) -> None:
         """Append each request's sampled token (and logprobs), then check its stop conditions. A request that
@@ -132,6 +130,26 @@ class OutputProcessor:
             logprobs=req.logprobs[tokens:] if sp.logprobs is not None else None,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
         )
+
+
+CLEANUP_PROBE = "a . b , c ! d ? e"  # text that transformers' clean-up of spaces changes (" ." -> ".", ...)
+
+
+def keeps_spaces(tokenizer) -> bool:
+    """Whether the tokenizer's decode keeps the spaces its tokens decode to, so that `OutputProcessor.text` may
+    decode a few tokens at a time: one that cleans them up (" ." -> ".") can join tokens across a window's start,
+    and its text is then decoded in full every time (as a tokenizer unknown to transformers' is). Asked of the
+    decode itself where `clean_up_tokenization_spaces` is set: transformers ignores the flag for BPE tokenizers,
+    Llama 3's among them (which set it), and a full decode every step costs a request time in its length."""
+    flag = getattr(tokenizer, "clean_up_tokenization_spaces", None)
+    if flag is None or flag is False:
+        return flag is False
+    try:
+        ids = tokenizer.encode(CLEANUP_PROBE, add_special_tokens=False)
+        kept = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+        return " ." in kept and tokenizer.decode(ids) == kept  # else it cleans up, or the probe cannot tell
+    except Exception:  # noqa: BLE001 - a tokenizer whose decode takes no such option: decode in full
+        return False
 
 
 def stop_prefix_at_end(text: str, stops: Sequence[str], end: int) -> int:

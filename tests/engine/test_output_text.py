@@ -85,6 +85,25 @@ def test_a_tokenizer_that_cleans_up_spaces_decodes_in_full():
     assert not out.incremental and req.read_offset == 0
 
 
+def test_a_bpe_tokenizer_whose_decode_keeps_spaces_is_decoded_incrementally():
+    """Llama 3's tokenizer sets clean_up_tokenization_spaces, which transformers ignores for BPE tokenizers: what
+    decides is whether the decode cleans up, asked of the decode, and the text still equals the full decode."""
+    tok = tokenizer("byte_bpe")
+    tok.clean_up_tokenization_spaces = True
+    ids = tok.encode(" ".join(corpus(3)[:4]))
+    raw = tok.decode(ids, clean_up_tokenization_spaces=False)
+    assert " ." in raw or " ," in raw  # the text holds what a clean-up would change
+    out = OutputProcessor(tok, [], 1 << 20, {})
+    assert out.incremental == (tok.decode(ids) == raw)  # transformers 5.24 keeps a BPE tokenizer's spaces
+    req = request(SamplingParams(max_tokens=1000))
+    for k, token in enumerate(ids, 1):
+        req.append_token(token)
+        full = tok.decode(ids[:k], skip_special_tokens=True)
+        if not full.endswith("\ufffd"):
+            assert out.text(req) == full, k
+    assert req.prefix_offset > 0 or not out.incremental  # windows moved on: not a full decode every step
+
+
 def test_a_stop_string_across_the_new_texts_edge_is_found():
     """Stop strings are searched only where the new text can complete one: one that began in text already
     searched and ends in the new text still stops the request, cut where it starts."""
