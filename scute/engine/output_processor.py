@@ -13,7 +13,8 @@ from scute.outputs import CompletionOutput, RequestOutput
 
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: list[int], max_model_len: int, stats: dict) -> None:
-        self.tokenizer, self.eos_token_ids, self.max_model_len, self.stats = tokenizer, eos_token_ids, max_model_len, stats
+        self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
+        self.max_model_len, self.stats = max_model_len, stats
         self.incremental = keeps_spaces(tokenizer)
 
     def append_tokens(self, sampling: list[Request], result: SamplerOutput) -> None:
