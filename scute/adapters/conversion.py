@@ -60,6 +60,9 @@ class LayerCheckpoint:
     options: Mapping[str, object] = field(default_factory=dict)  # the method's own load options, as given
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where the converter computes
     interned: Interned = field(default_factory=dict)  # the shared matrices of the adapters loaded together
+    # every adapted layer's tensors by module name, this one's among them: for a converter that computes something
+    # for all layers at once (OFT's rotations, a few batched kernels instead of a few per layer), kept in `shared`
+    peers: Mapping[str, Mapping[str, Tensor]] = field(default_factory=dict, repr=False)
 
     @cached_property
     def in_features(self) -> int:
@@ -210,7 +213,7 @@ def convert_checkpoint(
         if bias is not None and tuple(bias.shape) != (shapes[name][0],):
             raise ckpt.error(f"trained bias has shape {tuple(bias.shape)}, layer needs ({shapes[name][0]},)", name)
         layer = LayerCheckpoint(name, ckpt.config, base, bias, tensors, ckpt, globals_, shapes, shared, dense=dense,
-                                options=options, device=device, interned=interned)
+                                options=options, device=device, interned=interned, peers=groups)
         if tensors or (method.tensorless_targets and name in expected):  # method tensors, or derived from globals
             try:
                 slots = method.convert(layer)

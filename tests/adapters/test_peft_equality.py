@@ -287,7 +287,7 @@ CASES: dict[str, Case] = {
                          BOTH),
     "oft_neumann8": Case(lambda: OFTConfig(r=0, oft_block_size=16, num_cayley_neumann_terms=8, target_modules=QKV),
                          BOTH),
-    "oft_coft": Case(lambda: OFTConfig(r=0, oft_block_size=8, coft=True, eps=3.0, target_modules=QKV), BOTH),
+    "oft_coft": Case(lambda: OFTConfig(r=0, oft_block_size=8, coft=True, eps=3.0, target_modules=ALL_LINEAR), BOTH),
     "oft_block_share": Case(lambda: OFTConfig(r=0, oft_block_size=8, block_share=True, target_modules=ALL_LINEAR),
                             BOTH),
     "oft_r": Case(lambda: OFTConfig(r=4, oft_block_size=0, target_modules=["q_proj", "o_proj"]), BOTH),

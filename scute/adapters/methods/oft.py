@@ -6,8 +6,10 @@ Cayley map ``(I − Q)(I + Q)⁻¹``, or — PEFT's default — by its truncated
 ``I + 2Q + 2Q² + … + Q^{k−1}``, which is reproduced term for term (it is *not* the exact map). COFT projects Q
 first. Normal form: ``T = blockdiag(R_kᵀ)`` (one block if `block_share`), live.
 
-A load converts every layer on W0's device, where each small op costs a kernel launch: Rᵀ is computed directly
-from Qᵀ = −Q, and the skew index map, the identity and the COFT radius are made once per block size and device.
+A load converts every layer on W0's device, where each small op costs a kernel launch: the rotations of all the
+adapter's layers of one block size are computed as one batch at its first layer (`rotations`: a dozen operations
+and a copy per layer, where each layer took a dozen), Rᵀ directly from Qᵀ = −Q, and the skew index map, the
+identity and the COFT radius are made once per block size and device.
 """
 
 from __future__ import annotations
@@ -53,10 +55,12 @@ def skew_t(vec: Tensor, b: int) -> Tensor:
     return (padded.index_select(1, index) * sign).view(vec.shape[0], b, b)
 
 
-def coft_project(Q: Tensor, eps: float) -> Tensor:
-    """COFT: blocks with ‖Q‖_F above eps/√n are scaled onto that radius (PEFT rounds the radius to float32).
+def coft_project(Q: Tensor, eps: float, sizes: list[int]) -> Tensor:
+    """COFT: blocks with ‖Q‖_F above eps/√n are scaled onto that radius (PEFT rounds the radius to float32), n the
+    number of blocks of each layer of `sizes` (the blocks of several layers in one batch, in order).
     Elementwise given the norm, so ``coft_project(Qᵀ) == coft_project(Q)ᵀ`` exactly."""
-    radius = _coft_radius(Q.shape[0], eps, str(Q.device), torch.get_default_dtype())
+    device, dtype = str(Q.device), torch.get_default_dtype()
+    radius = torch.cat([_coft_radius(n, eps, device, dtype).expand(n) for n in sizes])[:, None, None]
     norm = torch.linalg.norm(Q, dim=(1, 2), keepdim=True)
     return torch.where(norm <= radius, Q, radius * (Q / norm))
 
@@ -66,9 +70,10 @@ def cayley(Q: Tensor, neumann_terms: int | None) -> Tensor:
     is None, else PEFT's truncated series ``I + 2Q + 2Q² + … + 2Q^{t−2} + Q^{t−1}`` (t = `neumann_terms`, summed
     in that order).
 
-    Called with PEFT's Qᵀ it gives PEFT's Rᵀ bit for bit, with no transpose of the series: each power is
-    ``Q @ Q^{k−1}``, the transpose of PEFT's ``Q^{k−1} @ Q`` (the same products summed in the same order). The
-    exact map is PEFT's own solve on −Q (then PEFT's Q), transposed: a strided view, copied by the caller.
+    Called with PEFT's Qᵀ it gives PEFT's Rᵀ, with no transpose of the series: each power is ``Q @ Q^{k−1}``, the
+    transpose of PEFT's ``Q^{k−1} @ Q`` (the same products summed in the same order: bit for bit where a batched
+    product rounds each matrix as a product alone would, as on the CPU). The exact map is PEFT's own solve on −Q
+    (then PEFT's Q), transposed: a strided view, copied by the caller.
     """
     eye = _identity(Q.shape[-1], Q.dtype, str(Q.device))
     if neumann_terms is None:
@@ -86,22 +91,60 @@ def cayley(Q: Tensor, neumann_terms: int | None) -> Tensor:
     return R
 
 
+def _block(vec: Tensor, in_features: int, block_share: bool) -> tuple[int, str | None]:
+    """The block size b of a layer's ``oft_R.weight`` [n_blocks, b(b−1)/2], and what is wrong with its shape for a
+    layer of `in_features` inputs (None: nothing)."""
+    n_stored, n = vec.shape if vec.dim() == 2 else (0, 0)
+    b = round((1 + math.sqrt(1 + 8 * n)) / 2)
+    if b < 2 or b * (b - 1) // 2 != n or in_features % b:
+        return b, (f"oft_R.weight has shape {tuple(vec.shape)}: no block size divides in_features={in_features} "
+                   "(adapter trained for another model?)")
+    if n_stored != (1 if block_share else in_features // b):
+        return b, f"oft_R.weight has {n_stored} blocks of size {b}; in_features={in_features}"
+    return b, None
+
+
+def rotations(vecs: list[Tensor], b: int, config: dict) -> list[Tensor]:
+    """Rᵀ [n_i, b, b] from each ``oft_R.weight`` [n_i, b(b−1)/2] of `vecs` (one block size), computed as one batch:
+    COFT's radius is each layer's own (eps/√n_i, PEFT's float32 expression), each block's map its own."""
+    Qt, sizes = skew_t(torch.cat(vecs), b), [v.shape[0] for v in vecs]
+    if config.get("coft"):
+        Qt = coft_project(Qt, float(config.get("eps", 6e-5)), sizes)
+    terms = int(config.get("num_cayley_neumann_terms", 5)) if config.get("use_cayley_neumann", True) else None
+    Rt = cayley(Qt, terms)  # = Rᵀ, see `cayley`
+    return [r.clone(memory_format=torch.contiguous_format) for r in Rt.split(sizes)]
+
+
+def _adapter_rotations(layer: LayerCheckpoint) -> dict[str, Tensor]:
+    """Rᵀ of every layer of the adapter whose ``oft_R.weight`` has a valid shape, by module name, computed at its
+    first layer (a batch per block size: a few kernels for the adapter instead of ten or so per layer, each a
+    launch from Python on the GPU) and kept in ``layer.shared``. A layer whose tensor has another shape is left
+    out: its own conversion refuses it."""
+    done = layer.shared.get("oft_rotations")
+    if done is None:
+        share = bool(layer.config.get("block_share"))
+        by_block: dict[int, list[tuple[str, Tensor]]] = {}
+        for name, tensors in layer.peers.items():
+            vec = tensors.get("oft_R.weight")
+            b, problem = (0, "") if vec is None else _block(vec, layer.layer_shapes[name][1], share)
+            if problem is None:
+                by_block.setdefault(b, []).append((name, vec if vec.dtype == layer.dtype else vec.to(layer.dtype)))
+        done = layer.shared["oft_rotations"] = {}
+        for b, members in by_block.items():
+            done.update(zip([name for name, _ in members], rotations([v for _, v in members], b, layer.config)))
+    return done
+
+
 @register_method("OFT", keys=("oft_R.weight",), on_device=True)
 def convert_oft(layer: LayerCheckpoint) -> Slots:
     cfg = layer.config
     if "oft_block_size" not in cfg:
         raise layer.error("OFT checkpoints from PEFT < 0.14 (no oft_block_size in the config) are not supported")
     vec = layer.tensor("oft_R.weight")
-    n_stored, n = vec.shape if vec.dim() == 2 else (0, 0)
-    b = round((1 + math.sqrt(1 + 8 * n)) / 2)
-    if b < 2 or b * (b - 1) // 2 != n or layer.in_features % b:
-        raise layer.error(f"oft_R.weight has shape {tuple(vec.shape)}: no block size divides "
-                          f"in_features={layer.in_features} (adapter trained for another model?)")
-    if n_stored != (1 if cfg.get("block_share") else layer.in_features // b):
-        raise layer.error(f"oft_R.weight has {n_stored} blocks of size {b}; in_features={layer.in_features}")
-    Qt = skew_t(vec, b)
-    if cfg.get("coft"):
-        Qt = coft_project(Qt, float(cfg.get("eps", 6e-5)))
-    terms = int(cfg.get("num_cayley_neumann_terms", 5)) if cfg.get("use_cayley_neumann", True) else None
-    Rt = cayley(Qt, terms)  # = Rᵀ, see `cayley`
-    return Slots(layer.in_features, layer.out_features, t_blocks=Rt.contiguous())
+    b, problem = _block(vec, layer.in_features, bool(cfg.get("block_share")))
+    if problem is not None:
+        raise layer.error(problem)
+    Rt = _adapter_rotations(layer).get(layer.name)
+    if Rt is None:  # a layer outside the adapter's peers (converted alone)
+        Rt = rotations([vec], b, cfg)[0]
+    return Slots(layer.in_features, layer.out_features, t_blocks=Rt)
