@@ -7,15 +7,25 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 from torch import Tensor
+
+
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}  # host_to_device's dtypes
 
 
 def host_to_device(values: list, dtype: torch.dtype, device: torch.device, out: Tensor | None = None) -> Tensor:
     """One host-to-device copy of a Python list. On CUDA the host tensor is pinned and the copy asynchronous,
     so building a step's inputs never waits for the GPU. `out`: a preallocated buffer to copy into (its
-    first len(values) entries; returned as that slice), so tensors can live at fixed addresses."""
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    first len(values) entries; returned as that slice), so tensors can live at fixed addresses. The list is read
+    by numpy (about 3x faster than `torch.tensor` per element: a long prompt's inputs, a penalized batch's tokens)."""
+    array = np.array(values, dtype=_NUMPY[dtype])
+    if device.type == "cuda":
+        host = torch.empty(array.shape, dtype=dtype, pin_memory=True)
+        host.numpy()[...] = array
+    else:
+        host = torch.from_numpy(array)
     if out is not None:
         dst = out[: host.shape[0]] if host.dim() == 1 else out[: host.shape[0], : host.shape[1]]
         dst.copy_(host, non_blocking=True)
