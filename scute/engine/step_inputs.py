@@ -64,16 +64,24 @@ class GraphStep:
     capture: bool = False
 
 
-def _append_one(x: StepInputs | GraphStep, req: Request, pos: int, block_size: int) -> bool:
-    """Append the request's token at position `pos` to the token lists of `x` (its id, a 0 if the host does not
-    have it yet, its position, KV slot and adapter slot): the per-token lists a multi-token request builds, a
-    decoding request's one token without them. Whether the host has its id."""
-    known = pos < len(req.all_token_ids)
-    x.input_ids.append(req.all_token_ids[pos] if known else 0)
-    x.positions.append(pos)
-    x.slot_mapping.append(req.block_table[pos // block_size] * block_size + pos % block_size)
-    x.token_slots.append(req.adapter_slot if pos >= req.adapter_start else -1)
-    return known
+def _append_tokens(x: StepInputs | GraphStep, req: Request, start: int, num: int, block_size: int) -> int:
+    """Append the request's tokens at positions [start, start + num) to the token lists of `x`: ids (0 where the
+    host does not have one yet), positions, KV slots, adapter slots; returns how many ids the host has (the first
+    ones). A decoding request's one token (most of a step's) is appended as it is, without per-token lists."""
+    ids = req.all_token_ids
+    if num == 1:
+        known = start < len(ids)  # a bool: 1 or 0
+        x.input_ids.append(ids[start] if known else 0)
+        x.positions.append(start)
+        x.slot_mapping.append(req.block_table[start // block_size] * block_size + start % block_size)
+        x.token_slots.append(req.adapter_slot if start >= req.adapter_start else -1)
+        return known
+    table, have, bs = req.block_table, ids[start:start + num], block_size
+    x.input_ids += have + [0] * (num - len(have))
+    x.positions += range(start, start + num)
+    x.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + num)]
+    x.token_slots += req.token_adapter_slots(start, num)
+    return len(have)
 
 
 def eager_inputs(sched: SchedulerOutput, block_size: int) -> tuple[StepInputs, PromptRows | None]:
@@ -83,13 +91,7 @@ def eager_inputs(sched: SchedulerOutput, block_size: int) -> tuple[StepInputs, P
     prompt_rows: PromptRows | None = None
     for req, num_new in sched.scheduled:
         start, table = req.num_computed_tokens, req.block_table
-        if num_new == 1:  # a decoding request (most of a step's)
-            _append_one(x, req, start, bs)
-        else:
-            x.input_ids += req.all_token_ids[start:start + num_new]
-            x.positions += range(start, start + num_new)
-            x.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + num_new)]
-            x.token_slots += req.token_adapter_slots(start, num_new)
+        _append_tokens(x, req, start, num_new, bs)  # an eager step's tokens are all on the host
         if req.needs_prompt_logprobs:  # the logits of its prompt positions too, in token order
             prompt_rows = prompt_rows or PromptRows()
             prompt_rows.add(req, start, num_new, x.query_start_loc[-1], x.logits_indices, x.sample_slots)
@@ -112,19 +114,10 @@ def graph_step(sched: SchedulerOutput, shape: GraphShape, block_size: int,
     step = GraphStep(shape)
     for req, num_new in sched.scheduled:
         start, table, row = req.num_computed_tokens, req.block_table, len(step.input_ids)
-        if num_new == 1:  # a decoding request (most of a step's)
-            if not _append_one(step, req, start, bs):
-                step.gather[0].append(row)
-                step.gather[1].append(flight_rows[req])
-        else:
-            known = req.all_token_ids[start:start + num_new]
-            for i in range(len(known), num_new):
-                step.gather[0].append(row + i)
-                step.gather[1].append(flight_rows[req])
-            step.input_ids += known + [0] * (num_new - len(known))
-            step.positions += range(start, start + num_new)
-            step.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + num_new)]
-            step.token_slots += req.token_adapter_slots(start, num_new)
+        known = _append_tokens(step, req, start, num_new, bs)
+        if known < num_new:  # the rest was sampled by the step in flight
+            step.gather[0].extend(range(row + known, row + num_new))
+            step.gather[1].extend([flight_rows[req]] * (num_new - known))
         step.query_lens.append(num_new)
         step.seq_lens.append(start + num_new)
         step.block_tables.append(table)
