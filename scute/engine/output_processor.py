@@ -143,7 +143,7 @@ def keeps_spaces(tokenizer) -> bool:
     decode itself where `clean_up_tokenization_spaces` is set: transformers ignores the flag for BPE tokenizers,
     Llama 3's among them (which set it), and a full decode every step costs a request time in its length."""
     flag = getattr(tokenizer, "clean_up_tokenization_spaces", None)
-    if flag is None or flag is False:
+    if flag is not True:  # False: it keeps them; None: not a transformers tokenizer
         return flag is False
     try:
         ids = tokenizer.encode(CLEANUP_PROBE, add_special_tokens=False)

@@ -125,8 +125,9 @@ def _adapter_rotations(layer: LayerCheckpoint) -> dict[str, Tensor]:
         share = bool(layer.config.get("block_share"))
         by_block: dict[int, list[tuple[str, Tensor]]] = {}
         for name, tensors in layer.peers.items():
-            vec = tensors.get("oft_R.weight")
-            b, problem = (0, "") if vec is None else _block(vec, layer.layer_shapes[name][1], share)
+            if (vec := tensors.get("oft_R.weight")) is None:
+                continue
+            b, problem = _block(vec, layer.layer_shapes[name][1], share)
             if problem is None:
                 by_block.setdefault(b, []).append((name, vec if vec.dtype == layer.dtype else vec.to(layer.dtype)))
         done = layer.shared["oft_rotations"] = {}
@@ -145,6 +146,6 @@ def convert_oft(layer: LayerCheckpoint) -> Slots:
     if problem is not None:
         raise layer.error(problem)
     Rt = _adapter_rotations(layer).get(layer.name)
-    if Rt is None:  # a layer outside the adapter's peers (converted alone)
+    if Rt is None:  # a layer checkpoint made without its peers (not by `convert_checkpoint`): converted alone
         Rt = rotations([vec], b, cfg)[0]
     return Slots(layer.in_features, layer.out_features, t_blocks=Rt)
