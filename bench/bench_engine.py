@@ -155,7 +155,8 @@ def adapter_bytes(engine, specs: list) -> int:
 
 
 class StepClock:
-    """Wraps an engine so that each step's wall time and the part of it spent waiting for the GPU are known."""
+    """Wraps an engine so that each step's wall time and the part of it spent waiting for the GPU are known: an
+    eager step's wait where its tokens are read, a graph step's as the engine counts it (`device_wait_s`)."""
 
     def __init__(self, engine) -> None:
         self.engine, self.wait = engine, 0.0
@@ -170,17 +171,6 @@ class StepClock:
             return original(sampling, result)
 
         processor.append_tokens = append_tokens
-        from scute.engine import model_runner
-
-        wait = model_runner.InFlight.wait
-
-        def timed_wait(flight):  # an overlapped decode step's tokens: the wait for the GPU happens here
-            start = time.perf_counter()
-            flight.event.synchronize()
-            self.wait += time.perf_counter() - start
-            return wait(flight)
-
-        model_runner.InFlight.wait = timed_wait
 
     def run(self, prompts: list[list[int]], specs: list, max_tokens: int) -> dict:
         from scute import SamplingParams
@@ -195,8 +185,9 @@ class StepClock:
         start = time.perf_counter()
         while engine.has_unfinished_requests():
             batched, lens = engine.stats["batched_tokens"], [r.num_tokens for r in engine.scheduler.running]
-            self.wait, t0 = 0.0, time.perf_counter()
+            self.wait, waited, t0 = 0.0, engine.stats["device_wait_s"], time.perf_counter()
             engine.step()
+            self.wait += engine.stats["device_wait_s"] - waited  # an overlapped decode step's tokens
             new = engine.stats["batched_tokens"] - batched
             if new != len(lens) and torch.cuda.is_available():  # prompt tokens: a step launched from a graph
                 torch.cuda.synchronize()  # returns before its GPU work ends, and its time is the prompt's
