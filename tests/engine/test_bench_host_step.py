@@ -1,5 +1,5 @@
-"""bench/bench_host_step.py on the CPU: a row per (batch, output kind), each request decoding with the forward
-stubbed out, and the engine left with nothing running between rows."""
+"""bench/bench_host_step.py on the CPU: a row per (batch, output kind), each timed over decoding requests with the
+forward stubbed out, and a graph step's inputs timed beside."""
 
 from __future__ import annotations
 
@@ -16,6 +16,5 @@ def test_host_step_rows(tmp_path):
                                    "--out", str(tmp_path / "host.json")])
     rows = result["rows"]
     assert [(r["requests"], r["output_kind"]) for r in rows] == [(n, k) for n in (2, 5) for k in bench_host_step.KINDS]
-    assert all(r["step_us"] > 0 and abs(r["request_us"] * r["requests"] - r["step_us"]) < 1e-6 for r in rows)
-    assert all(0 < r["graph_inputs_us"] for r in rows)
+    assert all(r["step_us"] > 0 and r["graph_inputs_us"] > 0 for r in rows)
     assert (tmp_path / "host.json").exists()

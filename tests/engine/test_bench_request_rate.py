@@ -41,8 +41,7 @@ def test_request_rate_bench_runs_and_records_rows(tmp_path, monkeypatch):
     assert run["slowest_step_s"] > 0 and run["kernels_compiled"] == 0  # the CPU's interpreter compiles nothing
     assert 0 < run["mean_step_s"] <= run["slowest_step_s"] and run["mean_wait_s"] == 0  # the CPU: no graph steps
     # 8 requests of --prompt tokens, each generating --new-tokens: every token computed once (no prefix hits)
-    tokens = 8 * (saved["prompt"] + saved["new_tokens"] - 1)
-    assert run["tokens_per_step"] * run["steps"] == run["batched_tokens"] == tokens
+    assert run["batched_tokens"] == 8 * (saved["prompt"] + saved["new_tokens"] - 1)
     before = list(bench_request_rate.COMPILES)
     assert triton.knobs.runtime.jit_cache_hook(key="k", repr="r", fn=None, compile={}, is_manual_warmup=False,
                                                already_compiled=False) is False
