@@ -62,10 +62,10 @@ def calls(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- a tiny Llama
-def _llama(paths: dict, packed: dict | None):
-    """The tiny Llama with adapters; its MLPs call gate/up through `project` (scute.model.layers' MLP forward),
-    its attention HF's own (q, k, v called one by one: each alone)."""
-    model = tiny_model("llama").to(DEVICE)
+def _llama(paths: dict, packed: dict | None, device: str = DEVICE):
+    """The tiny Llama with adapters (converted where its weights are); its MLPs call gate/up through `project`
+    (scute.model.layers' MLP forward), its attention HF's own (q, k, v called one by one: each alone)."""
+    model = tiny_model("llama").to(device)
     linears = swap_linears(model, 8) if packed is None else swap_linears(model, 8, packed_modules_mapping=packed)
     for slot, (name, path) in enumerate(paths.items()):
         place_adapter(linears, slot, load_adapter(path, model, name=name))
@@ -104,7 +104,7 @@ def test_tiny_llama_grouped_equals_alone_equals_reference(tmp_path, calls, monke
     monkeypatch.delenv("SCUTE_TRITON_CPU")
     with torch.no_grad():
         base = _fused_mlps(tiny_model("llama"))(input_ids).logits
-    model = _llama(paths, None).cpu()
+    model = _llama(paths, None, "cpu")
     reference = _logits(model, input_ids, row_slots, "cpu")
 
     for row, slot in enumerate(row_slots.tolist()):
