@@ -181,14 +181,14 @@ class Engine:
         call reports) while the GPU runs, and the new step's tokens land in the next call (a request that
         stopped is computed once more, and that token dropped). Placements advance in between, while the step in
         flight runs with the new one queued behind it (`Placer`). Any other step first lands the step in flight:
-        its inputs need every token on the host; so does one sampling a penalized request (`Penalties.of`)."""
+        its inputs need every token on the host (a penalized request's tokens are on the device: `PenaltyTokens`)."""
         self._release_samples()
         done, self._reported = self._reported, []
         done += self.adapters.poll(self.scheduler.finish)  # adapters loaded meanwhile; failed loads fail their requests
         sched = self.scheduler.schedule()
         self.stats["preemptions"] += len(sched.preempted)
         sampling = [req for req, n in sched.scheduled if req.num_computed_tokens + n == req.num_tokens]
-        land_first = self.tp is not None or any(r.num_pending and r.sampling_params.has_penalties for r in sampling)
+        land_first = self.tp is not None
         flight = self.runner.launch(sched, sampling, self._in_flight) if sched.scheduled and not land_first else None
         placed = self.adapters.place(lambda run=self._in_flight or flight: run is None or not run.event.query())
         landed = self._land()

@@ -26,7 +26,7 @@ from scute.model.context import ForwardContext, forward_context
 from scute.engine.cuda_graph import (AdapterLayout, GraphShape, StepGraphs, bucket_of, capture_sizes, mixed_rows,
                                      mixed_sizes)
 from scute.engine.request import Request
-from scute.engine.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
+from scute.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from scute.engine.scheduler import SchedulerOutput
 from scute.engine.step_inputs import GraphStep, StepInputs, device_inputs, eager_inputs, graph_step, write_padded
 from scute.engine.utils import host_to_device
@@ -295,5 +295,6 @@ class ModelRunner:
                 cols += stops
             if sp.logprobs is not None:
                 num_logprobs = max(num_logprobs, sp.logprobs)
-        return SamplingBatch(temps, top_ks, top_ps, gens, (rows, cols), num_logprobs, Penalties.of(sampling))
+        return SamplingBatch(temps, top_ks, top_ps, gens, (rows, cols), num_logprobs,
+                             self.sampler.penalty_tokens.batch(sampling))
 

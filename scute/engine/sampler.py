@@ -1,8 +1,8 @@
 """Token selection for the rows of a step that reach the end of their request.
 
 Rows with penalties (presence, frequency, repetition: `Penalties`) first have their logits penalized by their
-request's earlier tokens, counted on the device; the other rows' logits are not touched. Greedy rows then take
-the argmax. Sampled rows apply temperature, top-k and top-p, then pick ``argmax(probs / E)`` with
+request's earlier tokens, kept (`PenaltyTokens`) and counted on the device; the other rows' logits are not
+touched. Greedy rows then take the argmax. Sampled rows apply temperature, top-k and top-p, then pick ``argmax(probs / E)`` with
 ``E ~ Exponential(1)`` per token (the exponential race: an exact draw from `probs`), where a request with a seed
 draws its noise from its own generator, so its tokens do not depend on the rest of the batch. Everything stays
 on the device; the caller's single `.tolist()` is the step's only host sync. Logprobs are those of the raw
@@ -56,42 +56,93 @@ class SamplingBatch:
 
 @dataclass
 class Penalties:
-    """The rows of a step with a penalty on (vLLM's presence, frequency and repetition penalties), with their
-    requests' tokens: `token_ids[i]` = [prompt, output], each padded with -1 to the longest of them. The host
-    must hold every token of these requests (`Engine` does not overlap a step that samples one, see `_step`)."""
+    """The rows of a step with a penalty on (vLLM's presence, frequency and repetition penalties): their rows in
+    the step's logits, their requests' rows in the device table of `tokens` and the output position each samples
+    (`PenaltyTokens.batch`), the three as one device tensor `index` [3, P]."""
 
     rows: list[int]
     presence: list[float]
     frequency: list[float]
     repetition: list[float]
-    token_ids: list[list[list[int]]]  # [P, 2, L]
+    tokens: PenaltyTokens
+    index: Tensor  # [3, P] int64 on the device: rows, table rows, positions
 
-    @staticmethod
-    def of(sampling: list) -> Penalties | None:
+    def apply(self, logits: Tensor) -> Tensor:
+        """`logits` [S, V] (float32) with the penalized rows replaced (a new tensor; the others copied as they are).
+        One host-to-device copy (the penalties; `index` came with the batch) and no host sync."""
+        rows = self.index[0]
+        values = host_to_device([self.presence, self.frequency, self.repetition], torch.float32, logits.device)
+        ids = self.tokens.ids[self.index[1]]  # [P, 2, W]
+        penalized = apply_penalties(logits[rows], ids[:, 0], ids[:, 1], values[0], values[1], values[2])
+        return logits.index_copy(0, rows, penalized)
+
+    def record(self, token_ids: Tensor) -> None:
+        """Write the step's sampled tokens [S] of the penalized rows into their requests' output rows, on the
+        device: the next step counts them whether or not the host has read them yet."""
+        rows, table_rows, positions = self.index
+        self.tokens.ids[table_rows, 1, positions] = token_ids[rows]
+
+
+class PenaltyTokens:
+    """The prompt and output token ids of the requests with a penalty on, kept on the device in one table `ids`
+    [rows, 2, width] (prompt, output; padded with -1), a row per request from its first sampled step until it
+    finishes. A request's prompt and the output tokens the host has are copied there once, when it gets its row;
+    each later token is written there by the step that samples it (`Penalties.record`), before the host reads it.
+    So a step copies only indices to the device, however long its requests, and a step can sample a penalized
+    request whose newest token is still in flight (the engine overlaps it like any other). The table grows by
+    doubling; the rows of finished requests are reused (a step still in flight that writes to one does so before
+    the reuse's writes, which queue behind it on the stream)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.rows: dict = {}  # Request -> its row
+        self._free: list[int] = []
+        self.ids = torch.full((0, 2, 0), -1, dtype=torch.int64, device=device)
+
+    def batch(self, sampling: list) -> Penalties | None:
         """The penalized rows among a step's sampling `Request`s, None if there are none."""
         rows = [row for row, req in enumerate(sampling) if req.sampling_params.has_penalties]
         if not rows:
             return None
+        for req in [r for r in self.rows if r.is_finished]:
+            self._free.append(self.rows.pop(req))
         requests = [sampling[row] for row in rows]
-        if any(r.num_pending for r in requests):
-            raise RuntimeError("a penalized request's newest token has not reached the host: Engine must land the "
-                               "step in flight before it samples this request")
-        width = max(max(r.num_prompt_tokens, len(r.output_token_ids)) for r in requests)
-        pad = lambda ids: ids + [-1] * (width - len(ids))  # noqa: E731
+        positions = [req.num_output_tokens for req in requests]  # each samples its output token at this index
+        self._grow(width=max(positions) + 1)
+        table_rows = [self.rows.get(req) for req in requests]
+        for i, req in enumerate(requests):
+            if table_rows[i] is None:
+                table_rows[i] = self._admit(req)
         sps = [r.sampling_params for r in requests]
+        index = host_to_device([rows, table_rows, positions], torch.int64, self.device)
         return Penalties(rows, [sp.presence_penalty for sp in sps], [sp.frequency_penalty for sp in sps],
-                         [sp.repetition_penalty for sp in sps],
-                         [[pad(r.prompt_token_ids), pad(r.output_token_ids)] for r in requests])
+                         [sp.repetition_penalty for sp in sps], self, index)
 
-    def apply(self, logits: Tensor) -> Tensor:
-        """`logits` [S, V] (float32) with the penalized rows replaced (a new tensor; the others copied as they are).
-        Three host-to-device copies (rows, penalties, padded token ids) and no host sync."""
-        device = logits.device
-        rows = host_to_device(self.rows, torch.int64, device)
-        values = host_to_device([self.presence, self.frequency, self.repetition], torch.float32, device)
-        ids = host_to_device(self.token_ids, torch.int64, device)
-        penalized = apply_penalties(logits[rows], ids[:, 0], ids[:, 1], values[0], values[1], values[2])
-        return logits.index_copy(0, rows, penalized)
+    def _admit(self, req) -> int:
+        """A row for `req`, holding its prompt and the output tokens the host has (all of them: its first sampled
+        step has none in flight)."""
+        if req.num_pending:
+            raise RuntimeError(f"request {req.request_id!r} has a penalty and a token in flight but no row of "
+                               "tokens on the device: its first sampled step was not given one")
+        row = self._free.pop() if self._free else len(self.rows)
+        self._grow(rows=row + 1, width=len(req.prompt_token_ids))
+        self.rows[req] = row
+        self.ids[row] = -1
+        for part, ids in enumerate((req.prompt_token_ids, req.output_token_ids)):
+            if ids:
+                self.ids[row, part, : len(ids)] = host_to_device(ids, torch.int64, self.device)
+        return row
+
+    def _grow(self, rows: int = 0, width: int = 0) -> None:
+        """At least `rows` rows and `width` columns, each doubling when it grows, the new entries -1."""
+        have_rows, have_width = self.ids.shape[0], self.ids.shape[2]
+        if rows <= have_rows and width <= have_width:
+            return
+        rows = max(rows, 2 * have_rows) if rows > have_rows else have_rows
+        width = max(width, 2 * have_width) if width > have_width else have_width
+        grown = torch.full((rows, 2, width), -1, dtype=torch.int64, device=self.device)
+        grown[:have_rows, :, :have_width] = self.ids
+        self.ids = grown
 
 
 def apply_penalties(logits: Tensor, prompt_ids: Tensor, output_ids: Tensor, presence: Tensor, frequency: Tensor,
@@ -123,6 +174,7 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # the engine's seeded generator, for rows without their own seed
+        self.penalty_tokens = PenaltyTokens(generator.device)
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         plain = not batch.masked[0] and batch.num_logprobs < 0 and batch.penalties is None
@@ -143,6 +195,8 @@ class Sampler:
             tokens = argmax_rows(logits)
         else:
             tokens = self._sample(logits, batch)
+        if batch.penalties is not None:
+            batch.penalties.record(tokens)
         return self._with_logprobs(raw, tokens, batch.num_logprobs)
 
     def _sample(self, logits: Tensor, batch: SamplingBatch) -> Tensor:

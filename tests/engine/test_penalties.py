@@ -1,6 +1,7 @@
-"""vLLM's presence, frequency and repetition penalties: the sampler against a loop over the definitions, the engine
-against a full-recompute greedy loop on the tiny model, and the overlap rule (a step sampling a penalized request
-whose newest token is in flight lands that token first) with a stand-in runner, as in `test_overlap.py`."""
+"""vLLM's presence, frequency and repetition penalties: the sampler against a loop over the definitions, the tokens
+kept on the device (`PenaltyTokens`) counted before the host reads them, the engine against a full-recompute greedy
+loop on the tiny model, and steps sampling penalized requests overlapped with a stand-in runner, as in
+`test_overlap.py`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from scute import Engine, SamplingParams
 from scute.engine.request import Request
-from scute.engine.sampler import Penalties, Sampler, SamplingBatch
+from scute.engine.sampler import PenaltyTokens, Sampler, SamplingBatch
 from tests.helpers import StandInRunner, random_prompts, tiny_model
 
 VOCAB = 64
@@ -64,24 +65,28 @@ def _logits(reqs, seed: int = 0):
     return logits
 
 
+def _penalties(reqs):
+    return PenaltyTokens(torch.device("cpu")).batch(reqs)
+
+
 def _batch(reqs, penalties=True, **kw):
     n = len(reqs)
     temps = [r.sampling_params.temperature for r in reqs]
     return SamplingBatch(temps, [0] * n, [1.0] * n, kw.get("generators", [None] * n), kw.get("masked", ([], [])),
-                         kw.get("logprobs", -1), Penalties.of(reqs) if penalties else None)
+                         kw.get("logprobs", -1), _penalties(reqs) if penalties else None)
 
 
 def test_penalties_match_the_definitions():
     reqs = _requests()
     logits = _logits(reqs)
-    penalties = Penalties.of(reqs)
+    penalties = _penalties(reqs)
     assert penalties.rows == [i for i, kw in enumerate(ROW_PARAMS) if kw]
     got = penalties.apply(logits)
     for i, req in enumerate(reqs):
         want = reference_penalties(logits[i], req.prompt_token_ids, req.output_token_ids, req.sampling_params)
         assert torch.equal(got[i], want), f"row {i}: {ROW_PARAMS[i]}"
         assert torch.equal(got[i], logits[i]) == (not ROW_PARAMS[i])  # untouched exactly when it has none
-    assert Penalties.of([r for i, r in enumerate(reqs) if not ROW_PARAMS[i]]) is None
+    assert _penalties([r for i, r in enumerate(reqs) if not ROW_PARAMS[i]]) is None
 
 
 def test_greedy_rows_with_penalties_take_the_penalized_argmax():
@@ -114,11 +119,58 @@ def test_sampled_rows_draw_from_the_penalized_distribution_and_logprobs_stay_raw
     assert torch.equal(got.top_ids, raw.topk(2, dim=-1).indices)
 
 
-def test_penalties_need_every_token_on_the_host():
+def test_tokens_in_flight_are_counted_from_the_device():
+    """Steps as the engine overlaps them: a step's sampled tokens reach the host after the next step has sampled,
+    yet every step's penalties count them (the step that sampled them wrote them on the device). Nine requests,
+    at most six at once, two more a step: finished ones free their rows for new ones (reset), more requests than
+    the table holds and outputs longer than its width grow it. Each step equals the definitions over the request's whole
+    history, and the penalties change some choices."""
+    g = torch.Generator().manual_seed(4)
+    params = [kw for kw in ROW_PARAMS if kw]
+    queue = [Request(f"q{i}", None, torch.randint(0, 24, (int(torch.randint(1, 7, (1,), generator=g)),),
+                                                  generator=g).tolist(),
+                     SamplingParams(temperature=0, **params[i % len(params)]), None, None, i) for i in range(9)]
+    lengths = {req: 3 + 7 * (i % 4) for i, req in enumerate(queue)}  # 3 to 24 output tokens
+    tokens, sampler = PenaltyTokens(torch.device("cpu")), Sampler(torch.Generator().manual_seed(0))
+    running, pending, rows, shapes, changed = [], {}, {}, set(), 0
+    while queue or running or pending:
+        for _ in range(2):  # two new requests a step at most, while fewer than six run
+            if len(running) < 6 and queue:
+                running.append(queue.pop(0))
+        got = []
+        if running:
+            histories = [r.output_token_ids + ([pending[r]] if r in pending else []) for r in running]
+            logits = 3 * torch.randn(len(running), VOCAB, generator=g)
+            for i, history in enumerate(histories):  # the best raw token one the request has: penalties matter
+                if history:
+                    logits[i, history[-1]] = logits[i].max() + 0.3
+            n = len(running)
+            batch = SamplingBatch([0.0] * n, [0] * n, [1.0] * n, [None] * n, ([], []), -1, tokens.batch(running))
+            got = sampler(logits, batch).token_ids.tolist()
+            rows.update((r.request_id, tokens.rows[r]) for r in running)
+            shapes.add(tuple(tokens.ids.shape))
+            for i, (req, history) in enumerate(zip(running, histories)):
+                want = reference_penalties(logits[i], req.prompt_token_ids, history, req.sampling_params)
+                assert got[i] == int(want.argmax()), (req.request_id, len(history))
+                changed += got[i] != int(logits[i].argmax())
+        for req, token in pending.items():  # the step before lands after this one sampled
+            req.num_pending -= 1
+            req.append_token(token)
+            if req.num_output_tokens == lengths[req]:
+                req.finish("length")
+        pending = dict(zip(running, got))
+        for req in pending:
+            req.num_pending += 1
+        running = [r for r in running if r.num_output_tokens < lengths[r]]
+    assert len(rows) == 9 and len(set(rows.values())) < 9  # rows were reused
+    assert len(shapes) > 2 and changed > 0  # the tables grew (rows and width)
+
+
+def test_a_row_is_given_only_to_a_request_without_tokens_in_flight():
     req = _requests()[1]
     req.num_pending = 1
-    with pytest.raises(RuntimeError, match="land the step in flight"):
-        Penalties.of([req])
+    with pytest.raises(RuntimeError, match="token in flight"):
+        _penalties([req])
 
 
 @pytest.mark.parametrize("bad", [{"presence_penalty": 2.5}, {"presence_penalty": -2.01}, {"frequency_penalty": 3},
@@ -184,37 +236,49 @@ def test_engine_greedy_with_penalties_matches_full_recompute(options):
     assert outputs[n:] == want  # the unpenalized requests: the tokens they get without penalized neighbours
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlapped_penalized_steps_on_the_gpu_match_full_recompute():
+    """On CUDA the decode steps are graph replays launched before the step in flight lands: penalized requests
+    sampled with a token in flight count it from the device, and their greedy tokens are the reference's."""
+    prompts = random_prompts([5, 9, 14, 20, 7, 11], seed=7)
+    prompts.insert(4, prompts[1])
+    model, n = tiny_model(), len(PENALIZED)
+    engine = Engine(tiny_model(), device="cuda", dtype="float32", max_model_len=64)
+    launch, in_flight = engine.runner.launch, []
+
+    def spy(sched, sampling, flight):
+        in_flight.append(any(r.num_pending and r.sampling_params.has_penalties for r in sampling))
+        return launch(sched, sampling, flight)
+
+    engine.runner.launch = spy
+    outputs = [o.outputs[0].token_ids for o in engine.generate(prompts, PENALIZED + PLAIN, use_tqdm=False)]
+    assert engine.runner.graphs is not None and engine.runner.graphs.num_replays > 0 and any(in_flight)
+    for prompt, sp, got in zip(prompts[:n], PENALIZED, outputs):
+        assert got == reference_greedy(model, prompt, sp, NEW), sp
+    assert outputs[n] == reference_greedy(model, prompts[n], PLAIN[0], NEW)
+
+
 # ---------------------------------------------------------------------------------------------- the overlap
 def penalized_model(history: list[int], position: int) -> int:
-    """A penalized request's next token depends on its whole history, read from the host as the sampler does."""
+    """A penalized request's next token depends on its whole history, as the sampler's penalties do."""
     return (sum(history[: position + 1]) * 13 + position) % VOCAB
 
 
 class CountingRunner(StandInRunner):
-    """Every decode step launched (graph-like), its tokens read a call later; a penalized request's token comes
-    from the host's copy of its tokens, like `Penalties.of`. Counts what the overlap rule must guarantee."""
+    """Every decode step launched (graph-like), its tokens read a call later; a penalized request's token comes from
+    its whole history as the device has it (the host's tokens and the one in flight, as `PenaltyTokens` keeps
+    them). Counts the penalized requests sampled with a token in flight."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.overlapped, self.after_landing, self.stale, self.eager_decodes = 0, 0, 0, 0
+        self.in_flight = 0
 
     def next_token(self, req, position: int, token: int) -> int:
         if req.sampling_params.has_penalties:
-            self.stale += req.num_pending > 0  # the host would lack its newest token
-            return penalized_model(req.all_token_ids, position)
+            self.in_flight += req.num_pending > 0
+            return penalized_model(req.all_token_ids[:position] + [token], position)
         return super().next_token(req, position, token)
-
-    def execute(self, sched, sampling):
-        self.eager_decodes += all(n == 1 for _, n in sched.scheduled) and len(sampling) == len(sched.scheduled)
-        return super().execute(sched, sampling)
-
-    def launch(self, sched, sampling, flight):
-        launched = super().launch(sched, sampling, flight)
-        if launched is not None and flight is not None:
-            self.overlapped += 1
-        elif launched is not None and any(r.sampling_params.has_penalties for r in sampling):
-            self.after_landing += 1
-        return launched
 
 
 def _overlap_run(overlap: bool):
@@ -231,10 +295,10 @@ def _overlap_run(overlap: bool):
     return [o.outputs[0].token_ids for o in outs], runner
 
 
-def test_a_penalized_request_is_not_overlapped():
+def test_a_penalized_request_is_overlapped():
+    """The engine launches a step sampling a penalized request before the step in flight lands (its tokens are
+    on the device), with the tokens of steps run to their end."""
     want, _ = _overlap_run(False)
     got, runner = _overlap_run(True)
     assert got == want
-    assert runner.stale == 0  # no penalized request was sampled before its newest token landed
-    assert runner.after_landing > 0 and runner.eager_decodes == 0  # they were launched (graph replay) after landing
-    assert runner.overlapped > 0  # once the penalized requests finished, decode steps overlapped again
+    assert runner.in_flight > 0
