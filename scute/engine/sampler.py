@@ -1,12 +1,12 @@
 """Token selection for the rows of a step that reach the end of their request.
 
 Rows with penalties (presence, frequency, repetition: `Penalties`) first have their logits penalized by their
-request's earlier tokens, kept (`PenaltyTokens`) and counted on the device; the other rows' logits are not
-touched. Greedy rows then take the argmax. Sampled rows apply temperature, top-k and top-p, then pick
-``argmax(probs / E)`` with ``E ~ Exponential(1)`` per token (the exponential race: an exact draw from `probs`), where a request with a seed
-draws its noise from its own generator, so its tokens do not depend on the rest of the batch. Everything stays
-on the device; the caller's single `.tolist()` is the step's only host sync. Logprobs are those of the raw
-logits, before penalties, masking and temperature.
+request's earlier tokens, kept (`PenaltyTokens`) and counted on the device; the other rows' logits are not touched.
+Greedy rows then take the argmax. Sampled rows apply temperature, top-k and top-p, then pick ``argmax(probs / E)``
+with ``E ~ Exponential(1)`` per token (the exponential race: an exact draw from `probs`), where a request with a
+seed draws its noise from its own generator, so its tokens do not depend on the rest of the batch. Everything stays
+on the device; the caller's single `.tolist()` is the step's only host sync. Logprobs are those of the raw logits,
+before penalties, masking and temperature.
 """
 
 from __future__ import annotations
