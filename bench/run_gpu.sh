@@ -12,7 +12,8 @@
 #   rate1024 bench/bench_request_rate.py at N = $RATE_N (default 1024) adapters, $RATE_POPULARITY (default
 #            uniform), on 4 layers (budget scaled to them), native vs rank-64 conversions, for each of $RATE_METHODS
 #            (default: ia3 vera; one method at N = 1024 takes 4-7 minutes of a 10-minute call, and its 43 GB of
-#            files are deleted after it): rate_<method>_<N>[_zipf].json and .log
+#            files are deleted after it): rate_<method>_<N>[_zipf].json and .log; RATE_PROFILE=224 adds a
+#            cProfile of the steps of the runs at 224 req/s to the log
 #   serving  bench/serve_bench.py: `scute serve` of the 8B shape with 64 adapters of the five methods under load
 #            (serving.json, serving.log); the server's wheels the image lacks come from .whl (made by
 #            `bash bench/gpu_wheels.sh`, carried with the call), installed under /tmp/site
@@ -60,7 +61,7 @@ for step in $steps; do
             timeout 570 python3 bench/bench_request_rate.py --methods $m --adapters $n --popularity $pop --ranks 64 \
               --layers 4 --max-adapters 1024 --adapter-memory-gib 1.75 --convert 1 --requests 100 --bisect 2 \
               --start-rate 8 --warm-arrivals 200 --warm-rate 256 --min-duration 6 --root /tmp/scute-rate-1024 \
-              --out "$OUT/rate_${m}_${name}.json" 2>&1 | tr '\r' '\n' | grep -v "Capturing\|files:" > "$OUT/rate_${m}_${name}.log"
+              ${RATE_PROFILE:+--profile $RATE_PROFILE} --out "$OUT/rate_${m}_${name}.json" 2>&1 | tr '\r' '\n' | grep -v "Capturing\|files:" > "$OUT/rate_${m}_${name}.log"
             tail -4 "$OUT/rate_${m}_${name}.log"; rm -rf /tmp/scute-rate-1024
           done ;;
     serving) if ls .whl/*.whl > /dev/null 2>&1; then
