@@ -12,14 +12,18 @@ When a placement ends, every object alive leaves the cyclic garbage collector's 
 vLLM does after start-up). An adapter is some ten thousand Python objects (its slots' tensors, dicts, tuples),
 and a full collection walks every object still tracked with the interpreter lock held, stopping the step loop
 for as long: frozen, the resident adapters are not walked again, however many there are. Frozen objects are
-still freed when their last reference goes; only cycles among them are never collected.
+still freed when their last reference goes; only cycles among them are never collected, so the first freeze
+also registers `gc.unfreeze` to run at exit: the interpreter's last collections then free those cycles (frozen,
+extension objects in them outlive the interpreter, and nanobind's, Triton's, report themselves leaked at exit).
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 from collections import deque
 from collections.abc import Callable, Iterator
+from functools import cache
 
 from scute.adapters import Adapter
 from scute.engine.adapter_loader import Staged
@@ -55,5 +59,11 @@ class Placer:
                 self._jobs.popleft()
                 if adapter is not None:
                     done.append(adapter)
+                    _unfreeze_at_exit()
                     gc.freeze()
         return done
+
+
+@cache
+def _unfreeze_at_exit() -> None:
+    atexit.register(gc.unfreeze)
