@@ -28,19 +28,27 @@ import bench_engine as B  # noqa: E402
 from bench_request_rate import TINY  # noqa: E402
 
 KINDS = ("cumulative", "delta", "final_only")
+KV_BYTES_PER_TOKEN = 2 * TINY["num_hidden_layers"] * TINY["num_key_value_heads"] * \
+    TINY["hidden_size"] // TINY["num_attention_heads"] * 4  # K and V, float32
 
 
-def step_time(engine, requests: int, kind: str, steps: int) -> tuple[float, float]:
-    """Seconds of one decode step of `requests` requests (their prompts computed first, untimed), and of building
-    and writing the inputs of their next step as a CUDA graph's (`graph_step`, `ModelRunner._write_inputs`)."""
+def step_time(engine, requests: int, kind: str, steps: int, prompt: int = 16,
+              presence_penalty: float = 0.0) -> tuple[float, float]:
+    """Seconds of one decode step of `requests` requests of `prompt` tokens (their prompts computed first,
+    untimed), and of building and writing the inputs of their next step as a CUDA graph's (`graph_step`,
+    `ModelRunner._write_inputs`)."""
     from scute import SamplingParams
     from scute.engine.cuda_graph import GraphShape
     from scute.engine.step_inputs import graph_step
 
-    sp = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True, output_kind=kind)
+    sp = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True, output_kind=kind,
+                        presence_penalty=presence_penalty)
     for i in range(requests):
-        engine.add_request(f"{kind}-{requests}-{i}", [1 + i % 100] * 16, sp)
-    for _ in range(4):  # the prompts, then decode steps
+        engine.add_request(f"{kind}-{requests}-{i}", [1 + i % 100] * prompt, sp)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or \
+            engine.scheduler.waiting:  # the prompts (in chunks of the token budget)
+        engine.step()
+    for _ in range(3):  # decode steps
         engine.step()
     start = time.perf_counter()
     for _ in range(steps):
@@ -63,20 +71,27 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--requests", default="32,128")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prompt", type=int, default=16, help="prompt tokens of each request")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="every request's (its prompt and output "
+                   "tokens are then counted on the device each step)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from scute import Engine
 
-    model = B.random_llama(TINY, device="cpu", dtype=torch.float32)
+    max_model_len = args.prompt + args.steps + 16
+    model = B.random_llama({**TINY, "max_position_embeddings": max(TINY["max_position_embeddings"], max_model_len)},
+                           device="cpu", dtype=torch.float32)
     counts = [int(n) for n in args.requests.split(",")]
-    engine = Engine(model, device="cpu", dtype="float32", max_num_seqs=max(counts), max_model_len=256,
-                    max_num_batched_tokens=max(counts) * 16)
+    engine = Engine(model, device="cpu", dtype="float32", max_num_seqs=max(counts),
+                    max_model_len=max_model_len, max_num_batched_tokens=max(counts) * max(16, args.prompt),
+                    kv_cache_memory_bytes=2 * max(counts) * max_model_len * KV_BYTES_PER_TOKEN)  # all run at once
     vocab = engine.vocab_size
     engine.runner.forward = lambda inputs: torch.zeros(len(inputs.logits_indices), vocab)  # no model call
     rows = []
     for n in counts:
         for kind in KINDS:
-            times = [step_time(engine, n, kind, args.steps) for _ in range(args.repeats)]
+            times = [step_time(engine, n, kind, args.steps, args.prompt, args.presence_penalty)
+                     for _ in range(args.repeats)]
             best, graph = min(t[0] for t in times), min(t[1] for t in times)
             rows.append(dict(requests=n, output_kind=kind, step_us=1e6 * best, request_us=1e6 * best / n,
                              graph_inputs_us=1e6 * graph))
