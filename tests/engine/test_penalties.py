@@ -123,8 +123,8 @@ def test_tokens_in_flight_are_counted_from_the_device():
     """Steps as the engine overlaps them: a step's sampled tokens reach the host after the next step has sampled,
     yet every step's penalties count them (the step that sampled them wrote them on the device). Nine requests,
     at most six at once, two more a step: finished ones free their rows for new ones (reset), more requests than
-    the table holds and outputs longer than its width grow it. Each step equals the definitions over the request's whole
-    history, and the penalties change some choices."""
+    the table holds and outputs longer than its width grow it. Each step equals the definitions over the
+    request's whole history, and the penalties change some choices."""
     g = torch.Generator().manual_seed(4)
     params = [kw for kw in ROW_PARAMS if kw]
     queue = [Request(f"q{i}", None, torch.randint(0, 24, (int(torch.randint(1, 7, (1,), generator=g)),),
@@ -163,7 +163,7 @@ def test_tokens_in_flight_are_counted_from_the_device():
             req.num_pending += 1
         running = [r for r in running if r.num_output_tokens < lengths[r]]
     assert len(rows) == 9 and len(set(rows.values())) < 9  # rows were reused
-    assert len(shapes) > 2 and changed > 0  # the tables grew (rows and width)
+    assert len(shapes) > 2 and changed > 0  # the table grew (rows and width)
 
 
 def test_a_row_is_given_only_to_a_request_without_tokens_in_flight():
