@@ -312,8 +312,10 @@ def _group_keys(ckpt: AdapterCheckpoint, split: list[tuple], modules: Mapping[st
 
 
 def _correct_bias(slots: Slots, b0: Tensor | None, bias: Tensor | None) -> Slots:
-    """The server adds the base bias b0; a method written with another bias b gets ``c += U(b - b0)``."""
-    if bias is None or (b0 is not None and torch.equal(bias, b0)):
+    """The server adds the base bias b0; a method written with another bias b gets ``c += U(b - b0)``. The base
+    bias itself (a layer without a trained one) is recognized without comparing values, which on a GPU is a host
+    sync per layer."""
+    if bias is None or bias is b0 or (b0 is not None and torch.equal(bias, b0)):
         return slots
     delta = bias if b0 is None else bias - b0
     fix = delta * slots.o if slots.o is not None else delta
