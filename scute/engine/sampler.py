@@ -109,10 +109,7 @@ class PenaltyTokens:
         requests = [sampling[row] for row in rows]
         positions = [req.num_output_tokens for req in requests]  # each samples its output token at this index
         self._grow(width=max(positions) + 1)
-        table_rows = [self.rows.get(req) for req in requests]
-        for i, req in enumerate(requests):
-            if table_rows[i] is None:
-                table_rows[i] = self._admit(req)
+        table_rows = [self.rows[req] if req in self.rows else self._admit(req) for req in requests]
         sps = [r.sampling_params for r in requests]
         index = host_to_device([rows, table_rows, positions], torch.int64, self.device)
         return Penalties(rows, [sp.presence_penalty for sp in sps], [sp.frequency_penalty for sp in sps],
@@ -124,7 +121,7 @@ class PenaltyTokens:
         if req.num_pending:
             raise RuntimeError(f"request {req.request_id!r} has a penalty and a token in flight but no row of "
                                "tokens on the device: its first sampled step was not given one")
-        row = self._free.pop() if self._free else len(self.rows)
+        row = self._free.pop() if self._free else len(self.rows)  # no row free: rows 0..len-1 are all held
         self._grow(rows=row + 1, width=len(req.prompt_token_ids))
         self.rows[req] = row
         self.ids[row] = -1
