@@ -1,12 +1,18 @@
 """One adapter load, phase by phase: where the time from a PEFT folder to a servable adapter goes.
 
 The model and adapters of `bench/bench_adapter_load.py` (Llama-3-8B shape, random weights; ``--layers`` fewer
-for a quick look); per method, the median over ``--repeats`` of each phase of `AdapterManager._job` and the
-placement, run one after the other and synchronized after each: ``read`` (`read_checkpoint` and its hash),
-``convert`` (`convert_checkpoint`: the file's tensors to the converter's device and dtype, checked, converted per
-layer), ``fold`` (`fold_layers`), ``device`` (the serving copy: `AdapterLoader.to_device`), ``prepare``
-(`prepare_adapter`), ``place`` (`place_adapter` with the prepared rows); then cProfile of the placement (own time, top 25). The phases of a load on the loader overlap a little more
-than here (its hash runs on beside the conversion).
+for a quick look). Per method, two tables of medians over ``--repeats``:
+
+* *synchronized*: each phase of `AdapterManager._job` and the placement run one after the other, the device
+  synchronized after each: ``read`` (`read_checkpoint` and its hash), ``convert`` (`convert_checkpoint`: the
+  file's tensors to the converter's device and dtype, checked, converted per layer), ``fold`` (`fold_layers`),
+  ``device`` (the serving copy: `AdapterLoader.to_device`), ``prepare`` (`prepare_adapter`), ``place``
+  (`place_adapter` with the prepared rows); then cProfile of the placement (own time, top 25);
+* *as run*: `AdapterManager._job` itself, as the loader runs it (nothing synchronized inside; its hash runs on
+  beside the conversion), with the wall time spent inside each of its parts: ``read`` (`read_checkpoint`, the
+  hash left running), ``checked`` (`AdapterCheckpoint.tensors_on`, within ``convert``), ``convert``, ``fold``,
+  ``hash_wait`` (what the load waited for the hash), ``device`` (`AdapterLoader.device_copy`), ``prepare``,
+  ``job`` (the whole, synchronized at its end) and ``place`` (synchronized): the critical path of a load.
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/profile_load.py --methods lora``. The host's part of each phase
 (its Python, with the slot pools the GPU path has) on a CPU, with a narrower model of the same 32 layers and
@@ -17,7 +23,9 @@ projections: ``SCUTE_TRITON_CPU=1 TRITON_INTERPRET=1 PYTHONPATH=. python3 bench/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import functools
 import os
 import pstats
 import statistics
@@ -81,6 +89,72 @@ def phases(engine, path: str, other: str, repeats: int) -> dict[str, float]:
     return med
 
 
+@contextlib.contextmanager
+def timing_parts(manager, spent: dict[str, float]):
+    """Within it, the wall time of each call of a part of a load is added to ``spent[part]``."""
+    import scute.adapters.conversion as conversion
+    from scute.adapters.checkpoint import AdapterCheckpoint, Digest
+    from scute.engine.adapter_loader import AdapterLoader
+
+    parts = [(conversion, "read_checkpoint", "read"), (AdapterCheckpoint, "tensors_on", "checked"),
+             (conversion, "convert_checkpoint", "convert"), (conversion, "fold_layers", "fold"),
+             (Digest, "hexdigest", "hash_wait"), (AdapterLoader, "device_copy", "device"),
+             (manager.loader, "prepare", "prepare")]
+    saved = [(owner, name, vars(owner)[name] if name in vars(owner) else None) for owner, name, _ in parts]
+
+    def timed(fn, part):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[part] = spent.get(part, 0.0) + time.perf_counter() - t
+        return call
+
+    for owner, name, part in parts:
+        setattr(owner, name, timed(getattr(owner, name), part))
+    try:
+        yield
+    finally:
+        for owner, name, fn in saved:
+            if fn is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, fn)
+
+
+def as_run(engine, path: str, repeats: int) -> dict[str, float]:
+    """`AdapterManager._job` as the loader runs it, its parts timed inside (`timing_parts`), then the placement."""
+    from scute.model.hf import place_adapter
+
+    manager, device = engine.adapters, engine.adapters.device
+    rows = []
+    for _ in range(repeats + 1):
+        spent: dict[str, float] = {}
+        sync(device)
+        with timing_parts(manager, spent):
+            t = time.perf_counter()
+            _, staged = manager._job(path)
+            sync(device)
+            spent["job"] = time.perf_counter() - t
+        t = time.perf_counter()
+        place_adapter(manager.linears, 1, staged.use(), staged.prepared)
+        sync(device)
+        spent["place"] = time.perf_counter() - t
+        place_adapter(manager.linears, 1, None)
+        rows.append(spent)
+    names = ["read", "checked", "convert", "fold", "hash_wait", "device", "prepare", "job", "place"]
+    return {k: statistics.median(r.get(k, 0.0) for r in rows[1:]) for k in names}
+
+
+def print_table(title: str, table: dict[str, dict[str, float]]) -> None:
+    names = list(next(iter(table.values())))
+    print(f"{title}\nmethod  " + "".join(f"{n:>10}" for n in names) + "  (ms)")
+    for m, med in table.items():
+        print(f"{m:<7} " + "".join(f"{1e3 * med[n]:10.2f}" for n in names))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -108,11 +182,10 @@ def main() -> None:
     paths = {m: B.make_adapters(model, m, 2, args.root) for m in args.methods.split(",")}
     engine = Engine(model, device=args.device, dtype=str(dtype).split(".")[1], enforce_eager=True, max_adapters=3,
                     max_adapter_rank=256, max_model_len=64, max_num_seqs=4, kv_cache_memory_bytes=64 << 20)
-    table = {m: phases(engine, *paths[m], args.repeats) for m in paths}
-    names = list(next(iter(table.values())))
-    print("method  " + "".join(f"{n:>9}" for n in names) + "  (ms)")
-    for m, med in table.items():
-        print(f"{m:<7} " + "".join(f"{1e3 * med[n]:9.2f}" for n in names))
+    synchronized = {m: phases(engine, *paths[m], args.repeats) for m in paths}
+    run = {m: as_run(engine, paths[m][0], args.repeats) for m in paths}
+    print_table("synchronized: each phase alone", synchronized)
+    print_table("as run: the parts of one load on the loader, unsynchronized", run)
 
 
 if __name__ == "__main__":
