@@ -93,13 +93,12 @@ class AdapterCheckpoint:
         one is finite as read (raises `AdapterError` naming the first that is not). A file whose floating tensors
         tile one span of it (`Layout.span`: the usual PEFT file) is copied there whole (one transfer,
         non-blocking from pinned memory, on the current stream), checked and cast as that span, and each tensor
-        is then one view of the cast span, made while the device copies (the check is read after them; `pause` is
-        called every `Layout.PAUSE_EVERY` views); any other's are moved, checked (`first_nonfinite`) and cast
-        (`cast_together`) as they are. On the CPU, a pinned buffer is first copied to pageable memory: what a
-        converter returns from the tensors may be kept for long (the CPU tier), and pinned memory kept is pinned
-        memory allocated again for the next file, whose allocation holds a lock of the CUDA driver that stalls
-        every other thread's CUDA calls (the step loop's launches) while it runs; a pinned buffer released is
-        reused for the next file instead."""
+        is then one view of the cast span (`pause` is called every `Layout.PAUSE_EVERY` views); any other's are
+        moved, checked (`first_nonfinite`) and cast (`cast_together`) as they are. On the CPU, a pinned buffer
+        is first copied to pageable memory: what a converter returns from the tensors may be kept for long (the
+        CPU tier), and pinned memory kept is pinned memory allocated again for the next file, whose allocation
+        holds a lock of the CUDA driver that stalls every other thread's CUDA calls (the step loop's launches)
+        while it runs; a pinned buffer released is reused for the next file instead."""
         span = None if self.layout is None else self.layout.span
         if span is None:
             tensors = self._moved(device)
@@ -110,11 +109,9 @@ class AdapterCheckpoint:
         read_dtype, lo, hi = span
         raw = moved[lo:hi].view(read_dtype)
         cast = raw if dtype is None or dtype == read_dtype else raw.to(dtype)
-        finite = _finite_queued([raw])  # queued behind the copy and the cast; read once the views are made
-        views = self.layout.views(moved, cast, pause)  # the host's hundreds of calls while the device copies
-        if not _finite_read(finite)[0]:  # one host sync
+        if not _finite([raw])[0]:  # one host sync, with the cast already queued
             raise self.error(f"tensor {first_nonfinite(self.layout.views(moved))!r} has NaN or Inf values")
-        return views
+        return self.layout.views(moved, cast, pause)
 
     def _buffer_on(self, device: torch.device) -> Tensor:
         """The weights file's buffer on `device` (a pageable copy for the CPU, where it is pinned)."""
@@ -376,29 +373,15 @@ def first_nonfinite(tensors: Mapping[str, Tensor]) -> str | None:
 
 def _finite(xs: list[Tensor]) -> list[bool]:
     """Whether each tensor (floating, not empty) is finite, with one host sync per dtype."""
-    return _finite_read(_finite_queued(xs))
-
-
-def _finite_queued(xs: list[Tensor]) -> list[tuple[list[int], Tensor]]:
-    """`_finite`'s work, queued on a GPU and not read yet (`_finite_read` reads it): per dtype, the indices of its
-    tensors and whether each is finite, as a bool tensor."""
-    queued = []
-    for dtype in dict.fromkeys(x.dtype for x in xs):
-        group = [i for i, x in enumerate(xs) if x.dtype == dtype]
-        if xs[0].is_cuda:  # max |x| of every tensor in one fused launch (NaN propagates)
-            ok = torch.stack(torch._foreach_norm([xs[i] for i in group], float("inf"))).isfinite()
-        else:  # min and max propagate NaN and show an Inf; ~50x faster than isfinite() on bf16 on the CPU
-            ok = torch.isfinite(torch.stack([torch.stack(torch.aminmax(xs[i])).double() for i in group])).all(1)
-        queued.append((group, ok))
-    return queued
-
-
-def _finite_read(queued: list[tuple[list[int], Tensor]]) -> list[bool]:
-    """The answer of `_finite_queued`, one host sync per dtype on a GPU."""
-    finite = [True] * sum(len(group) for group, _ in queued)
-    for group, ok in queued:
-        for i, flag in zip(group, ok.tolist()):
-            finite[i] = flag
+    finite = [True] * len(xs)
+    if xs and xs[0].is_cuda:  # max |x| of all the tensors of a dtype in one fused launch (NaN propagates)
+        for dtype in {x.dtype for x in xs}:
+            group = [i for i, x in enumerate(xs) if x.dtype == dtype]
+            peaks = torch.stack(torch._foreach_norm([xs[i] for i in group], float("inf")))
+            for i, ok in zip(group, peaks.isfinite().tolist()):
+                finite[i] = ok
+    elif xs:  # min and max propagate NaN and show an Inf; ~50x faster than isfinite() on bf16 on the CPU
+        finite = torch.isfinite(torch.stack([torch.stack(torch.aminmax(x)).double() for x in xs])).all(1).tolist()
     return finite
 
 
