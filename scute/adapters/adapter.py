@@ -69,13 +69,13 @@ class Adapter:
         through pinned staging buffers); `pause` is called between layers and tensors."""
         memo = {} if memo is None else memo
         device = None if device is None else torch.device(device)
-        own = [(n, k, x) for n, s in paused(self.layers.items(), pause, 16) for k, x in s.tensors().items()
-               if k not in s.shared]
-        dtypes = [(vector_dtype or dtype) if x.dim() == 1 else dtype for _, _, x in own]
-        moved = dict(zip(((n, k) for n, k, _ in own), pack([x for _, _, x in own], dtypes, device, transfer, pause)))
+        slots = [(n, s, s.tensors()) for n, s in paused(self.layers.items(), pause, 16)]
+        own = [x for _, s, tensors in slots for k, x in tensors.items() if k not in s.shared]
+        dtypes = [(vector_dtype or dtype) if x.dim() == 1 else dtype for x in own]
+        moved = iter(pack(own, dtypes, device, transfer, pause))  # in the order of `own`, which the walk repeats
         layers = {n: s.with_same_shapes(**{k: _move_shared(x, dtype, device, memo, transfer) if k in s.shared
-                                           else moved[n, k] for k, x in s.tensors().items()})
-                  for n, s in paused(self.layers.items(), pause, 16)}
+                                           else next(moved) for k, x in tensors.items()})
+                  for n, s, tensors in paused(slots, pause, 16)}
         return replace(self, layers=layers)
 
     def num_bytes(self) -> int:
@@ -126,7 +126,8 @@ def pack(xs: Sequence[Tensor], dtypes: Sequence[torch.dtype | None], device: tor
         total += -(-x.numel() * d.itemsize // ALIGN) * ALIGN
     src = sources.pop()  # packed where the tensors are, then one transfer
     buf = TypedViews(torch.empty(total, dtype=torch.uint8, device=src))
-    packed = [buf.at(d, off // d.itemsize, x.shape, contiguous_strides(x.shape))
+    strides = {shape: contiguous_strides(shape) for shape in {x.shape for x in xs}}  # a few distinct shapes
+    packed = [buf.at(d, off // d.itemsize, x.shape, strides[x.shape])
               for x, off, d in paused(zip(xs, offsets, dtypes), pause, PAUSE_EVERY)]
     kinds: dict[tuple, list[int]] = {}  # one call per pair of dtypes (one fused launch on a GPU) for hundreds
     for i, (x, d) in enumerate(zip(xs, dtypes)):
