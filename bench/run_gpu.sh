@@ -22,6 +22,8 @@
 #   host     bench/bench_host_step.py: the engine's host time a decode step per request, forward stubbed, on this
 #            machine's CPU (what bounds the host-bound 4-layer request-rate runs; host_step.json, host.log)
 #   load     bench/bench_adapter_load.py: each method's time from a PEFT folder to servable (adapter_load.json)
+#   loadphases bench/profile_load.py --methods lora: a LoRA load's phases, synchronized one by one and as the loader
+#            runs them (profile_load.log)
 #   background bench/bench_background_loads.py: the decode step while cold adapters load (background_loads.json)
 #   decode   bench/profile_decode.py: GPU time per kernel and idle gaps of graph-replayed decode steps (decode.json)
 #   profile  bench/profile_ops.py: per-kernel times of one layer call (torch profiler)
@@ -76,6 +78,8 @@ for step in $steps; do
             > "$OUT/host.log" 2>&1; tail -6 "$OUT/host.log" ;;
     load) timeout 280 python3 bench/bench_adapter_load.py --device cuda --out "$OUT/adapter_load.json" > "$OUT/load.log" 2>&1
           tail -12 "$OUT/load.log" ;;
+    loadphases) timeout 200 python3 bench/profile_load.py --methods lora > "$OUT/profile_load.log" 2>&1
+                grep -A3 "^synchronized\|^as run" "$OUT/profile_load.log" ;;
     background) timeout 400 python3 bench/bench_background_loads.py --out "$OUT/background_loads.json" \
                   > "$OUT/background.log" 2>&1; tail -14 "$OUT/background.log" ;;
     decode) timeout 300 python3 bench/profile_decode.py --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1
