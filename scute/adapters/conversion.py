@@ -201,8 +201,13 @@ def convert_checkpoint(
             raise ckpt.error(f"the config targets {missing[0]} but the file has no tensors for it "
                              f"({len(missing)} such modules)")
         groups.update({n: {} for n in missing})
+    in_order = sorted(groups, key=order.__getitem__)
+    if method.whole is not None and not dense and not options:  # all layers at once, where it takes the adapter
+        whole = method.whole(ckpt.config, {n: groups[n] for n in in_order}, modules, pause)
+        if whole is not None:
+            return whole
     shared: dict = {}
-    shapes = {n: tuple(modules[n].weight.shape) for n in sorted(groups, key=order.__getitem__)}
+    shapes = {n: tuple(modules[n].weight.shape) for n in in_order}
     out: dict[str, Slots] = {}
     for name in paused(shapes, pause):
         tensors, base = groups[name], modules[name]

@@ -12,7 +12,9 @@ one dotted segment, for numbered or named families (``adamss_A.*``, FRoD's ``fro
 The loader groups a checkpoint's tensors by module with them, checks that every tensor is used, and hands each
 adapted layer to the converter as a `LayerCheckpoint` (see `scute.adapters.conversion`). Optional: `shapes`, the
 rule that reads a layer's (out, in) off its saved tensors (`scute explain` without a base model), and `options`,
-the load options the method takes beyond the generic ``dense`` (Poly's ``task_id``).
+the load options the method takes beyond the generic ``dense`` (Poly's ``task_id``), and `whole`, a converter of
+all of an adapter's layers at once for the adapters it recognizes (the same `Slots` as the per-layer converter's,
+with fewer Python calls: plain LoRA).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ if TYPE_CHECKING:
     from scute.ops.slots import Slots
 
 Converter = Callable[["LayerCheckpoint"], "Slots"]
+# (config, each adapted layer's tensors by module name in model order, the base layers by name, `Pause`) -> every
+# layer's slots, or None where the adapter is not one it converts (then the per-layer converter runs)
+WholeConverter = Callable[..., "dict[str, Slots] | None"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,7 @@ class Method:
     shapes: ShapeRule | None = None
     options: Mapping[str, LoadOption] = field(default_factory=dict)
     on_device: bool = False  # the converter computes on the device its tensors and W0 are on (not only the CPU)
+    whole: WholeConverter | None = None  # all layers at once, for the adapters it recognizes
 
 
 _METHODS: dict[str, Method] = {}
@@ -87,7 +93,7 @@ NOT_SERVED = {
 def register_method(
     peft_type: str, *, keys: tuple[str, ...], global_keys: tuple[str, ...] = (), served: bool = True,
     tensorless_targets: bool = False, shapes: ShapeRule | None = None, options: Mapping[str, LoadOption] = {},
-    on_device: bool = False,
+    on_device: bool = False, whole: WholeConverter | None = None,
 ) -> Callable[[Converter], Converter]:
     """Register `convert` as the converter of PEFT checkpoints whose `peft_type` is `peft_type`; ``served=False``
     for a method whose converter always refuses (with the reason): it is then not listed as supported.
@@ -96,13 +102,16 @@ def register_method(
     layer shape its saved tensors determine (see `ShapeRule`); `options`: its load options by name, which the
     converter reads from ``layer.options``. ``on_device``: the converter makes every tensor it creates on
     ``layer.device`` (where its tensors and ``layer.weight`` are), so it may run on the base model's device;
-    otherwise it runs on the CPU."""
+    otherwise it runs on the CPU. `whole`: every layer's slots at once (see `WholeConverter`; loads without
+    ``dense`` or options), exactly those the per-layer converter makes, for the adapters it takes: None for the
+    others, for any the per-layer converter would refuse (which then says why), and where a tensor is not in its
+    layer's converter dtype (`LayerCheckpoint.dtype`) already."""
 
     def wrap(convert: Converter) -> Converter:
         if peft_type in _METHODS:
             raise ValueError(f"a converter for peft_type {peft_type!r} is already registered")
         _METHODS[peft_type] = Method(peft_type, convert, tuple(keys), tuple(global_keys), served, tensorless_targets,
-                                     shapes, dict(options), on_device)
+                                     shapes, dict(options), on_device, whole)
         return convert
 
     return wrap

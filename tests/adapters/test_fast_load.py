@@ -17,7 +17,8 @@ from scute.adapters import checkpoint as ckpt_module
 from scute.adapters import conversion
 from scute.adapters.adapter import ALIGN, pack
 from scute.adapters.methods import dora
-from tests.helpers import assert_matches_peft, tiny_model
+from scute.ops.slots import TENSOR_SLOTS
+from tests.helpers import ALL_LINEAR, assert_matches_peft, make_adapter, tiny_model
 
 WEIGHTS = SAFETENSORS
 
@@ -176,3 +177,54 @@ def test_dora_norm_in_row_blocks_matches_peft(tmp_path, monkeypatch):
     monkeypatch.setattr(dora, "CPU_CHUNK", 8 * 64)
     config = LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "v_proj", "down_proj"])
     assert_matches_peft(tmp_path, config)
+
+
+PLAIN_LORA = {
+    "plain": lambda: LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR),
+    "patterns_rslora": lambda: LoraConfig(r=8, lora_alpha=16, rank_pattern={"q_proj": 4}, alpha_pattern={"v_proj": 3},
+                                          use_rslora=True, target_modules=ALL_LINEAR),
+}
+NOT_PLAIN = {  # converted layer by layer: a bias, DoRA's magnitude, trained biases of the base layers (qwen2's q/k/v)
+    "lora_bias": lambda: LoraConfig(r=4, lora_alpha=8, lora_bias=True, target_modules=["q_proj", "v_proj"]),
+    "dora": lambda: LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "v_proj"]),
+    "bias_all": lambda: LoraConfig(r=4, lora_alpha=8, bias="all", target_modules=["q_proj", "v_proj"]),
+}
+
+
+def converted(path, model, monkeypatch=None, **kwargs):
+    """`convert_checkpoint` of the folder `path` for `model`; with `monkeypatch`, LoRA's per-layer path raises."""
+    from scute.adapters.methods import lora
+
+    if monkeypatch is not None:
+        monkeypatch.setattr(lora, "lora_factors", lambda *a: (_ for _ in ()).throw(AssertionError("per layer")))
+    return conversion.convert_checkpoint(read_checkpoint(path), conversion.linear_modules(model), **kwargs)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v with a base bias
+@pytest.mark.parametrize("config", list(PLAIN_LORA))
+def test_plain_lora_converts_all_layers_at_once_to_the_per_layer_slots(tmp_path, monkeypatch, family, config):
+    """A plain LoRA adapter is converted by `convert_plain_lora` (the per-layer path is not called), into exactly
+    the slots the per-layer path makes (``dense=True`` takes the per-layer path: plain LoRA does not read it)."""
+    make_adapter(str(tmp_path), PLAIN_LORA[config](), family)
+    model = tiny_model(family)
+    slow = converted(tmp_path, model, dense=True)
+    fast = converted(tmp_path, model, monkeypatch)
+    with pytest.raises(AssertionError, match="per layer"):
+        converted(tmp_path, model, monkeypatch, dense=True)
+    assert list(fast) == list(slow) and len(fast) == 14
+    for name, sl in fast.items():
+        want = slow[name]
+        assert {k: v for k, v in vars(sl).items() if k not in TENSOR_SLOTS} == \
+            {k: v for k, v in vars(want).items() if k not in TENSOR_SLOTS}, name
+        assert sl.live == want.live == ("A", "B") and all(
+            torch.equal(sl.tensors()[k], want.tensors()[k]) for k in sl.live), name
+    scales = {round(sl.scale, 6) for sl in fast.values()}
+    want = {8 / 4} if config == "plain" else {16 / 8 ** 0.5, 16 / 4 ** 0.5, 3 / 8 ** 0.5}  # rsLoRA: alpha / sqrt(r)
+    assert scales == {round(s, 6) for s in want}
+
+
+@pytest.mark.parametrize("config", list(NOT_PLAIN))
+def test_lora_with_a_bias_or_dora_converts_layer_by_layer(tmp_path, monkeypatch, config):
+    make_adapter(str(tmp_path), NOT_PLAIN[config](), "qwen2")
+    with pytest.raises(AssertionError, match="per layer"):
+        converted(tmp_path, tiny_model("qwen2"), monkeypatch)

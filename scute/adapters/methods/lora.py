@@ -1,18 +1,24 @@
 """LoRA (incl. rsLoRA, rank/alpha patterns, lora_bias, bias="all"/"lora_only") and, with `use_dora`, DoRA.
 
 PEFT forward (eval): ``y = W0 x + b0 + s·(B (A x) + b_B)``, ``s = α/r`` (rsLoRA: ``α/√r``), per-layer r and α
-from `rank_pattern` / `alpha_pattern`. Normal form: A, B with s (folded into B at load), ``c = s·b_B``.
+from `rank_pattern` / `alpha_pattern`. Normal form: A, B with s (folded into B at load), ``c = s·b_B``. A plain
+LoRA adapter (no bias, DoRA or variant) is converted all layers at once (`convert_plain_lora`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
+from torch import Tensor, nn
+
+from scute.adapters.adapter import Pause
 from scute.adapters.checkpoint import pattern_value
 from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.methods.dora import dora_slots
-from scute.adapters.methods.lora_variants import TRAINING_ONLY_KEYS, lora_factors
+from scute.adapters.methods.lora_variants import REFUSED, TRAINING_ONLY_KEYS, lora_factors
 from scute.adapters.registry import SavedShapes, register_method
+from scute.ops.reference import acc_dtype
 from scute.ops.slots import Slots
 
 KEYS = ("lora_A.weight", "lora_B.weight", "lora_B.bias", "lora_magnitude_vector") + TRAINING_ONLY_KEYS
@@ -33,7 +39,35 @@ def lora_shape(s: SavedShapes) -> tuple[int, int] | None:
     return s.tensors["lora_B.weight"][0], s.tensors["lora_A.weight"][1]
 
 
-@register_method("LORA", keys=KEYS, shapes=lora_shape, on_device=True)
+def convert_plain_lora(config: Mapping, layers: Mapping[str, Mapping[str, Tensor]], modules: Mapping[str, nn.Module],
+                       pause: Pause) -> dict[str, Slots] | None:
+    """Every layer of a plain LoRA adapter at once (`register_method`'s ``whole``): the slots `convert_lora` makes
+    (A, B and s of each layer), with a few lookups a layer where the per-layer path builds a `LayerCheckpoint` and
+    runs the variants' checks (a few ms of an adapter of 224 layers). None for any other: DoRA, a variant
+    (`lora_variants.py`), a bias (``lora_bias``, ``bias="all"``), a tensor of another shape or dtype than its
+    layer's; `convert_lora` converts those, or says why it refuses them. `pause` every 64 layers."""
+    if "r" not in config or any(config.get(key) for key in ("use_dora", "use_bdlora", *REFUSED)):
+        return None
+    r0, alpha0, rslora = int(config["r"]), config.get("lora_alpha", 8), config.get("use_rslora")
+    ranks, alphas = config.get("rank_pattern"), config.get("alpha_pattern")
+    out = {}
+    for k, (name, tensors) in enumerate(layers.items()):
+        if k % 64 == 0:
+            pause()
+        A, B, weight = tensors.get("lora_A.weight"), tensors.get("lora_B.weight"), modules[name].weight
+        if len(tensors) != 2 or A is None or B is None:
+            return None
+        r = int(pattern_value(ranks, name, r0)) if ranks else r0
+        alpha = pattern_value(alphas, name, alpha0) if alphas else alpha0
+        o, i = weight.shape
+        dtype = acc_dtype(weight.dtype)
+        if A.shape != (r, i) or B.shape != (o, r) or A.dtype != dtype or B.dtype != dtype:
+            return None
+        out[name] = Slots(i, o, A=A, B=B, scale=alpha / math.sqrt(r) if rslora else alpha / r)
+    return out
+
+
+@register_method("LORA", keys=KEYS, shapes=lora_shape, on_device=True, whole=convert_plain_lora)
 def convert_lora(layer: LayerCheckpoint) -> Slots:
     r, s = lora_scale(layer)
     A, B = lora_factors(layer, r)  # variants sharing peft_type LORA: see lora_variants.py
