@@ -297,13 +297,12 @@ class Layout:
         a tensor whose start is not aligned to its dtype gets its own aligned copy. `cast`: the `span` of the
         buffer cast to another dtype (`AdapterCheckpoint.tensors_on`): the floating tensors are views of it."""
         typed, out = TypedViews(buffer), {}
-        lo = self.span[1] if cast is not None else 0
-        for i, (key, dtype, shape, start) in enumerate(self.entries):
+        lo, first = (self.span[1], cast.storage_offset()) if cast is not None else (0, 0)
+        for i, ((key, dtype, shape, start), stride) in enumerate(zip(self.entries, self._strides)):
             if i % self.PAUSE_EVERY == 0:
                 pause()
             if cast is not None and dtype.is_floating_point:
-                out[key] = cast.as_strided(shape, contiguous_strides(shape),
-                                           cast.storage_offset() + (start - lo) // dtype.itemsize)
+                out[key] = cast.as_strided(shape, stride, first + (start - lo) // dtype.itemsize)
             else:
                 out[key] = _view(typed, dtype, shape, start)
         return out
@@ -316,6 +315,11 @@ class Layout:
     @cached_property
     def _entry(self) -> dict[str, tuple[str, torch.dtype, tuple[int, ...], int]]:
         return {entry[0]: entry for entry in self.entries}
+
+    @cached_property
+    def _strides(self) -> list[list[int]]:
+        """Each tensor's contiguous strides, made once per header (every load of its files makes its views)."""
+        return [contiguous_strides(shape) for _, _, shape, _ in self.entries]
 
 
 def _view(typed: TypedViews, dtype: torch.dtype, shape: tuple[int, ...], start: int) -> Tensor:
