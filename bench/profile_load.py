@@ -155,7 +155,7 @@ def print_table(title: str, table: dict[str, dict[str, float]]) -> None:
         print(f"{m:<7} " + "".join(f"{1e3 * med[n]:10.2f}" for n in names))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--layers", type=int, default=32)
@@ -164,7 +164,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=None, help="a narrower model: this hidden size, the 8B shape's "
                    "ratios (MLP 3.5x, heads of 64, 4 query heads per KV head), a 1000-token vocabulary")
     p.add_argument("--root", default="/tmp/scute-bench-adapter-load")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from scute import Engine
@@ -186,6 +186,7 @@ def main() -> None:
     run = {m: as_run(engine, paths[m][0], args.repeats) for m in paths}
     print_table("synchronized: each phase alone", synchronized)
     print_table("as run: the parts of one load on the loader, unsynchronized", run)
+    return {"synchronized": synchronized, "as_run": run}
 
 
 if __name__ == "__main__":
