@@ -126,8 +126,7 @@ def pack(xs: Sequence[Tensor], dtypes: Sequence[torch.dtype | None], device: tor
         total += -(-x.numel() * d.itemsize // ALIGN) * ALIGN
     src = sources.pop()  # packed where the tensors are, then one transfer
     buf = TypedViews(torch.empty(total, dtype=torch.uint8, device=src))
-    strides = {shape: contiguous_strides(shape) for shape in {x.shape for x in xs}}  # a few distinct shapes
-    packed = [buf.at(d, off // d.itemsize, x.shape, strides[x.shape])
+    packed = [buf.at(d, off // d.itemsize, x.shape, contiguous_strides(x.shape))
               for x, off, d in paused(zip(xs, offsets, dtypes), pause, PAUSE_EVERY)]
     kinds: dict[tuple, list[int]] = {}  # one call per pair of dtypes (one fused launch on a GPU) for hundreds
     for i, (x, d) in enumerate(zip(xs, dtypes)):

@@ -298,11 +298,11 @@ class Layout:
         buffer cast to another dtype (`AdapterCheckpoint.tensors_on`): the floating tensors are views of it."""
         typed, out = TypedViews(buffer), {}
         lo, first = (self.span[1], cast.storage_offset()) if cast is not None else (0, 0)
-        for i, ((key, dtype, shape, start), stride) in enumerate(zip(self.entries, self._strides)):
+        for i, (key, dtype, shape, start) in enumerate(self.entries):
             if i % self.PAUSE_EVERY == 0:
                 pause()
             if cast is not None and dtype.is_floating_point:
-                out[key] = cast.as_strided(shape, stride, first + (start - lo) // dtype.itemsize)
+                out[key] = cast.as_strided(shape, contiguous_strides(shape), first + (start - lo) // dtype.itemsize)
             else:
                 out[key] = _view(typed, dtype, shape, start)
         return out
@@ -315,11 +315,6 @@ class Layout:
     @cached_property
     def _entry(self) -> dict[str, tuple[str, torch.dtype, tuple[int, ...], int]]:
         return {entry[0]: entry for entry in self.entries}
-
-    @cached_property
-    def _strides(self) -> list[list[int]]:
-        """Each tensor's contiguous strides, made once per header (every load of its files makes its views)."""
-        return [contiguous_strides(shape) for _, _, shape, _ in self.entries]
 
 
 def _view(typed: TypedViews, dtype: torch.dtype, shape: tuple[int, ...], start: int) -> Tensor:
@@ -351,13 +346,15 @@ class TypedViews:
         return self.at(x.dtype, x.storage_offset(), x.shape, x.stride())
 
 
-def contiguous_strides(shape) -> list[int]:
-    """The strides of a contiguous tensor of `shape`."""
+@lru_cache(maxsize=1024)
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape`, kept per shape (a load makes hundreds of views of a few
+    shapes)."""
     stride, acc = [], 1
     for size in reversed(shape):
         stride.append(acc)
         acc *= size
-    return stride[::-1]
+    return tuple(stride[::-1])
 
 
 def first_nonfinite(tensors: Mapping[str, Tensor]) -> str | None:

@@ -195,8 +195,11 @@ def converted(path, model, monkeypatch=None, **kwargs):
     """`convert_checkpoint` of the folder `path` for `model`; with `monkeypatch`, LoRA's per-layer path raises."""
     from scute.adapters.methods import lora
 
+    def per_layer(*args):
+        raise AssertionError("per layer")
+
     if monkeypatch is not None:
-        monkeypatch.setattr(lora, "lora_factors", lambda *a: (_ for _ in ()).throw(AssertionError("per layer")))
+        monkeypatch.setattr(lora, "lora_factors", per_layer)
     return conversion.convert_checkpoint(read_checkpoint(path), conversion.linear_modules(model), **kwargs)
 
 

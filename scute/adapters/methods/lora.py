@@ -24,12 +24,11 @@ from scute.ops.slots import Slots
 KEYS = ("lora_A.weight", "lora_B.weight", "lora_B.bias", "lora_magnitude_vector") + TRAINING_ONLY_KEYS
 
 
-def lora_scale(layer: LayerCheckpoint) -> tuple[int, float]:
-    """(r, s) of this layer, resolving PEFT's rank_pattern / alpha_pattern by module name."""
-    cfg = layer.config
-    r = int(pattern_value(cfg.get("rank_pattern"), layer.name, cfg["r"]))
-    alpha = pattern_value(cfg.get("alpha_pattern"), layer.name, cfg.get("lora_alpha", 8))
-    return r, alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+def lora_scale(config: Mapping, name: str) -> tuple[int, float]:
+    """(r, s) of module `name`, resolving PEFT's rank_pattern / alpha_pattern by module name."""
+    r = int(pattern_value(config.get("rank_pattern"), name, config["r"]))
+    alpha = pattern_value(config.get("alpha_pattern"), name, config.get("lora_alpha", 8))
+    return r, alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
 
 
 def lora_shape(s: SavedShapes) -> tuple[int, int] | None:
@@ -48,8 +47,6 @@ def convert_plain_lora(config: Mapping, layers: Mapping[str, Mapping[str, Tensor
     layer's; `convert_lora` converts those, or says why it refuses them. `pause` every 64 layers."""
     if "r" not in config or any(config.get(key) for key in ("use_dora", "use_bdlora", *REFUSED)):
         return None
-    r0, alpha0, rslora = int(config["r"]), config.get("lora_alpha", 8), config.get("use_rslora")
-    ranks, alphas = config.get("rank_pattern"), config.get("alpha_pattern")
     out = {}
     for k, (name, tensors) in enumerate(layers.items()):
         if k % 64 == 0:
@@ -57,19 +54,18 @@ def convert_plain_lora(config: Mapping, layers: Mapping[str, Mapping[str, Tensor
         A, B, weight = tensors.get("lora_A.weight"), tensors.get("lora_B.weight"), modules[name].weight
         if len(tensors) != 2 or A is None or B is None:
             return None
-        r = int(pattern_value(ranks, name, r0)) if ranks else r0
-        alpha = pattern_value(alphas, name, alpha0) if alphas else alpha0
+        r, s = lora_scale(config, name)
         o, i = weight.shape
         dtype = acc_dtype(weight.dtype)
         if A.shape != (r, i) or B.shape != (o, r) or A.dtype != dtype or B.dtype != dtype:
             return None
-        out[name] = Slots(i, o, A=A, B=B, scale=alpha / math.sqrt(r) if rslora else alpha / r)
+        out[name] = Slots(i, o, A=A, B=B, scale=s)
     return out
 
 
 @register_method("LORA", keys=KEYS, shapes=lora_shape, on_device=True, whole=convert_plain_lora)
 def convert_lora(layer: LayerCheckpoint) -> Slots:
-    r, s = lora_scale(layer)
+    r, s = lora_scale(layer.config, layer.name)
     A, B = lora_factors(layer, r)  # variants sharing peft_type LORA: see lora_variants.py
     if layer.config.get("use_dora"):
         return dora_slots(layer, A, B, s)
