@@ -66,12 +66,16 @@ class Adapter:
         still see one matrix. Pass the same `memo` to every call to share one copy across adapters too (the adapter
         manager does: a matrix shared by all its adapters reaches the device once). The other tensors are copied
         as one buffer (`pack`); `transfer` copies each buffer that changes device (the engine's loader copies
-        through pinned staging buffers); `pause` is called between layers and tensors."""
+        through pinned staging buffers); `pause` is called between layers and tensors. An adapter whose tensors
+        are all where and as asked, none shared, is returned itself."""
         memo = {} if memo is None else memo
         device = None if device is None else torch.device(device)
         slots = [(n, s, s.tensors()) for n, s in paused(self.layers.items(), pause, 16)]
         own = [x for _, s, tensors in slots for k, x in tensors.items() if k not in s.shared]
         dtypes = [(vector_dtype or dtype) if x.dim() == 1 else dtype for x in own]
+        if len(own) == sum(len(tensors) for _, _, tensors in slots) and all(
+                _is_on(x, device) and (d is None or x.dtype == d) for x, d in zip(own, dtypes)):
+            return self  # every tensor is where and as asked (LoRA folded in the serving dtype)
         moved = iter(pack(own, dtypes, device, transfer, pause))  # in the order of `own`, which the walk repeats
         layers = {n: s.with_same_shapes(**{k: _move_shared(x, dtype, device, memo, transfer) if k in s.shared
                                            else next(moved) for k, x in tensors.items()})
@@ -86,6 +90,11 @@ class Adapter:
         """aLoRA's invocation tokens (the adapter applies from their last occurrence in a prompt on), else None."""
         tokens = self.config.get("alora_invocation_tokens")
         return tuple(int(t) for t in tokens) if tokens else None
+
+
+def _is_on(x: Tensor, device: torch.device | None) -> bool:
+    """Whether `x` is on `device` (None: anywhere; a device without an index: any of its type)."""
+    return device is None or x.device == device or (x.device.type == device.type and device.index is None)
 
 
 def _move_shared(x: Tensor, dtype: torch.dtype | None, device: torch.device | None, memo: SharedMemo,

@@ -91,33 +91,36 @@ class AdapterCheckpoint:
                    pause: Callable[[], None] = lambda: None) -> dict[str, Tensor]:
         """The tensors on `device`, floating ones in `dtype` (None: as read), after checking that every floating
         one is finite as read (raises `AdapterError` naming the first that is not). A file whose floating tensors
-        tile one span of it (`Layout.span`: the usual PEFT file) is copied there whole (one transfer,
-        non-blocking from pinned memory, on the current stream), checked and cast as that span, and each tensor
-        is then one view of the cast span (`pause` is called every `Layout.PAUSE_EVERY` views); any other's are
-        moved, checked (`first_nonfinite`) and cast (`cast_together`) as they are. On the CPU, a pinned buffer
-        is first copied to pageable memory: what a converter returns from the tensors may be kept for long (the
-        CPU tier), and pinned memory kept is pinned memory allocated again for the next file, whose allocation
-        holds a lock of the CUDA driver that stalls every other thread's CUDA calls (the step loop's launches)
-        while it runs; a pinned buffer released is reused for the next file instead."""
+        tile one span of it (`Layout.span`: the usual PEFT file) has that span copied there (one transfer,
+        non-blocking from pinned memory, on the current stream; on a GPU into a buffer of its own, which the
+        tensors as read are then views of: the caller may write into them), checked and cast as that span, and
+        each tensor is then one view of the cast span (`pause` is called every `Layout.PAUSE_EVERY` views); any
+        other's are moved, checked (`first_nonfinite`) and cast (`cast_together`) as they are. On the CPU, a
+        pinned buffer is first copied to pageable memory: what a converter returns from the tensors may be kept
+        for long (the CPU tier), and pinned memory kept is pinned memory allocated again for the next file, whose
+        allocation holds a lock of the CUDA driver that stalls every other thread's CUDA calls (the step loop's
+        launches) while it runs; a pinned buffer released is reused for the next file instead."""
         span = None if self.layout is None else self.layout.span
         if span is None:
             tensors = self._moved(device)
             if (bad := first_nonfinite(tensors)) is not None:
                 raise self.error(f"tensor {bad!r} has NaN or Inf values")
             return tensors if dtype is None else cast_together(tensors, dtype)
-        moved = self._buffer_on(device)
         read_dtype, lo, hi = span
-        raw = moved[lo:hi].view(read_dtype)
+        raw = self._buffer_on(device, lo, hi).view(read_dtype)  # the span alone (on a GPU a copy of its own)
         cast = raw if dtype is None or dtype == read_dtype else raw.to(dtype)
         if not _finite([raw])[0]:  # one host sync, with the cast already queued
-            raise self.error(f"tensor {first_nonfinite(self.layout.views(moved))!r} has NaN or Inf values")
-        return self.layout.views(moved, cast, pause)
+            raise self.error(f"tensor {first_nonfinite(self.tensors)!r} has NaN or Inf values")
+        rest = self.buffer if self.layout.floating_only else self._buffer_on(device)  # for the other tensors
+        return self.layout.views(rest, cast, pause)
 
-    def _buffer_on(self, device: torch.device) -> Tensor:
-        """The weights file's buffer on `device` (a pageable copy for the CPU, where it is pinned)."""
+    def _buffer_on(self, device: torch.device, lo: int = 0, hi: int | None = None) -> Tensor:
+        """Bytes `lo:hi` of the weights file's buffer on `device`: a pageable copy for the CPU where the buffer is
+        pinned, else a view of it; on a GPU a copy in a buffer of its own (which starts aligned)."""
+        part = self.buffer[lo:hi]
         if device.type == "cpu":
-            return self.buffer if not self.buffer.is_pinned() else torch.empty_like(self.buffer).copy_(self.buffer)
-        return self.buffer.to(device, non_blocking=True)
+            return part if not part.is_pinned() else torch.empty_like(part).copy_(part)
+        return part.to(device, non_blocking=True)
 
     def _moved(self, device: torch.device) -> dict[str, Tensor]:
         """The tensors on `device` as read: views of one copy of the buffer (`_buffer_on`); a pickled file's
@@ -306,6 +309,11 @@ class Layout:
             else:
                 out[key] = _view(typed, dtype, shape, start)
         return out
+
+    @cached_property
+    def floating_only(self) -> bool:
+        """Every tensor is floating (then a `span`'s views are all of them)."""
+        return all(dtype.is_floating_point for _, dtype, _, _ in self.entries)
 
     def view(self, buffer: Tensor, key: str) -> Tensor:
         """The tensor `key` as a view of `buffer` (as `views` makes it), without making the others'."""

@@ -26,6 +26,7 @@ from scute.adapters.checkpoint import (
     LAYER_PREFIX,
     AdapterCheckpoint,
     AdapterError,
+    cast_together,
     is_targeted,
     read_checkpoint,
     targeted_modules,
@@ -179,42 +180,43 @@ class ModelLayers:
 
 def convert_checkpoint(
     ckpt: AdapterCheckpoint, modules: Mapping[str, nn.Module], dense: bool = False, interned: Interned | None = None,
-    pause: Pause = no_pause, **options: object,
+    pause: Pause = no_pause, dtype: torch.dtype | None = None, **options: object,
 ) -> dict[str, Slots]:
     """Convert a checkpoint into unfolded `Slots` per module name, validating it against the base `modules`
     (name -> a linear layer with `weight` [out, in] and `bias`). A method registered with ``on_device=True``
     converts where the base weights are (its slots are then there: W0 is never copied off its device), the
-    others on the CPU. `dense`, `interned`, `pause`, `options`: see `load_adapter`."""
+    others on the CPU. `dense`, `interned`, `pause`, `dtype`, `options`: see `load_adapter`."""
     interned = {} if interned is None else interned
     method = checkpoint_method(ckpt, options)
     device = weights_device(modules) if method.on_device else torch.device("cpu")
     keys, globals_ = _group_keys(ckpt, _split_keys(ckpt, method), modules)  # refused before any copy
     acc = acc_dtype(next((m.weight.dtype for m in modules.values()), torch.float32))
-    tensors_here = ckpt.tensors_on(device, acc, pause)  # checked finite, in `LayerCheckpoint.tensor`'s dtype
-    groups: dict[str, dict[str, Tensor]] = {}
-    for module, suffix, key in keys:
-        groups.setdefault(module, {})[suffix] = tensors_here[key]
+    whole = method.whole if not dense and not options else None  # all layers at once, where it takes the adapter
+    tensors_here = ckpt.tensors_on(device, None if whole else acc, pause)  # checked finite; as read for `whole`
     expected = targeted_modules(ckpt.config, tuple(modules))
     order = {n: i for i, n in enumerate(modules)}  # model order: the first problem first
+    groups = _layer_tensors(keys, tensors_here)
     if missing := sorted(expected - set(groups), key=order.__getitem__):
         if not method.tensorless_targets:
             raise ckpt.error(f"the config targets {missing[0]} but the file has no tensors for it "
                              f"({len(missing)} such modules)")
         groups.update({n: {} for n in missing})
     in_order = sorted(groups, key=order.__getitem__)
-    if method.whole is not None and not dense and not options:  # all layers at once, where it takes the adapter
-        whole = method.whole(ckpt.config, {n: groups[n] for n in in_order}, modules, pause)
-        if whole is not None:
-            return whole
+    if whole is not None:  # on a GPU the tensors as read are a copy of their own: it may fold into them
+        slots = whole(ckpt.config, {n: groups[n] for n in in_order}, modules, dtype if device.type == "cuda" else
+                      None, pause)
+        if slots is not None:
+            return slots
+        groups = {**{n: {} for n in in_order}, **_layer_tensors(keys, cast_together(tensors_here, acc))}
     shared: dict = {}
     shapes = {n: tuple(modules[n].weight.shape) for n in in_order}
     out: dict[str, Slots] = {}
     for name in paused(shapes, pause):
         tensors, base = groups[name], modules[name]
-        dtype = acc_dtype(base.weight.dtype)
-        b0 = None if base.bias is None else base.bias.detach().to(device=device, dtype=dtype)
+        layer_acc = acc_dtype(base.weight.dtype)
+        b0 = None if base.bias is None else base.bias.detach().to(device=device, dtype=layer_acc)
         trained_bias = tensors.pop("base_layer.bias", tensors.pop("bias", None))
-        bias = b0 if trained_bias is None else trained_bias.to(dtype)
+        bias = b0 if trained_bias is None else trained_bias.to(layer_acc)
         if bias is not None and tuple(bias.shape) != (shapes[name][0],):
             raise ckpt.error(f"trained bias has shape {tuple(bias.shape)}, layer needs ({shapes[name][0]},)", name)
         layer = LayerCheckpoint(name, ckpt.config, base, bias, tensors, ckpt, globals_, shapes, shared, dense=dense,
@@ -232,6 +234,14 @@ def convert_checkpoint(
             raise layer.error(f"unexpected tensor {extra[0]!r} for {ckpt.peft_type} with this config")
         out[name] = _correct_bias(slots, b0, bias)
     return out
+
+
+def _layer_tensors(keys: list[tuple[str, str, str]], tensors: Mapping[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+    """{module: {suffix: tensor}} from `_group_keys`' (module, suffix, key) triples."""
+    groups: dict[str, dict[str, Tensor]] = {}
+    for module, suffix, key in keys:
+        groups.setdefault(module, {})[suffix] = tensors[key]
+    return groups
 
 
 def checkpoint_method(ckpt: AdapterCheckpoint, options: Mapping[str, object] = {}) -> Method:
@@ -331,7 +341,8 @@ def _correct_bias(slots: Slots, b0: Tensor | None, bias: Tensor | None) -> Slots
 
 def load_adapter(
     path: str | os.PathLike, model: nn.Module | ModelLayers, name: str | None = None, allow_pickle: bool = False,
-    dense: bool = False, interned: Interned | None = None, pause: Pause = no_pause, **options: object,
+    dense: bool = False, interned: Interned | None = None, pause: Pause = no_pause, dtype: torch.dtype | None = None,
+    **options: object,
 ) -> Adapter:
     """Read the PEFT folder `path`, validate it against `model` (or its `ModelLayers`) and convert it into folded
     slots.
@@ -342,6 +353,11 @@ def load_adapter(
     the matrices they hold alike (VeRA's projections; the engine's adapter manager keeps one), each call without
     one has its own. `pause` is called before each layer is converted and folded (the engine's loader waits there
     while the step loop has its turn: `scute.engine.adapter_loader.Turns`).
+    `dtype`: the dtype the caller serves the matrices in (the engine's on a GPU). Slots are converted in the
+    accumulation dtype (float32 for a bf16 model) and folded there, and the caller casts them; a whole-adapter
+    converter given `dtype` (for tensors on a GPU) may instead give its layers already folded in it, where the
+    values are those the cast would give (LoRA from a file in `dtype`: ``B ← s·B`` is one rounding of the float32
+    product either way), saving the float32 copies.
     `options`: the method's own load options (Poly's ``task_id``: one adapter per task); a name the method does
     not take raises, listing those it does. An option given selects one adapter of the checkpoint: it is named
     and identified apart (``poly@task1``). Methods that can convert where the base weights are do
@@ -356,7 +372,8 @@ def load_adapter(
             "Scute serves adapters of nn.Linear layers only"
         )
     method = checkpoint_method(ckpt, options)
-    converted = convert_checkpoint(ckpt, modules, dense=dense, interned=interned, pause=pause, **options)
+    converted = convert_checkpoint(ckpt, modules, dense=dense, interned=interned, pause=pause, dtype=dtype,
+                                   **options)
     folded = fold_layers(converted, pause)
     default, identity = os.path.basename(os.path.normpath(os.fspath(path))), ckpt.identity
     for key, value in options.items():  # a variant of the checkpoint: its own device slot and KV prefixes

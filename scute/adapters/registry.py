@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from scute.ops.slots import Slots
 
 Converter = Callable[["LayerCheckpoint"], "Slots"]
-# (config, each adapted layer's tensors by module name in model order, the base layers by name, `Pause`) -> every
+# (config, each adapted layer's tensors by module name in model order, as the file has them (views of a copy of its
+# own on a GPU), the base layers by name, the serving dtype or None (`load_adapter`'s ``dtype``), `Pause`) -> every
 # layer's slots, or None where the adapter is not one it converts (then the per-layer converter runs)
 WholeConverter = Callable[..., "dict[str, Slots] | None"]
 
@@ -103,9 +104,9 @@ def register_method(
     converter reads from ``layer.options``. ``on_device``: the converter makes every tensor it creates on
     ``layer.device`` (where its tensors and ``layer.weight`` are), so it may run on the base model's device;
     otherwise it runs on the CPU. `whole`: every layer's slots at once (see `WholeConverter`; loads without
-    ``dense`` or options), exactly those the per-layer converter makes, for the adapters it takes: None for the
-    others, for any the per-layer converter would refuse (which then says why), and where a tensor is not in its
-    layer's converter dtype (`LayerCheckpoint.dtype`) already."""
+    ``dense`` or options), exactly those the per-layer converter makes (or those folded in the serving dtype,
+    where that gives the values its cast would: `load_adapter`'s ``dtype``), for the adapters it takes: None
+    for the others and for any the per-layer converter would refuse (which then says why)."""
 
     def wrap(convert: Converter) -> Converter:
         if peft_type in _METHODS:

@@ -218,6 +218,12 @@ class AdapterLoader:
         """`buffer` copied to `device`, through the `Staging` buffers where it crosses between host and device."""
         return copy_to(buffer, device) if buffer.device.type == device.type else self._staging.copy(buffer, device)
 
+    @property
+    def matrix_dtype(self) -> torch.dtype | None:
+        """The dtype the device copies hold matrices in (`to_device`): the serving dtype on a GPU, None (as
+        converted) on the CPU."""
+        return self.dtype if self.device.type == "cuda" else None
+
     def to_device(self, adapter: Adapter, memo: SharedMemo) -> Adapter:
         """`adapter` as the device slots hold it: on the device, matrices in the serving dtype, vectors in float32,
         copied as one buffer (`Adapter.to`; `memo` as there). On the CPU the tensors themselves."""

@@ -115,7 +115,8 @@ class AdapterManager:
     def _convert(self, path: str | os.PathLike, name: str | None = None, **options) -> Adapter:
         """A folder read, validated and converted (on the GPU for the methods that convert where W0 is)."""
         path, pause = os.fspath(path), self.loader.turns.pause
-        adapter = load_adapter(path, self.model_layers, name, interned=self._interned, pause=pause, **options)
+        adapter = load_adapter(path, self.model_layers, name, interned=self._interned, pause=pause,
+                               dtype=self.loader.matrix_dtype, **options)
         rank = max((s.rank for s in adapter.layers.values()), default=0)
         if rank > self.max_adapter_rank:
             raise AdapterError(f"adapter {path} ({adapter.peft_type}) has rank {rank}, above max_adapter_rank="
@@ -276,7 +277,8 @@ class AdapterManager:
                 continue
             if load.pending is not None:
                 load.pending.adapter = self._cache(load.pending.key, adapter)
-                if adapter is staged.adapter:  # converted on the GPU: the CPU cache got the device copy (`_job`)
+                if adapter is staged.adapter and self.device.type != "cpu":  # converted on the GPU: the CPU
+                    # cache got the device copy (`_job`); on the CPU the conversion is what the slot serves
                     self._host_copy(load.pending.key, adapter)
             if adapter.identity not in self._slot_of:  # else the copy is not needed: the slot still holds it
                 self._staged.setdefault(adapter.identity, (staged, set()))[1].update(load.waiters)

@@ -155,16 +155,19 @@ def fold_layers(layers: Mapping[str, Slots], pause: Callable[[], None] = lambda:
     """``{name: slots.folded()}`` for an adapter's layers, with the commonest fold made for many layers at once:
     a per-adapter B scaled by s alone (LoRA's ``B ← s·B``) is multiplied by one call per distinct s, its dtype
     and device (`torch._foreach_mul`, 32 layers per call: a few launches on a GPU where each layer made its own).
-    Elementwise the same product as `folded()`, so the same values. `pause` is called before each such call and
-    every 16 layers folded one by one."""
+    Elementwise the same product as `folded()`, so the same values; such a slot folded already (s merged, scale
+    1) is kept as it is. `pause` is called before each such call and every 16 layers folded one by one."""
     alone: list[str] = []
     scaled: dict[tuple, list[str]] = {}
+    out: dict[str, Slots] = {}
     for name, sl in layers.items():
         if sl.A is not None and sl.m is None and sl.v is None and not sl.shared:
-            scaled.setdefault((sl.scale, sl.B.dtype, sl.B.device), []).append(name)
+            if sl.scale == 1.0 and "s" in sl.merged:  # folded already (LoRA folded in the serving dtype)
+                out[name] = sl
+            else:
+                scaled.setdefault((sl.scale, sl.B.dtype, sl.B.device), []).append(name)
         else:
             alone.append(name)
-    out: dict[str, Slots] = {}
     for k, name in enumerate(alone):
         if k % 16 == 0:
             pause()

@@ -17,7 +17,7 @@ from scute.adapters import checkpoint as ckpt_module
 from scute.adapters import conversion
 from scute.adapters.adapter import ALIGN, pack
 from scute.adapters.methods import dora
-from scute.ops.slots import TENSOR_SLOTS
+from scute.ops.slots import TENSOR_SLOTS, fold_layers
 from tests.helpers import ALL_LINEAR, assert_matches_peft, make_adapter, tiny_model
 
 WEIGHTS = SAFETENSORS
@@ -127,7 +127,7 @@ def test_a_bf16_file_converts_as_each_tensor_cast_alone(lora_dir, monkeypatch):
     ckpt_module._layout.cache_clear()
     monkeypatch.setattr(ckpt_module, "_span", lambda entries: None)
     monkeypatch.setattr(ckpt_module, "cast_together", lambda tensors, dtype: dict(tensors))
-    alone = load_adapter(lora_dir, model)
+    alone = load_adapter(lora_dir, model, dense=True)  # dense: LoRA's per-layer path, which casts each tensor
     ckpt_module._layout.cache_clear()  # no layout without a span outlives the test
     assert together.layers.keys() == alone.layers.keys()
     for name, slots in together.layers.items():
@@ -231,3 +231,63 @@ def test_lora_with_a_bias_or_dora_converts_layer_by_layer(tmp_path, monkeypatch,
     make_adapter(str(tmp_path), NOT_PLAIN[config](), "qwen2")
     with pytest.raises(AssertionError, match="per layer"):
         converted(tmp_path, tiny_model("qwen2"), monkeypatch)
+
+
+def bf16_lora(path, config: str = "patterns_rslora") -> None:
+    """A LoRA folder whose file is bf16, with scales that are not powers of two (their product rounds)."""
+    make_adapter(str(path), PLAIN_LORA[config]())
+    file = os.path.join(path, WEIGHTS)
+    save_file({k: v.bfloat16() for k, v in load_file(file).items()}, file)
+
+
+def test_plain_lora_in_the_serving_dtype_is_folded_in_place_to_the_cast_of_the_float32_fold(tmp_path):
+    """Given the serving dtype of its bf16 tensors, `convert_plain_lora` folds B ← s·B where the tensors are (the
+    file's, or here a copy of them) and gives the values that folding in float32 and casting to bf16 give, bit for
+    bit; A is the file's tensor itself. On the CPU (the tensors may be the file's own buffer) `convert_checkpoint`
+    never passes the dtype on: its slots are the float32 ones."""
+    from scute.adapters.methods.lora import convert_plain_lora
+
+    bf16_lora(tmp_path)
+    model = tiny_model()
+    modules = conversion.linear_modules(model)
+    want = {n: sl.folded() for n, sl in converted(tmp_path, model, dense=True).items()}
+    assert converted(tmp_path, model, dtype=torch.bfloat16).keys() == want.keys()
+    assert all(sl.A.dtype == torch.float32 and sl.scale != 1.0
+               for sl in converted(tmp_path, model, dtype=torch.bfloat16).values())
+    ckpt = read_checkpoint(tmp_path)
+    read = {k: x.clone() for k, x in ckpt.tensors_on(torch.device("cpu")).items()}
+    layers = {n: {"lora_A.weight": read[f"base_model.model.{n}.lora_A.weight"],
+                  "lora_B.weight": read[f"base_model.model.{n}.lora_B.weight"]} for n in want}
+    fast = convert_plain_lora(ckpt.config, layers, modules, torch.bfloat16, lambda: None)
+    rounded = 0
+    for name, sl in fast.items():
+        assert sl.scale == 1.0 and sl.merged == ("s",) and sl.A is layers[name]["lora_A.weight"], name
+        assert sl.B.data_ptr() == layers[name]["lora_B.weight"].data_ptr(), name  # in place
+        assert sl.B.dtype == torch.bfloat16 and torch.equal(sl.B, want[name].B.bfloat16()), name
+        assert torch.equal(sl.A, want[name].A.bfloat16()), name
+        rounded += not torch.equal(sl.B.float(), want[name].B)  # the fold rounded: the test can tell
+    assert rounded > 0
+    assert all(sl is fast[n] for n, sl in fold_layers(fast).items())  # folded already: kept as it is
+    assert convert_plain_lora(ckpt.config, layers, modules, torch.float16, lambda: None)[name].B.dtype == \
+        torch.float32  # another serving dtype: cast to float32, unfolded
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_plain_lora_from_a_bf16_file_on_a_gpu_is_served_as_the_files_views():
+    """On a GPU, a bf16 LoRA loaded for a bf16 model with the serving dtype is its file's span on the device, B
+    folded there: the same tensors, bit for bit, as the float32 conversion cast to bf16 (what the engine's loader
+    serves otherwise), and the device copy is the adapter itself."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as path:
+        bf16_lora(path)
+        model = tiny_model(dtype=torch.bfloat16).cuda()
+        fast = load_adapter(path, model, dtype=torch.bfloat16)
+        slow = load_adapter(path, model).to(torch.bfloat16, vector_dtype=torch.float32)
+    assert fast.layers.keys() == slow.layers.keys()
+    for name, sl in fast.layers.items():
+        assert sl.live == slow.layers[name].live == ("A", "B"), name
+        assert all(torch.equal(x, slow.layers[name].tensors()[k]) and x.dtype == torch.bfloat16
+                   for k, x in sl.tensors().items()), name
+    assert len({x.untyped_storage().data_ptr() for sl in fast.layers.values() for x in sl.tensors().values()}) == 1
+    assert fast.to(torch.bfloat16, torch.device("cuda"), vector_dtype=torch.float32) is fast

@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+import torch
 from torch import Tensor, nn
 
 from scute.adapters.adapter import Pause
-from scute.adapters.checkpoint import pattern_value
+from scute.adapters.checkpoint import cast_together, pattern_value
 from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.methods.dora import dora_slots
 from scute.adapters.methods.lora_variants import REFUSED, TRAINING_ONLY_KEYS, lora_factors
@@ -39,15 +40,19 @@ def lora_shape(s: SavedShapes) -> tuple[int, int] | None:
 
 
 def convert_plain_lora(config: Mapping, layers: Mapping[str, Mapping[str, Tensor]], modules: Mapping[str, nn.Module],
-                       pause: Pause) -> dict[str, Slots] | None:
+                       dtype: torch.dtype | None, pause: Pause) -> dict[str, Slots] | None:
     """Every layer of a plain LoRA adapter at once (`register_method`'s ``whole``): the slots `convert_lora` makes
-    (A, B and s of each layer), with a few lookups a layer where the per-layer path builds a `LayerCheckpoint` and
-    runs the variants' checks (a few ms of an adapter of 224 layers). None for any other: DoRA, a variant
-    (`lora_variants.py`), a bias (``lora_bias``, ``bias="all"``), a tensor of another shape or dtype than its
-    layer's; `convert_lora` converts those, or says why it refuses them. `pause` every 64 layers."""
-    if "r" not in config or any(config.get(key) for key in ("use_dora", "use_bdlora", *REFUSED)):
+    (A, B and s of each layer, cast together to the accumulation dtype), with a few lookups a layer where the
+    per-layer path builds a `LayerCheckpoint` and runs the variants' checks (a few ms of an adapter of 224
+    layers). Tensors already in the serving `dtype` (a bf16 file served in bf16) are folded where they are
+    instead, ``B ← s·B`` in place (a float32 product rounded once to `dtype`: the value that folding in float32
+    and casting gives), so the layers are served as the file's views, with no float32 copy, fold or pack. None
+    for any other adapter: DoRA, a variant (`lora_variants.py`), a bias (``lora_bias``, ``bias="all"``), tensors
+    of other shapes or of several dtypes; `convert_lora` converts those, or says why it refuses them. `pause`
+    every 64 layers."""
+    if "r" not in config or any(config.get(key) for key in ("use_dora", "use_bdlora", *REFUSED)) or not layers:
         return None
-    out = {}
+    found, read, accs = [], set(), set()
     for k, (name, tensors) in enumerate(layers.items()):
         if k % 64 == 0:
             pause()
@@ -56,11 +61,35 @@ def convert_plain_lora(config: Mapping, layers: Mapping[str, Mapping[str, Tensor
             return None
         r, s = lora_scale(config, name)
         o, i = weight.shape
-        dtype = acc_dtype(weight.dtype)
-        if A.shape != (r, i) or B.shape != (o, r) or A.dtype != dtype or B.dtype != dtype:
+        if A.shape != (r, i) or B.shape != (o, r):
             return None
-        out[name] = Slots(i, o, A=A, B=B, scale=s)
-    return out
+        read.add(A.dtype), read.add(B.dtype), accs.add(acc_dtype(weight.dtype))
+        found.append((name, i, o, A, B, s))
+    if len(read) != 1 or len(accs) != 1:  # tensors of several dtypes, or layers of several
+        return None
+    acc = accs.pop()
+    if dtype is not None and read == {dtype} and acc_dtype(dtype) == acc:  # B·s in acc, rounded once to dtype
+        return _folded_in_place(found, pause)
+    cast = cast_together({f"{n}.{x}": t for n, *_, A, B, _ in found for x, t in (("A", A), ("B", B))}, acc)
+    return {n: Slots(i, o, A=cast[f"{n}.A"], B=cast[f"{n}.B"], scale=s) for n, i, o, _, _, s in found}
+
+
+def _folded_in_place(found: list[tuple], pause: Pause) -> dict[str, Slots]:
+    """The layers' slots folded: each B multiplied by its s where it is, in float32 (on a GPU one
+    `torch._foreach_mul_` per distinct s and 32 layers; on the CPU, whose foreach rounds s to the tensors' dtype
+    first, each alone), `pause` every 32 layers."""
+    by_scale: dict[float, list[Tensor]] = {}
+    for *_, B, s in found:
+        by_scale.setdefault(s, []).append(B)
+    for s, Bs in by_scale.items():
+        for k in range(0, len(Bs), 32):
+            pause()
+            if Bs[k].is_cuda:
+                torch._foreach_mul_(Bs[k:k + 32], s)
+            else:
+                for B in Bs[k:k + 32]:
+                    B.mul_(s)
+    return {n: Slots(i, o, A=A, B=B, merged=("s",)) for n, i, o, A, B, _ in found}
 
 
 @register_method("LORA", keys=KEYS, shapes=lora_shape, on_device=True, whole=convert_plain_lora)
