@@ -216,7 +216,7 @@ def _load_safetensors(path: str, file: str, digest: Digest, pin_memory: bool) ->
 
 def _read(file: str, pin_memory: bool, digest: Digest) -> Tensor:
     """The file read into one buffer, by several threads for a file of a few chunks and more; each chunk's
-    sha256 is added to `digest`, hashed on those threads after the read (the buffer is not written again)."""
+    sha256 is added to `digest`, hashed on those threads once it is read (the buffer is not written again)."""
     fd = os.open(file, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
@@ -231,14 +231,18 @@ def _read(file: str, pin_memory: bool, digest: Digest) -> Tensor:
                     raise ValueError(f"the file ended at byte {pos} while reading it ({size} bytes)")
                 pos += got
 
-        def sha(start: int) -> bytes:
+        def sha(start: int, chunk: Future | None = None) -> bytes:
+            if chunk is not None:
+                chunk.result()  # read (or being read: every read is queued before any hash)
             return hashlib.sha256(view[start:start + CHUNK]).digest()
 
         starts = range(0, size, CHUNK)
-        if len(starts) > 2:
-            list(_readers().map(read, starts))
-            for start in starts:
-                digest.add(_readers().submit(sha, start))
+        if len(starts) > 2:  # a thread done reading hashes a chunk read while the last ones are still read
+            reads = [_readers().submit(read, start) for start in starts]
+            for start, chunk in zip(starts, reads):
+                digest.add(_readers().submit(sha, start, chunk))
+            for chunk in reads:
+                chunk.result()
         else:
             for start in starts:
                 read(start)
