@@ -4,8 +4,9 @@ The model and adapters of `bench/bench_adapter_load.py` (Llama-3-8B shape, rando
 for a quick look). Per method, two tables of medians over ``--repeats``:
 
 * *synchronized*: each phase of `AdapterManager._job` and the placement run one after the other, the device
-  synchronized after each: ``read`` (`read_checkpoint` and its hash), ``convert`` (`convert_checkpoint`: the
-  file's tensors to the converter's device and dtype, checked, converted per layer), ``fold`` (`fold_layers`),
+  synchronized after each: ``read`` (`read_checkpoint` and its hash), ``convert`` (`convert_checkpoint` without
+  the serving dtype, the path of every adapter but a plain LoRA in the serving dtype: the file's tensors to the
+  converter's device and float32, checked, converted), ``fold`` (`fold_layers`),
   ``device`` (the serving copy: `AdapterLoader.to_device`), ``prepare`` (`prepare_adapter`), ``place``
   (`place_adapter` with the prepared rows); then cProfile of the placement (own time, top 25);
 * *as run*: `AdapterManager._job` itself, as the loader runs it (nothing synchronized inside; its hash runs on

@@ -184,8 +184,9 @@ def read_checkpoint(path: str | os.PathLike, allow_pickle: bool = False, pin_mem
 
 
 # Bytes read and hashed per task: files of a few chunks and more are read by several threads (`_readers`), which
-# then hash the chunks while the conversion goes on; smaller chunks spread the hashing over more threads, so it is
-# done sooner after the read (`bench/bench_adapter_load.py`: ``read_checkpoint_s``, the read and hash of a file).
+# hash each chunk once it is read, while the last ones are read and the conversion goes on; smaller chunks spread
+# the hashing over more threads, so it is done sooner after the read (`bench/bench_adapter_load.py`:
+# ``read_checkpoint_s``, the read and hash of a file).
 CHUNK = 4 << 20
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
