@@ -73,10 +73,10 @@ class Adapter:
         slots = [(n, s, s.tensors()) for n, s in paused(self.layers.items(), pause, 16)]
         own = [x for _, s, tensors in slots for k, x in tensors.items() if k not in s.shared]
         dtypes = [(vector_dtype or dtype) if x.dim() == 1 else dtype for x in own]
-        if len(own) == sum(len(tensors) for _, _, tensors in slots) and all(
-                _is_on(x, device) and (d is None or x.dtype == d) for x, d in zip(own, dtypes)):
+        packed = pack(own, dtypes, device, transfer, pause)
+        if all(not s.shared for _, s, _ in slots) and all(p is x for p, x in zip(packed, own)):
             return self  # every tensor is where and as asked (LoRA folded in the serving dtype)
-        moved = iter(pack(own, dtypes, device, transfer, pause))  # in the order of `own`, which the walk repeats
+        moved = iter(packed)  # in the order of `own`, which the walk repeats
         layers = {n: s.with_same_shapes(**{k: _move_shared(x, dtype, device, memo, transfer) if k in s.shared
                                            else next(moved) for k, x in tensors.items()})
                   for n, s, tensors in paused(slots, pause, 16)}
@@ -120,7 +120,7 @@ def pack(xs: Sequence[Tensor], dtypes: Sequence[torch.dtype | None], device: tor
     `pause` is called every `PAUSE_EVERY` views made."""
     dtypes = [d or x.dtype for x, d in zip(xs, dtypes)]
     device = device or (xs[0].device if xs else None)
-    if all(x.device == device and x.dtype == d for x, d in zip(xs, dtypes)):
+    if all(_is_on(x, device) and x.dtype == d for x, d in zip(xs, dtypes)):
         return list(xs)
     sources = {x.device for x in xs}
     if all(x.dtype == d for x, d in zip(xs, dtypes)) and _packed(xs):  # a packed buffer: copy it whole

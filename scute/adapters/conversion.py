@@ -192,7 +192,10 @@ def convert_checkpoint(
     keys, globals_ = _group_keys(ckpt, _split_keys(ckpt, method), modules)  # refused before any copy
     acc = acc_dtype(next((m.weight.dtype for m in modules.values()), torch.float32))
     whole = method.whole if not dense and not options else None  # all layers at once, where it takes the adapter
-    tensors_here = ckpt.tensors_on(device, None if whole else acc, pause)  # checked finite; as read for `whole`
+    span = None if ckpt.layout is None else ckpt.layout.span
+    # a file in the serving dtype, on a GPU (a copy of its own there): `whole` gets it as read, and may fold into it
+    served = dtype if whole is not None and device.type == "cuda" and span is not None and span[0] == dtype else None
+    tensors_here = ckpt.tensors_on(device, None if served else acc, pause)  # checked finite
     expected = targeted_modules(ckpt.config, tuple(modules))
     order = {n: i for i, n in enumerate(modules)}  # model order: the first problem first
     groups = _layer_tensors(keys, tensors_here)
@@ -202,12 +205,12 @@ def convert_checkpoint(
                              f"({len(missing)} such modules)")
         groups.update({n: {} for n in missing})
     in_order = sorted(groups, key=order.__getitem__)
-    if whole is not None:  # on a GPU the tensors as read are a copy of their own: it may fold into them
-        slots = whole(ckpt.config, {n: groups[n] for n in in_order}, modules, dtype if device.type == "cuda" else
-                      None, pause)
+    if whole is not None:
+        slots = whole(ckpt.config, {n: groups[n] for n in in_order}, modules, served, pause)
         if slots is not None:
             return slots
-        groups = {**{n: {} for n in in_order}, **_layer_tensors(keys, cast_together(tensors_here, acc))}
+        if served is not None:  # the per-layer converters take the accumulation dtype
+            groups = {**{n: {} for n in in_order}, **_layer_tensors(keys, cast_together(tensors_here, acc))}
     shared: dict = {}
     shapes = {n: tuple(modules[n].weight.shape) for n in in_order}
     out: dict[str, Slots] = {}
@@ -355,9 +358,9 @@ def load_adapter(
     while the step loop has its turn: `scute.engine.adapter_loader.Turns`).
     `dtype`: the dtype the caller serves the matrices in (the engine's on a GPU). Slots are converted in the
     accumulation dtype (float32 for a bf16 model) and folded there, and the caller casts them; a whole-adapter
-    converter given `dtype` (for tensors on a GPU) may instead give its layers already folded in it, where the
-    values are those the cast would give (LoRA from a file in `dtype`: ``B ← s·B`` is one rounding of the float32
-    product either way), saving the float32 copies.
+    converter given a file in `dtype` on a GPU may instead give its layers already folded in it, where the values
+    are those the cast would give (LoRA: ``B ← s·B`` is one rounding of the float32 product either way), saving
+    the float32 copies.
     `options`: the method's own load options (Poly's ``task_id``: one adapter per task); a name the method does
     not take raises, listing those it does. An option given selects one adapter of the checkpoint: it is named
     and identified apart (``poly@task1``). Methods that can convert where the base weights are do

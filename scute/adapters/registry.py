@@ -31,9 +31,10 @@ if TYPE_CHECKING:
     from scute.ops.slots import Slots
 
 Converter = Callable[["LayerCheckpoint"], "Slots"]
-# (config, each adapted layer's tensors by module name in model order, as the file has them (views of a copy of its
-# own on a GPU), the base layers by name, the serving dtype or None (`load_adapter`'s ``dtype``), `Pause`) -> every
-# layer's slots, or None where the adapter is not one it converts (then the per-layer converter runs)
+# (config, each adapted layer's tensors by module name in model order, in the converter dtype, the base layers by
+# name, the serving dtype where the tensors are a file in it on a GPU (as read: views of a copy of their own there,
+# which it may write into) else None, `Pause`) -> every layer's slots, or None where the adapter is not one it
+# converts (then the per-layer converter runs)
 WholeConverter = Callable[..., "dict[str, Slots] | None"]
 
 

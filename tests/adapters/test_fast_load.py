@@ -64,6 +64,7 @@ def test_pack_is_one_aligned_buffer_with_the_same_values():
 
 def test_adapter_to_keeps_matrices_and_vectors_apart(lora_dir):
     adapter = load_adapter(lora_dir, tiny_model())
+    assert adapter.to() is adapter and adapter.to(torch.float32, "cpu") is adapter  # where and as asked already
     moved = adapter.to(torch.float16, vector_dtype=torch.float32)
     for name, slots in moved.layers.items():
         for key, x in slots.tensors().items():
@@ -127,7 +128,7 @@ def test_a_bf16_file_converts_as_each_tensor_cast_alone(lora_dir, monkeypatch):
     ckpt_module._layout.cache_clear()
     monkeypatch.setattr(ckpt_module, "_span", lambda entries: None)
     monkeypatch.setattr(ckpt_module, "cast_together", lambda tensors, dtype: dict(tensors))
-    alone = load_adapter(lora_dir, model, dense=True)  # dense: LoRA's per-layer path, which casts each tensor
+    alone = load_adapter(lora_dir, model)
     ckpt_module._layout.cache_clear()  # no layout without a span outlives the test
     assert together.layers.keys() == alone.layers.keys()
     for name, slots in together.layers.items():
@@ -268,8 +269,8 @@ def test_plain_lora_in_the_serving_dtype_is_folded_in_place_to_the_cast_of_the_f
         rounded += not torch.equal(sl.B.float(), want[name].B)  # the fold rounded: the test can tell
     assert rounded > 0
     assert all(sl is fast[n] for n, sl in fold_layers(fast).items())  # folded already: kept as it is
-    assert convert_plain_lora(ckpt.config, layers, modules, torch.float16, lambda: None)[name].B.dtype == \
-        torch.float32  # another serving dtype: cast to float32, unfolded
+    # tensors in another dtype than the serving one and the converter's: the per-layer path casts them
+    assert convert_plain_lora(ckpt.config, layers, modules, torch.float16, lambda: None) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

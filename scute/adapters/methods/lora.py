@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from scute.adapters.adapter import Pause
-from scute.adapters.checkpoint import cast_together, pattern_value
+from scute.adapters.checkpoint import pattern_value
 from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.methods.dora import dora_slots
 from scute.adapters.methods.lora_variants import REFUSED, TRAINING_ONLY_KEYS, lora_factors
@@ -42,14 +42,13 @@ def lora_shape(s: SavedShapes) -> tuple[int, int] | None:
 def convert_plain_lora(config: Mapping, layers: Mapping[str, Mapping[str, Tensor]], modules: Mapping[str, nn.Module],
                        dtype: torch.dtype | None, pause: Pause) -> dict[str, Slots] | None:
     """Every layer of a plain LoRA adapter at once (`register_method`'s ``whole``): the slots `convert_lora` makes
-    (A, B and s of each layer, cast together to the accumulation dtype), with a few lookups a layer where the
-    per-layer path builds a `LayerCheckpoint` and runs the variants' checks (a few ms of an adapter of 224
-    layers). Tensors already in the serving `dtype` (a bf16 file served in bf16) are folded where they are
-    instead, ``B ← s·B`` in place (a float32 product rounded once to `dtype`: the value that folding in float32
-    and casting gives), so the layers are served as the file's views, with no float32 copy, fold or pack. None
-    for any other adapter: DoRA, a variant (`lora_variants.py`), a bias (``lora_bias``, ``bias="all"``), tensors
-    of other shapes or of several dtypes; `convert_lora` converts those, or says why it refuses them. `pause`
-    every 64 layers."""
+    (A, B and s of each layer), with a few lookups a layer where the per-layer path builds a `LayerCheckpoint` and
+    runs the variants' checks (a few ms of an adapter of 224 layers). Tensors given in the serving `dtype` (a bf16
+    file served in bf16) are folded where they are instead, ``B ← s·B`` in place (a float32 product rounded once
+    to `dtype`: the value that folding in float32 and casting gives), so the layers are served as the file's
+    views, with no float32 copy, fold or pack. None for any other adapter: DoRA, a variant (`lora_variants.py`),
+    a bias (``lora_bias``, ``bias="all"``), tensors of other shapes or dtypes; `convert_lora` converts those, or
+    says why it refuses them. `pause` every 64 layers."""
     if "r" not in config or any(config.get(key) for key in ("use_dora", "use_bdlora", *REFUSED)) or not layers:
         return None
     found, read, accs = [], set(), set()
@@ -65,13 +64,11 @@ def convert_plain_lora(config: Mapping, layers: Mapping[str, Mapping[str, Tensor
             return None
         read.add(A.dtype), read.add(B.dtype), accs.add(acc_dtype(weight.dtype))
         found.append((name, i, o, A, B, s))
-    if len(read) != 1 or len(accs) != 1:  # tensors of several dtypes, or layers of several
-        return None
-    acc = accs.pop()
-    if dtype is not None and read == {dtype} and acc_dtype(dtype) == acc:  # B·s in acc, rounded once to dtype
+    if dtype is not None and read == {dtype} and accs == {acc_dtype(dtype)}:  # B·s in acc, rounded once to dtype
         return _folded_in_place(found, pause)
-    cast = cast_together({f"{n}.{x}": t for n, *_, A, B, _ in found for x, t in (("A", A), ("B", B))}, acc)
-    return {n: Slots(i, o, A=cast[f"{n}.A"], B=cast[f"{n}.B"], scale=s) for n, i, o, _, _, s in found}
+    if len(accs) != 1 or read != accs:  # not in the converter dtype (`LayerCheckpoint.dtype`): the per-layer path
+        return None
+    return {n: Slots(i, o, A=A, B=B, scale=s) for n, i, o, A, B, s in found}
 
 
 def _folded_in_place(found: list[tuple], pause: Pause) -> dict[str, Slots]:
