@@ -13,8 +13,8 @@ bisecting; every run's TTFT and TPOT percentiles are recorded, with the engine's
 of it the mean time the host waited for the GPU (what the host's own work did not fill), and its mean tokens (a rate
 that fails on time per token: slower steps, or more requests in each) and its slowest step (a compile or a capture
 mid-run stalls every running request: it shows there). Before each (variant, N), one request per adapter the device
-slots hold warms them and a shrinking batch captures the graphs of every batch size up to ``--requests``
-(`warm_graphs`: a server's steady state), ``--warm-arrivals`` requests arriving at ``--start-rate`` run unmeasured
+slots hold warms them and the graphs of every step shape for their steps are captured (`warm_graphs`: a
+server's steady state), ``--warm-arrivals`` requests arriving at ``--start-rate`` run unmeasured
 (mixed steps, prompts beside decodes, whose kernels compile on first use), then one request alone gives the unloaded
 TPOT.
 
@@ -180,17 +180,15 @@ def count_compiles() -> None:
         runtime.jit_cache_hook = hook
 
 
-def warm_graphs(engine, paths: list[str], args) -> None:
-    """Every decode batch size up to ``--requests`` once, the requests on `paths` in turn: request i generates
-    i + 1 tokens, so the batch shrinks by one a step and the CUDA graphs of the variant's adapters are captured
-    for every bucket before the measured runs (a server serving them for a while has them; captured on demand
-    they would stall the first run by seconds)."""
-    from scute import SamplingParams
-
-    n = min(args.requests, engine.config.max_num_seqs)
-    prompts = [[1 + i % (engine.vocab_size - 1)] * 8 for i in range(n)]
-    params = [SamplingParams(temperature=0, max_tokens=i + 1, ignore_eos=True) for i in range(n)]
-    engine.generate(prompts, params, [paths[i % len(paths)] for i in range(n)], use_tqdm=False)
+def warm_graphs(engine, path: str) -> None:
+    """The CUDA graphs of every step shape (decode batch sizes and mixed step sizes) for steps over the variant's
+    adapters, captured before the measured runs, as a server serving them for a while has them: captured on
+    demand, each would stall the running requests of the first run to meet its shape (tens of ms) and move the
+    rates by the order the runs met the shapes in. `path`: the adapter the warm-up's last request ran on (in a
+    slot)."""
+    if engine.runner.graphs is not None:
+        slot = engine.adapters.slot_of(engine.adapters.get_by_path(path))
+        engine.runner.capture_graphs([] if slot is None else [slot], progress=False)
 
 
 def sustained(run: dict, unloaded_tpot: float, args) -> bool:
@@ -334,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
             start = time.perf_counter()
             run_load(engine, paths[:n], float("inf"), warm, seed=20_000)  # loads the adapters the slots hold
             loaded = time.perf_counter()
-            warm_graphs(engine, paths[:n], args)
+            warm_graphs(engine, paths[warm.requests - 1])
             graphed = time.perf_counter()
             if args.warm_arrivals:  # mixed steps (prompts beside decodes) as a server has run them, unmeasured
                 arrivals = argparse.Namespace(**{**vars(warm), "requests": args.warm_arrivals,

@@ -319,6 +319,11 @@ class AdapterManager:
         return adapter is None or adapter.identity in self._refs or (
             len(self._refs) < self.max_adapters and self.memory.fits(adapter, self.memory.pinned))
 
+    def slot_of(self, adapter: Adapter) -> int | None:
+        """The device slot a placed adapter is served from (None: not in a slot, or its placement not ended)."""
+        ident = adapter.identity
+        return None if ident in self._placing else self._slot_of.get(ident)
+
     def acquire(self, adapter: Adapter | None) -> int:
         """Pin a placed adapter in its device slot for a request; returns the slot (−1 = base)."""
         if adapter is None:

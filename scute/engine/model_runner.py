@@ -15,7 +15,7 @@ are launched, never its tokens.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import torch
@@ -193,15 +193,19 @@ class ModelRunner:
             return None
         return GraphShape(size, True)
 
-    def capture_graphs(self, progress: bool = True) -> None:
-        """Capture the base model's graphs for every shape (start-up), and log what they took."""
+    def capture_graphs(self, slots: Iterable[int] = (), progress: bool = True) -> None:
+        """Capture the graphs of every shape for steps over the adapters in `slots` (their step key; none: the base
+        model's, at start-up), and log what they took. Steps capture the graphs they miss one at a time as they
+        first need them, each stalling the running requests; this takes them all out of the way at once."""
         torch.cuda.empty_cache()  # capturing empties the allocator's cache: count only what the graphs keep
-        before = torch.cuda.memory_reserved(self.device)
-        self.graphs.capture(self.layout(), 0, self.graphs.shapes, progress=progress)
-        used, graphs = torch.cuda.memory_reserved(self.device) - before, self.graphs  # on stderr: a start-up log
+        before, graphs = torch.cuda.memory_reserved(self.device), self.graphs
+        count, seconds = graphs.num_captured, graphs.capture_seconds
+        layout = self.layout()
+        graphs.capture(layout, layout.step_key(slots), graphs.shapes, progress=progress)
+        used = torch.cuda.memory_reserved(self.device) - before  # on stderr: a start-up log
         mixed = f", mixed steps of {self.mixed_sizes[0]}-{self.mixed_sizes[-1]} tokens" if self.mixed_sizes else ""
-        print(f"scute: captured {graphs.num_captured} CUDA graphs (decode batch sizes {self.decode_sizes[0]}-"
-              f"{self.decode_sizes[-1]}{mixed}) on {self.device} in {graphs.capture_seconds:.1f} s, "
+        print(f"scute: captured {graphs.num_captured - count} CUDA graphs (decode batch sizes {self.decode_sizes[0]}-"
+              f"{self.decode_sizes[-1]}{mixed}) on {self.device} in {graphs.capture_seconds - seconds:.1f} s, "
               f"{used / 2**30:.2f} GiB; enforce_eager=True runs without them", file=sys.stderr)
 
     def _replay(self, sched: SchedulerOutput, shape: GraphShape, flight: InFlight | None = None) -> Tensor:

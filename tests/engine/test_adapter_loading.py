@@ -215,6 +215,9 @@ def test_eviction_and_reload_keep_tokens(oracle, gate, monkeypatch):
         check(oracle, outputs, prompts, adapters)
     assert len(set(placed)) == len(METHODS) and len(placed) > len(METHODS) + 2  # placed again after eviction
     assert len(gate.loader_reads()) > len(METHODS) and len(gate.reads) == len(gate.loader_reads())  # re-read
+    # the two adapters in the slots are served from them, the others from none (`slot_of`)
+    slots = [engine.adapters.slot_of(engine.adapters.get_by_path(oracle.paths[m])) for m in METHODS]
+    assert sorted(s for s in slots if s is not None) == [0, 1] and slots.count(None) == len(METHODS) - 2
 
 
 def test_placements_spread_over_steps_keep_tokens(oracle, monkeypatch):

@@ -111,3 +111,24 @@ def test_placements_that_keep_the_plans_keep_the_graphs(oracle, tmp_path, method
         assert all(after.get(k) is v for k, v in before.items())
     if method == "lora":
         assert {id(v) for v in captured[3].values()} - {id(v) for v in captured[2].values()}
+
+
+def test_capture_graphs_of_an_adapters_steps(oracle):
+    """`capture_graphs(slots)` captures every shape for the step key of the adapters in those slots: the steps of
+    a batch over that adapter then replay graphs and capture none, and their tokens equal the eager engine's."""
+    prompts = mixed_requests()[0][:5]
+    params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    specs = [oracle.paths["vera"]] * len(prompts)
+    graphed = _run(oracle, prompts[:1], ["vera"], params[:1])[0]  # places the adapter
+    eager = _run(oracle, prompts[:1], ["vera"], params[:1], enforce_eager=True)[0]
+    graphs = graphed.runner.graphs
+    slot = graphed.adapters.slot_of(graphed.adapters.get_by_path(specs[0]))
+    assert slot is not None and slot >= 0
+    graphed.runner.capture_graphs([slot], progress=False)
+    key = graphed.runner.layout().step_key([slot])
+    assert key != 0 and {(key, shape) for shape in graphs.shapes} <= set(graphs.graphs)
+    captured, replays = graphs.num_captured, graphs.num_replays
+    got, want = ([o.outputs[0].token_ids for o in engine.generate(prompts, params, specs, use_tqdm=False)]
+                 for engine in (graphed, eager))
+    assert graphs.num_captured == captured and graphs.num_replays > replays
+    assert got == want
