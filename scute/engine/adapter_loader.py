@@ -36,6 +36,7 @@ from torch import Tensor
 
 from scute.adapters import Adapter
 from scute.adapters.adapter import Pause, SharedMemo, copy_to
+from scute.engine.cuda_graph import CAPTURE_GUARD
 from scute.engine.request import Request
 
 
@@ -171,13 +172,15 @@ class Turns:
         """A pause point of the loader's work: waits while the step loop holds its turn, once its slice is spent;
         runs `idle` where the step loop does not hold it (the engine's garbage collections due: those of the
         loader's allocations, made small and often while the GPU runs, never at once inside a step's host work)."""
+        CAPTURE_GUARD.pause()
         if threading.get_ident() == self._holder:
             return
         held = not self._free.is_set()
         if held and time.perf_counter() - self._went_on < self.slice_s:
             return  # within its slice: it went on less than `slice_s` ago
         if held:
-            self._free.wait(self.max_pause)
+            with CAPTURE_GUARD.released():  # a capture of the step loop's may run while this waits
+                self._free.wait(self.max_pause)
         if self._free.is_set():
             self.idle()
         self._went_on = time.perf_counter()
@@ -291,7 +294,7 @@ class AdapterLoader:
             if self.switch_interval is not None:
                 sys.setswitchinterval(self.switch_interval)
             try:
-                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                with torch.cuda.stream(stream) if stream is not None else nullcontext(), CAPTURE_GUARD.job():
                     result = fn(*args)
             except BaseException as e:  # noqa: BLE001 - the job's error, raised where its future is read
                 future.set_exception(e)

@@ -43,8 +43,10 @@ prompt logprobs, run eagerly.
 from __future__ import annotations
 
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -170,6 +172,71 @@ class AdapterLayout:
             del self._graph_keys[k]
 
 
+class CaptureGuard:
+    """Graph captures and the adapter loaders' work kept apart, process-wide. A loader's job holds the guard
+    (`job`) except at its pause points, where it lets a capture that waits go first (`pause`); a capture
+    (`capturing`) waits for the job's next pause point. Launches, sorts and pageable copies of a loader thread
+    made while another thread captured broke the capture, failed the load or crashed the process (torch 2.11,
+    thread-local capture mode), and anything a job does may launch (a method's first adapter warms its kernels).
+    A job waits at most for one capture (milliseconds); a capture for the job's work up to its next pause point
+    (a layer's conversion or rows, or a first kernel's compile)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # held by a job between its pause points, or by a capture
+        self._cond = threading.Condition()
+        self._waiting = 0  # captures waiting for the lock
+        self._owner: int | None = None  # the thread of the job that holds it
+
+    @contextmanager
+    def job(self) -> Iterator[None]:
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+        try:
+            yield
+        finally:
+            self._owner = None
+            self._lock.release()
+
+    def pause(self) -> None:
+        """A pause point of a job (on its thread; elsewhere nothing): a capture waiting runs before it goes on."""
+        if self._waiting and self._owner == threading.get_ident():
+            with self.released():
+                with self._cond:  # the capture takes the lock before it stops waiting: the job cannot take it first
+                    self._cond.wait_for(lambda: self._waiting == 0)
+
+    @contextmanager
+    def released(self) -> Iterator[None]:
+        """Within it, a job (on its thread; elsewhere nothing) lets captures run: while it waits for its turn."""
+        if self._owner != threading.get_ident():
+            yield
+            return
+        self._owner = None
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
+            self._owner = threading.get_ident()
+
+    @contextmanager
+    def capturing(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._cond:
+                self._waiting -= 1
+                self._cond.notify_all()
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+
+CAPTURE_GUARD = CaptureGuard()
+
+
 class StepGraphs:
     """The captured graphs of steps. `forward(shape, active_slots)` runs the model's forward over the runner's
     buffers at a `GraphShape` and returns the logits of its kept rows (at most `max_rows`); `pad(shape)` writes
@@ -218,6 +285,13 @@ class StepGraphs:
         start = time.perf_counter()
         active = layout.active_slots(step_key)
         layout.rekey(step_key)
+        with CAPTURE_GUARD.capturing():  # the adapter loader parked at a pause point meanwhile
+            self._capture(layout, step_key, active, shapes, progress)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds += time.perf_counter() - start
+
+    def _capture(self, layout: AdapterLayout, step_key: int, active: ActiveSlots, shapes: Sequence[GraphShape],
+                 progress: bool) -> None:
         for shape in tqdm(sorted(shapes, reverse=True), desc="Capturing CUDA graphs", unit="graph",
                           disable=not progress, file=sys.stderr):
             self.pad(shape)
@@ -227,13 +301,11 @@ class StepGraphs:
             del eager
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            # thread_local: the adapter loader's thread may allocate and copy on its own stream meanwhile (the
-            # default, global, would make those calls fail while this thread captures)
+            # thread_local: CUDA calls of other threads meanwhile do not fail this capture (the default, global,
+            # would fail them); the adapter loaders' jobs are parked at a pause point (`CAPTURE_GUARD`)
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 rows = self.forward(shape, active)
                 logits = self.logits[: rows.shape[0]].copy_(rows)
                 del rows  # the graph's own copy: its pool memory is free for the next capture's intermediates
             self.graphs[(step_key, shape)] = (graph, logits, layout.graph_key(step_key, shape.tokens))
             self.num_captured += 1
-        torch.cuda.synchronize(self.device)
-        self.capture_seconds += time.perf_counter() - start

@@ -292,3 +292,29 @@ def test_plain_lora_from_a_bf16_file_on_a_gpu_is_served_as_the_files_views():
                    for k, x in sl.tensors().items()), name
     assert len({x.untyped_storage().data_ptr() for sl in fast.layers.values() for x in sl.tensors().values()}) == 1
     assert fast.to(torch.bfloat16, torch.device("cuda"), vector_dtype=torch.float32) is fast
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, None], ids=["served-as-read", "float32"])
+def test_a_non_finite_file_on_a_gpu_fails_its_load_alone(tmp_path, dtype):
+    """On a GPU (the file's span checked there, as read), a NaN in a bf16 LoRA's file fails `load_adapter`, naming
+    the tensor; in the engine the bad adapter's request fails with that error and the clean one's completes."""
+    import re
+
+    from scute import Engine, SamplingParams
+
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    bf16_lora(good)
+    bf16_lora(bad)
+    key = next(k for k in read_checkpoint(bad).layout.keys if k.endswith("lora_B.weight"))
+    tensors = {k: x.clone() for k, x in read_checkpoint(bad).tensors.items()}
+    tensors[key].view(-1)[5] = float("nan")
+    save_file(tensors, str(bad / WEIGHTS))
+    model = tiny_model(dtype=torch.bfloat16).cuda()
+    load_adapter(good, model, dtype=dtype)
+    with pytest.raises(AdapterError, match=f"tensor '{re.escape(key)}' has NaN or Inf"):
+        load_adapter(bad, model, dtype=dtype)
+    engine = Engine(model, device="cuda", dtype="bfloat16", max_model_len=64)
+    outs = engine.generate([[1, 2, 3]] * 2, SamplingParams(max_tokens=2), [str(bad), str(good)], use_tqdm=False)
+    assert "NaN or Inf" in outs[0].error and outs[1].error is None
+    assert engine.adapters.loader.wait_idle(60)  # its CPU-tier copy's job ended before the next test's engine

@@ -387,3 +387,61 @@ def test_a_kernel_warm_up_out_of_memory_fails_no_load(oracle, monkeypatch):
         outputs = engine.generate(prompts, GREEDY, [oracle.paths[a] for a in adapters], use_tqdm=False)
     check(oracle, outputs, prompts, adapters)
     assert sorted(warmed) == [("IA3", (1, 16)), ("LORA", (1, 16))]
+
+
+def test_a_capture_waits_for_the_loaders_pause_point_and_the_job_for_the_capture():
+    """`CaptureGuard`: a capture that starts while a job works waits for the job's next pause point; the job goes
+    on only once the capture has ended; outside a job, `pause` and `released` do nothing."""
+    from scute.engine.cuda_graph import CaptureGuard
+
+    guard, order, started = CaptureGuard(), [], threading.Event()
+    guard.pause()  # not a job's thread: nothing
+    with guard.released():
+        pass
+
+    def job() -> None:
+        with guard.job():
+            started.set()
+            time.sleep(0.3)  # work between two pause points: the capture below waits meanwhile
+            order.append("work")
+            guard.pause()
+            order.append("after the pause")
+
+    thread = threading.Thread(target=job)
+    thread.start()
+    started.wait(5)
+    with guard.capturing():
+        order.append("capture")
+        time.sleep(0.1)  # the job, at its pause point, does not take the guard back meanwhile
+        order.append("capture ends")
+    thread.join(5)
+    assert order == ["work", "capture", "capture ends", "after the pause"]
+    with guard.capturing():  # no job: at once
+        pass
+
+
+def test_a_loader_waiting_for_its_turn_lets_a_capture_run():
+    """A loader job parked in `Turns.pause` while the step loop holds its turn has released the capture guard:
+    the step loop captures at once, without waiting for the loader's `max_pause`."""
+    from scute.engine.adapter_loader import CAPTURE_GUARD
+
+    turns, parked, passed = Turns(), threading.Event(), []
+    turns.max_pause, turns.slice_s = 30.0, 0.0
+
+    def loader() -> None:
+        with CAPTURE_GUARD.job():
+            parked.set()
+            turns.pause()  # the turn is held: waits, the guard released
+            passed.append(1)
+
+    with turns.step_loop():
+        thread = threading.Thread(target=loader)
+        thread.start()
+        parked.wait(5)
+        time.sleep(0.1)
+        start = time.perf_counter()
+        with CAPTURE_GUARD.capturing():
+            waited = time.perf_counter() - start
+        assert waited < 5 and passed == []
+    thread.join(5)
+    assert passed == [1]
