@@ -3,7 +3,8 @@
 # (default ./out/gpu). Usage: bash bench/run_gpu.sh [tests] [engine] [profile] [bench] [sweep] [ab]
 # (default: tests profile sweep). Each step, in the order given:
 #   tests    the op's GPU tests: kernels against the reference op, CUDA-graph capture, grouped projections
-#   engine   the engine's GPU tests: greedy tokens equal to PEFT's, further methods, attention backends, penalties
+#   engine   the engine's GPU tests: greedy tokens equal to PEFT's, further methods, attention backends, penalties,
+#            the fast load path (a LoRA served as its file's views, a bad file failing its load alone)
 #   e2e      bench/bench_engine.py --eager 64: the served step's table (engine_h200.json, e2e.log)
 #   baselines bench/bench_engine.py --cases lora --batches 64 --peft --static: transformers + PEFT and static cache
 #   rate     bench/bench_request_rate.py for each of $RATE_METHODS (default: ia3 vera): N = 64 on 8 layers,
@@ -45,7 +46,7 @@ for step in $steps; do
     tests) timeout 300 python3 -m pytest -q -x tests/ops/test_ops_triton.py tests/ops/test_ops_gpu.py tests/ops/test_ops_elementwise.py \
              tests/model/test_linear_groups.py > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log" ;;
     engine) timeout 300 python3 -m pytest -q tests/engine/test_engine_gpu.py tests/engine/test_cuda_graph_gpu.py \
-             tests/engine/test_penalties.py tests/adapters/test_peft_equality.py tests/model/test_attention.py > "$OUT/engine.log" 2>&1; tail -3 "$OUT/engine.log" ;;
+             tests/engine/test_penalties.py tests/adapters/test_peft_equality.py tests/adapters/test_fast_load.py tests/model/test_attention.py > "$OUT/engine.log" 2>&1; tail -3 "$OUT/engine.log" ;;
     e2e) timeout 560 python3 bench/bench_engine.py --eager 64 --out "$OUT/engine_h200.json" > "$OUT/e2e.log" 2>&1
          tail -22 "$OUT/e2e.log" ;;
     baselines) timeout 560 python3 bench/bench_engine.py --cases lora --batches 64 --new-tokens 32 --peft \
