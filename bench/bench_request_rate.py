@@ -186,9 +186,13 @@ def warm_graphs(engine, path: str) -> None:
     demand, each would stall the running requests of the first run to meet its shape (tens of ms) and move the
     rates by the order the runs met the shapes in. `path`: the adapter the warm-up's last request ran on (in a
     slot)."""
-    if engine.runner.graphs is not None:
-        slot = engine.adapters.slot_of(engine.adapters.get_by_path(path))
-        engine.runner.capture_graphs([] if slot is None else [slot], progress=False)
+    if engine.runner.graphs is None:
+        return
+    slot = engine.adapters.slot_of(engine.adapters.get_by_path(path))
+    if slot is None:  # not left in a slot: the runs capture the graphs they need as they meet their shapes
+        print(f"  warm-up: {path} is in no slot; graphs not captured ahead", flush=True)
+        return
+    engine.runner.capture_graphs([slot], progress=False)
 
 
 def sustained(run: dict, unloaded_tpot: float, args) -> bool:

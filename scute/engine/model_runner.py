@@ -202,7 +202,7 @@ class ModelRunner:
         count, seconds = graphs.num_captured, graphs.capture_seconds
         layout = self.layout()
         graphs.capture(layout, layout.step_key(slots), graphs.shapes, progress=progress)
-        used = torch.cuda.memory_reserved(self.device) - before  # on stderr: a start-up log
+        used = torch.cuda.memory_reserved(self.device) - before  # on stderr
         mixed = f", mixed steps of {self.mixed_sizes[0]}-{self.mixed_sizes[-1]} tokens" if self.mixed_sizes else ""
         print(f"scute: captured {graphs.num_captured - count} CUDA graphs (decode batch sizes {self.decode_sizes[0]}-"
               f"{self.decode_sizes[-1]}{mixed}) on {self.device} in {graphs.capture_seconds - seconds:.1f} s, "

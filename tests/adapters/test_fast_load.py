@@ -5,6 +5,7 @@ block of rows at a time on the served W0, still PEFT's."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -299,8 +300,6 @@ def test_plain_lora_from_a_bf16_file_on_a_gpu_is_served_as_the_files_views():
 def test_a_non_finite_file_on_a_gpu_fails_its_load_alone(tmp_path, dtype):
     """On a GPU (the file's span checked there, as read), a NaN in a bf16 LoRA's file fails `load_adapter`, naming
     the tensor; in the engine the bad adapter's request fails with that error and the clean one's completes."""
-    import re
-
     from scute import Engine, SamplingParams
 
     good, bad = tmp_path / "good", tmp_path / "bad"

@@ -62,7 +62,8 @@ def convert_plain_lora(config: Mapping, layers: Mapping[str, Mapping[str, Tensor
         o, i = weight.shape
         if A.shape != (r, i) or B.shape != (o, r):
             return None
-        read.add(A.dtype), read.add(B.dtype), accs.add(acc_dtype(weight.dtype))
+        read |= {A.dtype, B.dtype}
+        accs.add(acc_dtype(weight.dtype))
         found.append((name, i, o, A, B, s))
     if dtype is not None and read == {dtype} and accs == {acc_dtype(dtype)}:  # B·s in acc, rounded once to dtype
         return _folded_in_place(found, pause)
