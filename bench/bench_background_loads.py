@@ -132,8 +132,8 @@ TRACED = (  # (module, attribute): the adapter loader's phases, timed on whichev
     ("scute.engine.model_runner", "InFlight.wait"), ("scute.engine.engine", "Engine._release_samples"),
     ("scute.engine.output_processor", "OutputProcessor.append_tokens"), ("scute.engine.engine", "Engine._outputs"),
     # finer phases of the loader's work
-    ("scute.engine.adapter_manager", "load_adapter"), ("scute.adapters.conversion", "_group_keys"),
-    ("scute.adapters.checkpoint", "AdapterCheckpoint.tensors_on"),
+    ("scute.engine.adapter_manager", "start_load"), ("scute.adapters.conversion", "_group_keys"),
+    *(("scute.adapters.checkpoint", f"AdapterCheckpoint.{p}") for p in ("tensors_on", "arriving", "land", "verify")),
     ("scute.engine.adapter_loader", "AdapterLoader.to_device"), ("scute.adapters.checkpoint", "_layout"),
 )
 STEP_PARTS = ("poll", "place", "schedule", "launch", "wait", "_release_samples", "append_tokens", "_outputs")

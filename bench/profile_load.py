@@ -11,9 +11,12 @@ for a quick look). Per method, two tables of medians over ``--repeats``:
   (`place_adapter` with the prepared rows); then cProfile of the placement (own time, top 25);
 * *as run*: `AdapterManager._job` itself, as the loader runs it (nothing synchronized inside; its hash runs on
   beside the conversion), with the wall time spent inside each of its parts: ``read`` (`read_checkpoint`, the
-  hash left running), ``checked`` (`AdapterCheckpoint.tensors_on`, within ``convert``), ``convert``, ``fold``,
-  ``hash_wait`` (what the load waited for the hash), ``device`` (`AdapterLoader.device_copy`), ``prepare``,
-  ``job`` (the whole, synchronized at its end) and ``place`` (synchronized): the critical path of a load.
+  hash left running), ``checked`` (`AdapterCheckpoint.tensors_on`: the file's transfer, check and views, within
+  ``convert``) or, for a LoRA file in the serving dtype, ``arriving`` (the views made before the values, within
+  ``convert``), ``convert``, ``fold``, ``prepare``, ``land`` (`AdapterCheckpoint.land`: the transfer, check and
+  in-place fold of an ``arriving`` file queued), ``verify`` (the wait for that check), ``hash_wait`` (what the
+  load waited for the hash), ``device`` (`AdapterLoader.device_copy`), ``job`` (the whole, synchronized at its
+  end) and ``place`` (synchronized): the critical path of a load.
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/profile_load.py --methods lora``. The host's part of each phase
 (its Python, with the slot pools the GPU path has) on a CPU, with a narrower model of the same 32 layers and
@@ -98,9 +101,10 @@ def timing_parts(manager, spent: dict[str, float]):
     from scute.engine.adapter_loader import AdapterLoader
 
     parts = [(conversion, "read_checkpoint", "read"), (AdapterCheckpoint, "tensors_on", "checked"),
-             (conversion, "convert_checkpoint", "convert"), (conversion, "fold_layers", "fold"),
-             (Digest, "hexdigest", "hash_wait"), (AdapterLoader, "device_copy", "device"),
-             (manager.loader, "prepare", "prepare")]
+             (AdapterCheckpoint, "arriving", "arriving"), (conversion, "convert_checkpoint", "convert"),
+             (conversion, "fold_layers", "fold"), (manager.loader, "prepare", "prepare"),
+             (AdapterCheckpoint, "land", "land"), (AdapterCheckpoint, "verify", "verify"),
+             (Digest, "hexdigest", "hash_wait"), (AdapterLoader, "device_copy", "device")]
     saved = [(owner, name, vars(owner)[name] if name in vars(owner) else None) for owner, name, _ in parts]
 
     def timed(fn, part):
@@ -145,7 +149,8 @@ def as_run(engine, path: str, repeats: int) -> dict[str, float]:
         spent["place"] = time.perf_counter() - t
         place_adapter(manager.linears, 1, None)
         rows.append(spent)
-    names = ["read", "checked", "convert", "fold", "hash_wait", "device", "prepare", "job", "place"]
+    names = ["read", "checked", "arriving", "convert", "fold", "prepare", "land", "verify", "hash_wait", "device",
+             "job", "place"]
     return {k: statistics.median(r.get(k, 0.0) for r in rows[1:]) for k in names}
 
 

@@ -3,7 +3,7 @@ one module per method in `methods/`."""
 
 from scute.adapters.adapter import Adapter, alora_active, alora_start
 from scute.adapters.checkpoint import AdapterCheckpoint, AdapterError, read_checkpoint
-from scute.adapters.conversion import LayerCheckpoint, convert_checkpoint, load_adapter
+from scute.adapters.conversion import AdapterLoad, LayerCheckpoint, convert_checkpoint, load_adapter, start_load
 from scute.adapters.registry import LoadOption, SavedShapes, register_method, supported_methods
 from scute.ops.slots import Slots
 
@@ -11,6 +11,7 @@ __all__ = [
     "Adapter",
     "AdapterCheckpoint",
     "AdapterError",
+    "AdapterLoad",
     "LayerCheckpoint",
     "LoadOption",
     "SavedShapes",
@@ -21,5 +22,6 @@ __all__ = [
     "load_adapter",
     "read_checkpoint",
     "register_method",
+    "start_load",
     "supported_methods",
 ]

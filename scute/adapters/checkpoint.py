@@ -52,6 +52,20 @@ class Digest:
 
 
 @dataclass
+class Landing:
+    """A file's floating tensors on a device before their values are (`AdapterCheckpoint.arriving`): ``dtype``,
+    theirs, and what writes into them once the values are there (`then`; `AdapterCheckpoint.land` runs it)."""
+
+    dtype: torch.dtype
+    raw: Tensor  # the span's bytes on the device, filled by `land`
+    after: list[Callable[[], None]] = field(default_factory=list)
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run `fn` (work on the tensors' values: an in-place fold) once the values are there, in the order given."""
+        self.after.append(fn)
+
+
+@dataclass
 class AdapterCheckpoint:
     """The raw contents of a PEFT folder: its config and its tensors (keys as PEFT saved them)."""
 
@@ -61,6 +75,8 @@ class AdapterCheckpoint:
     buffer: Tensor | None = None  # the weights file as read (uint8), of a safetensors file
     layout: Layout | None = None  # its header
     loaded: dict[str, Tensor] | None = None  # the tensors of a pickled file
+    landing: Landing | None = None  # tensors made on a device before their values (`arriving`)
+    finite: Tensor | None = None  # whether the values `land` put in place are finite, not yet read (`verify`)
 
     @cached_property
     def tensors(self) -> dict[str, Tensor]:
@@ -113,6 +129,41 @@ class AdapterCheckpoint:
             raise self.error(f"tensor {first_nonfinite(self.tensors)!r} has NaN or Inf values")
         rest = self.buffer if self.layout.floating_only else self._buffer_on(device)  # for the other tensors
         return self.layout.views(rest, cast, pause)
+
+    def arriving(self, device: torch.device, pause: Callable[[], None] = lambda: None) -> dict[str, Tensor]:
+        """The tensors on `device` as read, before their values are there: views of a buffer of their own there (as
+        `tensors_on` makes them), which `land` fills (and `verify` then checks); meanwhile the caller works on what
+        does not read the values (their shapes, dtypes and addresses: a conversion's structure; after `land`, on
+        the slot pools' rows while the GPU copies). Writes into them go through `landing.then`. For a file whose
+        tensors are all floating and tile one span (`Layout.span`, `Layout.floating_only`: the usual PEFT file)."""
+        if self.layout is None or self.layout.span is None or not self.layout.floating_only:
+            raise ValueError("arriving: a safetensors file whose tensors are all floating and tile one span")
+        read_dtype, lo, hi = self.layout.span
+        raw = torch.empty(hi - lo, dtype=torch.uint8, device=device)
+        self.landing = Landing(read_dtype, raw)
+        return self.layout.views(self.buffer, raw.view(read_dtype), pause)
+
+    def land(self) -> None:
+        """The values of the tensors `arriving` made put in place: the file's span copied there (non-blocking from
+        pinned memory, on the current stream), its check for NaN and Inf queued behind the copy (`verify` reads
+        it), then the work given to `Landing.then` run (queued too, on a GPU). Without an `arriving`: nothing."""
+        landing, self.landing = self.landing, None
+        if landing is None:
+            return
+        _, lo, hi = self.layout.span
+        landing.raw.copy_(self.buffer[lo:hi], non_blocking=True)
+        raw = landing.raw.view(landing.dtype)
+        self.finite = torch._foreach_norm([raw], float("inf"))[0].isfinite() if raw.is_cuda else \
+            torch.tensor(_finite([raw])[0])
+        for fn in landing.after:
+            fn()
+
+    def verify(self) -> None:
+        """After `land`: raises `AdapterError` naming the first tensor of the file that is not finite (one host
+        sync, once the copy and its check are done)."""
+        finite, self.finite = self.finite, None
+        if finite is not None and not bool(finite):
+            raise self.error(f"tensor {first_nonfinite(self.tensors)!r} has NaN or Inf values")
 
     def _buffer_on(self, device: torch.device, lo: int = 0, hi: int | None = None) -> Tensor:
         """Bytes `lo:hi` of the weights file's buffer on `device`: a pageable copy for the CPU where the buffer is
@@ -295,25 +346,55 @@ class Layout:
     span: tuple[torch.dtype, int, int] | None
     splits: dict = field(default_factory=dict)
 
-    @property
+    @cached_property
     def keys(self) -> tuple[str, ...]:
         return tuple(key for key, *_ in self.entries)
 
     def views(self, buffer: Tensor, cast: Tensor | None = None,
               pause: Callable[[], None] = lambda: None) -> dict[str, Tensor]:
-        """The tensors as views of `buffer` (the file as read, or a copy of it), each made by one call into torch;
+        """The tensors as views of `buffer` (the file as read, or a copy of it), in the file's order, a run of them
+        (`runs`) made by two calls into torch (one view of all, split: a LoRA file's 448 tensors in 28 calls);
         a tensor whose start is not aligned to its dtype gets its own aligned copy. `cast`: the `span` of the
-        buffer cast to another dtype (`AdapterCheckpoint.tensors_on`): the floating tensors are views of it."""
-        typed, out = TypedViews(buffer), {}
+        buffer cast to another dtype (`AdapterCheckpoint.tensors_on`): the floating tensors are views of it.
+        `pause` before the first run and before each run that begins `PAUSE_EVERY` views or more after it."""
+        typed, out, made, paused = TypedViews(buffer), {}, 0, -self.PAUSE_EVERY
         lo, first = (self.span[1], cast.storage_offset()) if cast is not None else (0, 0)
-        for i, (key, dtype, shape, start) in enumerate(self.entries):
-            if i % self.PAUSE_EVERY == 0:
+        for keys, dtype, shape, start, step in self.runs:
+            if made - paused >= self.PAUSE_EVERY:
                 pause()
-            if cast is not None and dtype.is_floating_point:
-                out[key] = cast.as_strided(shape, contiguous_strides(shape), first + (start - lo) // dtype.itemsize)
+                paused = made
+            on_cast = cast is not None and dtype.is_floating_point
+            strides, size = contiguous_strides(shape), dtype.itemsize
+            if len(keys) == 1:
+                out[keys[0]] = cast.as_strided(shape, strides, first + (start - lo) // size) if on_cast \
+                    else _view(typed, dtype, shape, start)
             else:
-                out[key] = _view(typed, dtype, shape, start)
-        return out
+                shapes, steps = (len(keys), *shape), (step // size, *strides)
+                run = cast.as_strided(shapes, steps, first + (start - lo) // size) if on_cast \
+                    else typed.at(dtype, start // size, shapes, steps)
+                out.update(zip(keys, run.unbind(0)))
+            made += len(keys)
+        return {key: out[key] for key in self.keys}
+
+    @cached_property
+    def runs(self) -> tuple[tuple[tuple[str, ...], torch.dtype, tuple[int, ...], int, int], ...]:
+        """The entries as runs (keys, dtype, shape, first byte, bytes from one start to the next): tensors of one
+        dtype and shape whose keys differ only in their numbers (one projection's tensor in every layer) and whose
+        starts step evenly through the file, aligned to their dtype; any other entry a run of its own (step 0)."""
+        groups: dict[tuple, list[tuple[int, str]]] = {}
+        for key, dtype, shape, start in self.entries:
+            groups.setdefault((dtype, shape, re.sub(r"\d+", "#", key)), []).append((start, key))
+        runs = []
+        for (dtype, shape, _), members in groups.items():
+            members.sort()
+            starts = [start for start, _ in members]
+            step = starts[1] - starts[0] if len(starts) > 1 else 0
+            if step > 0 and (starts[0] % dtype.itemsize, step % dtype.itemsize) == (0, 0) \
+                    and all(b - a == step for a, b in zip(starts, starts[1:])):
+                runs.append((tuple(key for _, key in members), dtype, shape, starts[0], step))
+            else:
+                runs += [((key,), dtype, shape, start, 0) for start, key in members]
+        return tuple(runs)
 
     @cached_property
     def floating_only(self) -> bool:

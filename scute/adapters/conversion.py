@@ -185,7 +185,9 @@ def convert_checkpoint(
     """Convert a checkpoint into unfolded `Slots` per module name, validating it against the base `modules`
     (name -> a linear layer with `weight` [out, in] and `bias`). A method registered with ``on_device=True``
     converts where the base weights are (its slots are then there: W0 is never copied off its device), the
-    others on the CPU. `dense`, `interned`, `pause`, `dtype`, `options`: see `load_adapter`."""
+    others on the CPU. `dense`, `interned`, `pause`, `dtype`, `options`: see `load_adapter`. The slots of a
+    plain LoRA file in the serving `dtype` on a GPU are made before their values are there: ``ckpt.land()`` queues
+    them, ``ckpt.verify()`` checks them (`start_load`)."""
     interned = {} if interned is None else interned
     method = checkpoint_method(ckpt, options)
     device = weights_device(modules) if method.on_device else torch.device("cpu")
@@ -193,9 +195,11 @@ def convert_checkpoint(
     acc = acc_dtype(next((m.weight.dtype for m in modules.values()), torch.float32))
     whole = method.whole if not dense and not options else None  # all layers at once, where it takes the adapter
     span = None if ckpt.layout is None else ckpt.layout.span
-    # a file in the serving dtype, on a GPU (a copy of its own there): `whole` gets it as read, and may fold into it
-    served = dtype if whole is not None and device.type == "cuda" and span is not None and span[0] == dtype else None
-    tensors_here = ckpt.tensors_on(device, None if served else acc, pause)  # checked finite
+    # a file in the serving dtype, on a GPU: `whole` gets it as read, in a copy of its own there whose values land
+    # later (`AdapterCheckpoint.arriving`), and may fold into it
+    served = whole is not None and device.type == "cuda" and span is not None and span[0] == dtype \
+        and ckpt.layout.floating_only
+    tensors_here = ckpt.arriving(device, pause) if served else ckpt.tensors_on(device, acc, pause)  # checked finite
     expected = targeted_modules(ckpt.config, tuple(modules))
     order = {n: i for i, n in enumerate(modules)}  # model order: the first problem first
     groups = _layer_tensors(keys, tensors_here)
@@ -206,10 +210,12 @@ def convert_checkpoint(
         groups.update({n: {} for n in missing})
     in_order = sorted(groups, key=order.__getitem__)
     if whole is not None:
-        slots = whole(ckpt.config, {n: groups[n] for n in in_order}, modules, served, pause)
+        slots = whole(ckpt.config, {n: groups[n] for n in in_order}, modules, ckpt.landing, pause)
         if slots is not None:
             return slots
-        if served is not None:  # the per-layer converters take the accumulation dtype
+        if served:  # the per-layer converters take the values, in the accumulation dtype
+            ckpt.land()
+            ckpt.verify()
             groups = {**{n: {} for n in in_order}, **_layer_tensors(keys, cast_together(tensors_here, acc))}
     shared: dict = {}
     shapes = {n: tuple(modules[n].weight.shape) for n in in_order}
@@ -342,6 +348,37 @@ def _correct_bias(slots: Slots, b0: Tensor | None, bias: Tensor | None) -> Slots
     return replace(slots, c=fix if slots.c is None else slots.c + fix)
 
 
+@dataclass(eq=False)
+class AdapterLoad:
+    """An adapter converted by `start_load`: its folded slots (``layers``), whose values may not be in place yet
+    (``arriving``: a plain LoRA file in the serving dtype on a GPU, served as the file's own device copy; its
+    slots' shapes, dtypes and addresses are final). `finish` puts them there, checks them and gives the
+    `Adapter`."""
+
+    checkpoint: AdapterCheckpoint
+    name: str
+    suffix: str  # of the identity, for a variant of the checkpoint (a load option given)
+    layers: dict[str, Slots]
+    arriving: bool  # the file's values land at `land`
+
+    def land(self) -> None:
+        """The file's values put in place (`AdapterCheckpoint.land`): their transfer, check and fold queued on the
+        GPU while the caller goes on (on the slot pools' rows); `finish` waits for the check."""
+        self.checkpoint.land()
+
+    def adapter(self, identity: str) -> Adapter:
+        """The adapter with `identity` (`finish`'s; before it, for work on its slots that reads no value)."""
+        ckpt = self.checkpoint
+        return Adapter(self.name, ckpt.path, ckpt.peft_type, ckpt.config, identity, self.layers)
+
+    def finish(self) -> Adapter:
+        """The adapter, its values in place and checked (`AdapterCheckpoint.land`, `verify`: raises `AdapterError`
+        naming a tensor that is not finite) and its identity hashed."""
+        self.checkpoint.land()
+        self.checkpoint.verify()
+        return self.adapter(self.checkpoint.identity + self.suffix)
+
+
 def load_adapter(
     path: str | os.PathLike, model: nn.Module | ModelLayers, name: str | None = None, allow_pickle: bool = False,
     dense: bool = False, interned: Interned | None = None, pause: Pause = no_pause, dtype: torch.dtype | None = None,
@@ -366,6 +403,17 @@ def load_adapter(
     and identified apart (``poly@task1``). Methods that can convert where the base weights are do
     (`convert_checkpoint`); for weights on a GPU the file is read into pinned memory, then copied there at once.
     """
+    return start_load(path, model, name, allow_pickle, dense, interned, pause, dtype, **options).finish()
+
+
+def start_load(
+    path: str | os.PathLike, model: nn.Module | ModelLayers, name: str | None = None, allow_pickle: bool = False,
+    dense: bool = False, interned: Interned | None = None, pause: Pause = no_pause, dtype: torch.dtype | None = None,
+    **options: object,
+) -> AdapterLoad:
+    """`load_adapter` up to its slots: the file's values may not be on the device yet (`AdapterLoad.arriving`),
+    so that a caller can work on the slots (the engine's loader: their rows in the slot pools) while the GPU
+    copies them; `AdapterLoad.finish` gives the adapter. Arguments as for `load_adapter`."""
     layers = model if isinstance(model, ModelLayers) else ModelLayers.of(model)
     modules = layers.linears
     ckpt = read_checkpoint(path, allow_pickle=allow_pickle, pin_memory=weights_device(modules).type == "cuda")
@@ -378,9 +426,8 @@ def load_adapter(
     converted = convert_checkpoint(ckpt, modules, dense=dense, interned=interned, pause=pause, dtype=dtype,
                                    **options)
     folded = fold_layers(converted, pause)
-    default, identity = os.path.basename(os.path.normpath(os.fspath(path))), ckpt.identity
+    default, suffix = os.path.basename(os.path.normpath(os.fspath(path))), ""
     for key, value in options.items():  # a variant of the checkpoint: its own device slot and KV prefixes
         if value is not None:
-            suffix = method.options[key].suffix.format(value)
-            default, identity = default + suffix, identity + suffix
-    return Adapter(name or default, ckpt.path, ckpt.peft_type, ckpt.config, identity, folded)
+            suffix += method.options[key].suffix.format(value)
+    return AdapterLoad(ckpt, name or default + suffix, suffix, folded, ckpt.landing is not None)

@@ -34,7 +34,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from scute.adapters import Adapter, AdapterError, load_adapter, read_checkpoint
+from scute.adapters import Adapter, AdapterError, AdapterLoad, read_checkpoint, start_load
 from scute.adapters.adapter import Interned, SharedMemo
 from scute.adapters.checkpoint import files_signature
 from scute.adapters.conversion import ModelLayers
@@ -114,14 +114,18 @@ class AdapterManager:
 
     def _convert(self, path: str | os.PathLike, name: str | None = None, **options) -> Adapter:
         """A folder read, validated and converted (on the GPU for the methods that convert where W0 is)."""
+        return self._checked(self._start_load(path, name, **options).finish())
+
+    def _start_load(self, path: str | os.PathLike, name: str | None = None, **options) -> AdapterLoad:
+        """`start_load` of a folder (its values may still be landing), its rank checked."""
         path, pause = os.fspath(path), self.loader.turns.pause
-        adapter = load_adapter(path, self.model_layers, name, interned=self._interned, pause=pause,
-                               dtype=self.loader.matrix_dtype, **options)
-        rank = max((s.rank for s in adapter.layers.values()), default=0)
+        load = start_load(path, self.model_layers, name, interned=self._interned, pause=pause,
+                          dtype=self.loader.matrix_dtype, **options)
+        rank = max((s.rank for s in load.layers.values()), default=0)
         if rank > self.max_adapter_rank:
-            raise AdapterError(f"adapter {path} ({adapter.peft_type}) has rank {rank}, above max_adapter_rank="
-                               f"{self.max_adapter_rank}: raise max_adapter_rank")
-        return self._checked(adapter)
+            raise AdapterError(f"adapter {path} ({load.checkpoint.peft_type}) has rank {rank}, above "
+                               f"max_adapter_rank={self.max_adapter_rank}: raise max_adapter_rank")
+        return load
 
     def _checked(self, adapter: Adapter) -> Adapter:
         if self.check is not None:
@@ -234,7 +238,12 @@ class AdapterManager:
         if isinstance(source, Adapter):
             adapter = self._checked(source)
             return adapter, self.loader.move(adapter, self._moved)
-        adapter = self._convert(source)
+        load = self._start_load(source)
+        if load.arriving:  # its slots are the file's own device copy: their rows are prepared while it lands
+            load.land()
+            staged = self.loader.stage(load.adapter(""), lambda: self._checked(load.finish()))
+            return staged.adapter, staged
+        adapter = self._checked(load.finish())
         moved = self.loader.device_copy(adapter, self._moved)
         return (adapter, self.loader.move(adapter, self._moved)) if moved is None else (moved, self.loader.stage(moved))
 

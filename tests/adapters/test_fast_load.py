@@ -158,6 +158,34 @@ def test_tensors_on_checks_and_casts_a_files_span_at_once(tmp_path, where):
     assert len({got[k].untyped_storage().data_ptr() for k in "abce"}) == 1  # one cast span
 
 
+@pytest.mark.parametrize("cast", [False, True], ids=["as-read", "cast"])
+def test_a_files_views_are_made_a_run_at_a_time_and_are_each_tensors_own(tmp_path, cast):
+    """A LoRA file's tensors come as a few runs (one projection's A or B across the layers: one view of all, split),
+    each tensor exactly the view of its own bytes that one call per tensor makes (offset, shape, strides, values),
+    in the file's order; as read, and as views of the span cast to float32."""
+    make_adapter(str(tmp_path), LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR))
+    ckpt = read_checkpoint(tmp_path)
+    layout = ckpt.layout
+    assert len(layout.runs) == len(layout.entries) // 2 and all(len(keys) == 2 for keys, *_ in layout.runs)  # 2 layers
+    pauses = []
+    if cast:
+        _, lo, hi = layout.span
+        span = ckpt.buffer[lo:hi].view(layout.span[0]).float()
+        got, want = layout.views(ckpt.buffer, span, lambda: pauses.append(1)), {}
+        for key, dtype, shape, start in layout.entries:
+            offset = span.storage_offset() + (start - lo) // dtype.itemsize
+            want[key] = span.as_strided(shape, ckpt_module.contiguous_strides(shape), offset)
+    else:
+        got = layout.views(ckpt.buffer, pause=lambda: pauses.append(1))
+        want = {key: ckpt.buffer[start:start + x.numel() * dtype.itemsize].view(dtype).view(shape)
+                for (key, dtype, shape, start), x in zip(layout.entries, got.values())}
+    assert list(got) == list(layout.keys) == list(want) and pauses
+    for key, x in want.items():
+        y = got[key]
+        assert (y.storage_offset(), y.shape, y.stride(), y.dtype) == (x.storage_offset(), x.shape, x.stride(), x.dtype)
+        assert y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() and torch.equal(y, x), key
+
+
 def test_a_header_is_parsed_once_for_every_file_that_has_it(tmp_path):
     """Files with the same header (a server's adapters of one kind) share one parsed `Layout`, and with it the
     split of their keys by method; their tensors are each file's own."""
@@ -243,10 +271,10 @@ def bf16_lora(path, config: str = "patterns_rslora") -> None:
 
 
 def test_plain_lora_in_the_serving_dtype_is_folded_in_place_to_the_cast_of_the_float32_fold(tmp_path):
-    """Given the serving dtype of its bf16 tensors, `convert_plain_lora` folds B ← s·B where the tensors are (the
-    file's, or here a copy of them) and gives the values that folding in float32 and casting to bf16 give, bit for
-    bit; A is the file's tensor itself. On the CPU (the tensors may be the file's own buffer) `convert_checkpoint`
-    never passes the dtype on: its slots are the float32 ones."""
+    """Given its bf16 tensors before their values (`AdapterCheckpoint.arriving`, here on the CPU), `convert_plain_lora`
+    makes the slots at once and folds B ← s·B where the tensors are once they land: the values that folding in
+    float32 and casting to bf16 give, bit for bit; A is the file's tensor itself. On the CPU (the tensors may be
+    the file's own buffer) `convert_checkpoint` never lands a file that way: its slots are the float32 ones."""
     from scute.adapters.methods.lora import convert_plain_lora
 
     bf16_lora(tmp_path)
@@ -257,21 +285,64 @@ def test_plain_lora_in_the_serving_dtype_is_folded_in_place_to_the_cast_of_the_f
     assert all(sl.A.dtype == torch.float32 and sl.scale != 1.0
                for sl in converted(tmp_path, model, dtype=torch.bfloat16).values())
     ckpt = read_checkpoint(tmp_path)
-    read = {k: x.clone() for k, x in ckpt.tensors_on(torch.device("cpu")).items()}
-    layers = {n: {"lora_A.weight": read[f"base_model.model.{n}.lora_A.weight"],
-                  "lora_B.weight": read[f"base_model.model.{n}.lora_B.weight"]} for n in want}
-    fast = convert_plain_lora(ckpt.config, layers, modules, torch.bfloat16, lambda: None)
+    arriving = ckpt.arriving(torch.device("cpu"))
+    layers = {n: {"lora_A.weight": arriving[f"base_model.model.{n}.lora_A.weight"],
+                  "lora_B.weight": arriving[f"base_model.model.{n}.lora_B.weight"]} for n in want}
+    fast = convert_plain_lora(ckpt.config, layers, modules, ckpt.landing, lambda: None)
+    ckpt.land()
+    ckpt.verify()
+    assert ckpt.landing is None and ckpt.finite is None
     rounded = 0
     for name, sl in fast.items():
         assert sl.scale == 1.0 and sl.merged == ("s",) and sl.A is layers[name]["lora_A.weight"], name
-        assert sl.B.data_ptr() == layers[name]["lora_B.weight"].data_ptr(), name  # in place
+        assert sl.B is layers[name]["lora_B.weight"], name  # folded in place
         assert sl.B.dtype == torch.bfloat16 and torch.equal(sl.B, want[name].B.bfloat16()), name
         assert torch.equal(sl.A, want[name].A.bfloat16()), name
         rounded += not torch.equal(sl.B.float(), want[name].B)  # the fold rounded: the test can tell
     assert rounded > 0
     assert all(sl is fast[n] for n, sl in fold_layers(fast).items())  # folded already: kept as it is
     # tensors in another dtype than the serving one and the converter's: the per-layer path casts them
-    assert convert_plain_lora(ckpt.config, layers, modules, torch.float16, lambda: None) is None
+    other = ckpt_module.Landing(torch.float16, torch.empty(0))
+    assert convert_plain_lora(ckpt.config, layers, modules, other, lambda: None) is None and not other.after
+
+
+@pytest.mark.parametrize("where", ["b", None])
+def test_arriving_tensors_get_the_files_values_at_land_then_their_writes(tmp_path, where):
+    """`arriving`: views of a buffer of their own, made before the file's values are there; `land` copies the span
+    in, then runs the writes given to `then` in order; `verify` fails a file with a NaN, naming its tensor (its
+    check is of the values as read, before those writes)."""
+    tensors = {k: x.bfloat16() for k, x in mixed_tensors().items() if x.is_floating_point()}
+    if where is not None:
+        tensors[where].view(-1)[1] = float("nan")
+    saved(tmp_path, tensors)
+    ckpt = read_checkpoint(tmp_path)
+    views = ckpt.arriving(torch.device("cpu"))
+    assert {k: (x.shape, x.dtype) for k, x in views.items()} == {k: (x.shape, x.dtype) for k, x in tensors.items()}
+    assert len({x.untyped_storage().data_ptr() for x in views.values()}) == 1
+    assert views["a"].untyped_storage().data_ptr() != ckpt.buffer.untyped_storage().data_ptr()  # its own
+    done = []
+    ckpt.landing.then(lambda: done.append(views["a"].clone()))
+    ckpt.landing.then(lambda: views["a"].mul_(2))
+    ckpt.land()
+    if where is not None:
+        with pytest.raises(AdapterError, match=f"tensor '{where}' has NaN"):
+            ckpt.verify()
+        return
+    ckpt.verify()
+    assert torch.equal(done[0], tensors["a"]) and torch.equal(views["a"], 2 * tensors["a"])
+    assert all(torch.equal(views[k], tensors[k]) for k in tensors if k != "a")
+
+
+def test_a_read_that_fails_on_the_reader_threads_fails_the_load(lora_dir, monkeypatch):
+    """A file that ends while its chunks are read (shortened after its size was taken): the read's error names the
+    file, and the load fails with it."""
+    monkeypatch.setattr(ckpt_module, "CHUNK", 1024)
+    preadv = os.preadv
+    monkeypatch.setattr(ckpt_module.os, "preadv", lambda fd, bufs, pos: 0 if pos >= 4096 else preadv(fd, bufs, pos))
+    with pytest.raises(AdapterError, match="corrupt or truncated .*the file ended at byte 4096"):
+        read_checkpoint(lora_dir)
+    with pytest.raises(AdapterError, match="corrupt or truncated"):
+        load_adapter(lora_dir, tiny_model())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

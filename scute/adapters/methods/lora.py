@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from scute.adapters.adapter import Pause
-from scute.adapters.checkpoint import pattern_value
+from scute.adapters.checkpoint import Landing, pattern_value
 from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.methods.dora import dora_slots
 from scute.adapters.methods.lora_variants import REFUSED, TRAINING_ONLY_KEYS, lora_factors
@@ -40,20 +40,20 @@ def lora_shape(s: SavedShapes) -> tuple[int, int] | None:
 
 
 def convert_plain_lora(config: Mapping, layers: Mapping[str, Mapping[str, Tensor]], modules: Mapping[str, nn.Module],
-                       dtype: torch.dtype | None, pause: Pause) -> dict[str, Slots] | None:
+                       served: Landing | None, pause: Pause) -> dict[str, Slots] | None:
     """Every layer of a plain LoRA adapter at once (`register_method`'s ``whole``): the slots `convert_lora` makes
     (A, B and s of each layer), with a few lookups a layer where the per-layer path builds a `LayerCheckpoint` and
-    runs the variants' checks (a few ms of an adapter of 224 layers). Tensors given in the serving `dtype` (a bf16
-    file served in bf16) are folded where they are instead, ``B ← s·B`` in place (a float32 product rounded once
-    to `dtype`: the value that folding in float32 and casting gives), so the layers are served as the file's
-    views, with no float32 copy, fold or pack. None for any other adapter: DoRA, a variant (`lora_variants.py`),
-    a bias (``lora_bias``, ``bias="all"``), tensors of other shapes or dtypes; `convert_lora` converts those, or
-    says why it refuses them. `pause` every 64 layers."""
+    runs the variants' checks (a few ms of an adapter of 224 layers). Tensors given in the serving dtype (a bf16
+    file served in bf16: `served`, their values landing later) are folded where they are instead, ``B ← s·B`` in
+    place once they land (a float32 product rounded once to that dtype: the value that folding in float32 and
+    casting gives), so the layers are served as the file's views, with no float32 copy, fold or pack. None for
+    any other adapter: DoRA, a variant (`lora_variants.py`), a bias (``lora_bias``, ``bias="all"``), tensors of
+    other shapes or dtypes; `convert_lora` converts those, or says why it refuses them. `pause` every 16 layers."""
     if "r" not in config or any(config.get(key) for key in ("use_dora", "use_bdlora", *REFUSED)) or not layers:
         return None
     found, read, accs = [], set(), set()
     for k, (name, tensors) in enumerate(layers.items()):
-        if k % 64 == 0:
+        if k % 16 == 0:
             pause()
         A, B, weight = tensors.get("lora_A.weight"), tensors.get("lora_B.weight"), modules[name].weight
         if len(tensors) != 2 or A is None or B is None:
@@ -65,17 +65,18 @@ def convert_plain_lora(config: Mapping, layers: Mapping[str, Mapping[str, Tensor
         read |= {A.dtype, B.dtype}
         accs.add(acc_dtype(weight.dtype))
         found.append((name, i, o, A, B, s))
-    if dtype is not None and read == {dtype} and accs == {acc_dtype(dtype)}:  # B·s in acc, rounded once to dtype
-        return _folded_in_place(found, pause)
+    if served is not None and read == {served.dtype} and accs == {acc_dtype(served.dtype)}:
+        served.then(lambda: _fold_in_place(found, pause))  # B·s in acc, rounded once to the dtype
+        return {n: Slots(i, o, A=A, B=B, merged=("s",)) for n, i, o, A, B, _ in found}
     if len(accs) != 1 or read != accs:  # not in the converter dtype (`LayerCheckpoint.dtype`): the per-layer path
         return None
     return {n: Slots(i, o, A=A, B=B, scale=s) for n, i, o, A, B, s in found}
 
 
-def _folded_in_place(found: list[tuple], pause: Pause) -> dict[str, Slots]:
-    """The layers' slots folded: each B multiplied by its s where it is, in float32 (on a GPU one
-    `torch._foreach_mul_` per distinct s and 32 layers; on the CPU, whose foreach rounds s to the tensors' dtype
-    first, each alone), `pause` every 32 layers."""
+def _fold_in_place(found: list[tuple], pause: Pause) -> None:
+    """Each layer's B multiplied by its s where it is, in float32 (on a GPU one `torch._foreach_mul_` per distinct
+    s and 32 layers; on the CPU, whose foreach rounds s to the tensors' dtype first, each alone), `pause` every 32
+    layers."""
     by_scale: dict[float, list[Tensor]] = {}
     for *_, B, s in found:
         by_scale.setdefault(s, []).append(B)
@@ -87,7 +88,6 @@ def _folded_in_place(found: list[tuple], pause: Pause) -> dict[str, Slots]:
             else:
                 for B in Bs[k:k + 32]:
                     B.mul_(s)
-    return {n: Slots(i, o, A=A, B=B, merged=("s",)) for n, i, o, A, B, _ in found}
 
 
 @register_method("LORA", keys=KEYS, shapes=lora_shape, on_device=True, whole=convert_plain_lora)
