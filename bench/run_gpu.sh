@@ -35,6 +35,10 @@
 #            `git archive COMMIT scute bench | tar -x -C DIR`), one after the other on one machine, to compare
 #            two versions of the code (rows: $AB_BATCHES tokens, $AB_ADAPTERS adapters, $AB_VARIANTS; defaults
 #            below)
+#   abrun    for each source tree in $AB_TREES (as for ab; inside the working tree and not git-ignored, so that it
+#            is carried to the GPU machine), that tree's own `bash bench/run_gpu.sh $AB_STEPS` (default: load),
+#            logs and JSON under $OUT/ab_<tree>_<round>; the trees alternate for $AB_ROUNDS rounds (default 1):
+#            two versions of the engine's benches on one machine, whose host speed moves from machine to machine
 set -u
 OUT=$(realpath -m "${OUT:-out/gpu}")
 mkdir -p "$OUT"
@@ -106,6 +110,13 @@ PY
              > "$OUT/ab_$name.log" 2>&1)
           echo "== $name"; grep -E "^ +[0-9]+ +[0-9]+ " "$OUT/ab_$name.log" | head -60
         done ;;
+    abrun) for round in $(seq "${AB_ROUNDS:-1}"); do
+             for tree in ${AB_TREES:-}; do
+               name=$(basename "$tree")
+               echo "== $name, round $round"
+               (cd "$tree" && OUT="$OUT/ab_${name}_$round" bash bench/run_gpu.sh ${AB_STEPS:-load})
+             done
+           done ;;
   esac
   echo "[$step: $(( $(date +%s) - start )) s]"
 done
