@@ -162,7 +162,7 @@ class AdapterCheckpoint:
         """After `land`: raises `AdapterError` naming the first tensor of the file that is not finite (one host
         sync, once the copy and its check are done)."""
         finite, self.finite = self.finite, None
-        if finite is not None and not bool(finite):
+        if finite is not None and not bool(_read_back(finite) if finite.is_cuda else finite):
             raise self.error(f"tensor {first_nonfinite(self.tensors)!r} has NaN or Inf values")
 
     def _buffer_on(self, device: torch.device, lo: int = 0, hi: int | None = None) -> Tensor:
@@ -472,12 +472,21 @@ def _finite(xs: list[Tensor]) -> list[bool]:
     if xs and xs[0].is_cuda:  # max |x| of all the tensors of a dtype in one fused launch (NaN propagates)
         for dtype in {x.dtype for x in xs}:
             group = [i for i, x in enumerate(xs) if x.dtype == dtype]
-            peaks = torch.stack(torch._foreach_norm([xs[i] for i in group], float("inf")))
-            for i, ok in zip(group, peaks.isfinite().tolist()):
+            peaks = torch.stack(torch._foreach_norm([xs[i] for i in group], float("inf"))).isfinite()
+            for i, ok in zip(group, _read_back(peaks).tolist()):
                 finite[i] = ok
     elif xs:  # min and max propagate NaN and show an Inf; ~50x faster than isfinite() on bf16 on the CPU
         finite = torch.isfinite(torch.stack([torch.stack(torch.aminmax(x)).double() for x in xs])).all(1).tolist()
     return finite
+
+
+def _read_back(x: Tensor) -> Tensor:
+    """`x` (on a GPU, small) on the CPU, once the work queued before it on the current stream is done: waited for
+    with a stream synchronize first, so that the copy to pageable memory itself never waits for the GPU (such a
+    copy is run under a lock of the CUDA driver that other threads' CUDA calls wait on: the step loop's launches,
+    `scute.engine.adapter_loader.Staging`)."""
+    torch.cuda.current_stream(x.device).synchronize()
+    return x.cpu()
 
 
 def _spans(tensors: Mapping[str, Tensor]) -> list[tuple[list[str], Tensor | None]]:
