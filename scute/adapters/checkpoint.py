@@ -153,8 +153,7 @@ class AdapterCheckpoint:
         _, lo, hi = self.layout.span
         landing.raw.copy_(self.buffer[lo:hi], non_blocking=True)
         raw = landing.raw.view(landing.dtype)
-        self.finite = torch._foreach_norm([raw], float("inf"))[0].isfinite() if raw.is_cuda else \
-            torch.tensor(_finite([raw])[0])
+        self.finite = _finite_flags([raw]) if raw.is_cuda else torch.tensor(_finite([raw]))
         for fn in landing.after:
             fn()
 
@@ -162,7 +161,7 @@ class AdapterCheckpoint:
         """After `land`: raises `AdapterError` naming the first tensor of the file that is not finite (one host
         sync, once the copy and its check are done)."""
         finite, self.finite = self.finite, None
-        if finite is not None and not bool(_read_back(finite) if finite.is_cuda else finite):
+        if finite is not None and not bool((_read_back(finite) if finite.is_cuda else finite).all()):
             raise self.error(f"tensor {first_nonfinite(self.tensors)!r} has NaN or Inf values")
 
     def _buffer_on(self, device: torch.device, lo: int = 0, hi: int | None = None) -> Tensor:
@@ -469,15 +468,20 @@ def first_nonfinite(tensors: Mapping[str, Tensor]) -> str | None:
 def _finite(xs: list[Tensor]) -> list[bool]:
     """Whether each tensor (floating, not empty) is finite, with one host sync per dtype."""
     finite = [True] * len(xs)
-    if xs and xs[0].is_cuda:  # max |x| of all the tensors of a dtype in one fused launch (NaN propagates)
+    if xs and xs[0].is_cuda:  # one fused launch per dtype (`_finite_flags`)
         for dtype in {x.dtype for x in xs}:
             group = [i for i, x in enumerate(xs) if x.dtype == dtype]
-            peaks = torch.stack(torch._foreach_norm([xs[i] for i in group], float("inf"))).isfinite()
-            for i, ok in zip(group, _read_back(peaks).tolist()):
+            for i, ok in zip(group, _read_back(_finite_flags([xs[i] for i in group])).tolist()):
                 finite[i] = ok
     elif xs:  # min and max propagate NaN and show an Inf; ~50x faster than isfinite() on bf16 on the CPU
         finite = torch.isfinite(torch.stack([torch.stack(torch.aminmax(x)).double() for x in xs])).all(1).tolist()
     return finite
+
+
+def _finite_flags(xs: list[Tensor]) -> Tensor:
+    """Whether each tensor (on a GPU, floating, not empty, all of one dtype) is finite, as a bool tensor there:
+    max |x| of all of them in one fused launch (NaN propagates), nothing waited for."""
+    return torch.stack(torch._foreach_norm(xs, float("inf"))).isfinite()
 
 
 def _read_back(x: Tensor) -> Tensor:

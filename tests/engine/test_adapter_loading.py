@@ -445,3 +445,22 @@ def test_a_loader_waiting_for_its_turn_lets_a_capture_run():
         assert waited < 5 and passed == []
     thread.join(5)
     assert passed == [1]
+
+
+def test_stage_prepares_rows_before_the_values_land_and_stages_what_finish_gives():
+    """`AdapterLoader.stage(moved, finish)`: the rows come from the adapter as it was before its values landed
+    (the work that overlaps the transfer), `finish` runs after them, and the adapter staged is what it returned."""
+    from scute.adapters import Adapter
+    from scute.engine.adapter_loader import AdapterLoader
+
+    order = []
+    early, done = (Adapter(n, "p", "LORA", {}, ident, {}) for n, ident in (("early", ""), ("done", "id")))
+    loader = AdapterLoader(torch.device("cpu"), prepare=lambda a, pause: order.append(("prepare", a)) or {"rows": 1})
+
+    def finish():
+        order.append(("finish", None))
+        return done
+
+    staged = loader.stage(early, finish)
+    assert order == [("prepare", early), ("finish", None)]
+    assert staged.adapter is done and staged.prepared == {"rows": 1}
