@@ -14,7 +14,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from functools import cache, cached_property, lru_cache
 
@@ -39,9 +39,9 @@ class Digest:
 
     def __init__(self, config: bytes) -> None:
         self._sha = hashlib.sha256(config)
-        self._chunks: list[Future | bytes] = []  # each chunk's digest, or the future of one
+        self._chunks: list[bytes | _Nth] = []  # each chunk's digest, or where it will be
 
-    def add(self, chunk: Future | bytes) -> None:
+    def add(self, chunk: bytes | _Nth) -> None:
         self._chunks.append(chunk)
 
     def hexdigest(self) -> str:
@@ -233,21 +233,22 @@ def read_checkpoint(path: str | os.PathLike, allow_pickle: bool = False, pin_mem
     raise AdapterError(f"adapter {path}: missing {SAFETENSORS}")
 
 
-# Bytes read and hashed per task: files of a few chunks and more are read by several threads (`_readers`), which
-# hash each chunk once it is read, while the last ones are read and the conversion goes on; smaller chunks spread
-# the hashing over more threads, so it is done sooner after the read (`bench/bench_adapter_load.py`:
+# Bytes per chunk of the hash tree (`Digest`): files of a few chunks and more are read by several threads
+# (`_readers`), each over its share of the chunks, then hashing them while the conversion goes on; smaller chunks
+# spread the hashing over more threads, so it is done sooner after the read (`bench/bench_adapter_load.py`:
 # ``read_checkpoint_s``, the read and hash of a file).
 CHUNK = 4 << 20
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+# Threads that read a file: all cores but two (left to the step loop and the loader, which run Python), at most 16
+# (the reads and the hashing release the interpreter lock).
+READERS = max(1, min(16, (os.cpu_count() or 1) - 2))
 
 
 @cache
 def _readers() -> ThreadPoolExecutor:
-    """All cores but two (left to the step loop and the loader, which run Python), at most 16: the reads and the
-    hashing release the interpreter lock."""
-    return ThreadPoolExecutor(max(1, min(16, (os.cpu_count() or 1) - 2)), thread_name_prefix="scute-read")
+    return ThreadPoolExecutor(READERS, thread_name_prefix="scute-read")
 
 
 def _load_safetensors(path: str, file: str, digest: Digest, pin_memory: bool) -> tuple[Tensor, Layout]:
@@ -266,8 +267,11 @@ def _load_safetensors(path: str, file: str, digest: Digest, pin_memory: bool) ->
 
 
 def _read(file: str, pin_memory: bool, digest: Digest) -> Tensor:
-    """The file read into one buffer, by several threads for a file of a few chunks and more; each chunk's
-    sha256 is added to `digest`, hashed on those threads once it is read (the buffer is not written again)."""
+    """The file read into one buffer; each chunk's sha256 added to `digest` in order. A file of a few chunks and
+    more is read by up to `READERS` threads, one task each over every n-th chunk (one pass over the file, the
+    threads side by side): a task reads its chunks, says so, then hashes them (the buffer is not written again)
+    while the caller goes on. A task per thread, not per chunk: each task and its future take the interpreter
+    lock, which the step loop waits for."""
     fd = os.open(file, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
@@ -282,25 +286,47 @@ def _read(file: str, pin_memory: bool, digest: Digest) -> Tensor:
                     raise ValueError(f"the file ended at byte {pos} while reading it ({size} bytes)")
                 pos += got
 
-        def sha(start: int, chunk: Future | None = None) -> bytes:
-            if chunk is not None:
-                chunk.result()  # read (or being read: every read is queued before any hash)
+        def sha(start: int) -> bytes:
             return hashlib.sha256(view[start:start + CHUNK]).digest()
 
         starts = range(0, size, CHUNK)
-        if len(starts) > 2:  # a thread done reading hashes a chunk read while the last ones are still read
-            reads = [_readers().submit(read, start) for start in starts]
-            for start, chunk in zip(starts, reads):
-                digest.add(_readers().submit(sha, start, chunk))
-            for chunk in reads:
-                chunk.result()
-        else:
+        if len(starts) <= 2:
             for start in starts:
                 read(start)
                 digest.add(sha(start))
+            return buffer
+        n = min(READERS, len(starts))
+        reads = [Future() for _ in range(n)]
+
+        def task(k: int) -> list[bytes]:
+            try:
+                for start in starts[k::n]:
+                    read(start)
+            except BaseException as e:  # noqa: BLE001 - raised where the caller waits for the read
+                reads[k].set_exception(e)
+                return []
+            reads[k].set_result(None)
+            return [sha(start) for start in starts[k::n]]
+
+        hashes = [_readers().submit(task, k) for k in range(n)]
+        wait(reads)  # every read ended (the file is closed below) before the first error is raised
+        for done in reads:
+            done.result()
+        for i in range(len(starts)):
+            digest.add(_Nth(hashes[i % n], i // n))
         return buffer
     finally:
         os.close(fd)
+
+
+class _Nth:
+    """Item `i` of a future's list, as a future of its own (`Digest.add`)."""
+
+    def __init__(self, future: Future, i: int) -> None:
+        self.future, self.i = future, i
+
+    def result(self) -> bytes:
+        return self.future.result()[self.i]
 
 
 @lru_cache(maxsize=64)

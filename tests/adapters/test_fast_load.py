@@ -34,6 +34,10 @@ def test_reader_matches_safetensors_and_views_one_buffer(lora_dir, monkeypatch):
         assert got.dtype == x.dtype and torch.equal(got, x), key
         assert got.untyped_storage().data_ptr() == ckpt.buffer.untyped_storage().data_ptr()
     assert read_checkpoint(lora_dir).identity == ckpt.identity
+    for readers in (1, 3, 64):  # one thread, threads over several chunks each, a thread per chunk
+        monkeypatch.setattr(ckpt_module, "READERS", readers)
+        again = read_checkpoint(lora_dir)
+        assert again.identity == ckpt.identity and torch.equal(again.buffer, ckpt.buffer)
     save_file({k: v + (k.endswith("q_proj.lora_B.weight") and k.startswith("base_model.model.model.layers.0."))
                for k, v in want.items()}, os.path.join(lora_dir, WEIGHTS))
     assert read_checkpoint(lora_dir).identity != ckpt.identity
