@@ -41,8 +41,8 @@ class Digest:
         self._sha = hashlib.sha256(config)
         self._chunks: list[bytes | _Nth] = []  # each chunk's digest, or where it will be
 
-    def add(self, chunk: bytes | _Nth) -> None:
-        self._chunks.append(chunk)
+    def add(self, *chunks: bytes | _Nth) -> None:
+        self._chunks += chunks
 
     def hexdigest(self) -> str:
         for chunk in self._chunks:
@@ -268,18 +268,18 @@ def _load_safetensors(path: str, file: str, digest: Digest, pin_memory: bool) ->
 
 def _read(file: str, pin_memory: bool, digest: Digest) -> Tensor:
     """The file read into one buffer; each chunk's sha256 added to `digest` in order. A file of a few chunks and
-    more is read by up to `READERS` threads, one task each over every n-th chunk (one pass over the file, the
-    threads side by side): a task reads its chunks, says so, then hashes them (the buffer is not written again)
-    while the caller goes on. A task per thread, not per chunk: each task and its future take the interpreter
-    lock, which the step loop waits for."""
+    more is read by up to `READERS` threads side by side, one task each over a run of the chunks: it reads them
+    (one read call for all of them, as the file allows), says so, then hashes them one by one (the buffer is not
+    written again) while the caller goes on. A task per thread, not per chunk: each task, each read call and each
+    hash takes the interpreter lock when it ends, which the step loop then waits for."""
     fd = os.open(file, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
         view = memoryview(buffer.numpy())
 
-        def read(start: int) -> None:
-            end, pos = min(start + CHUNK, size), start
+        def read(start: int, end: int) -> None:
+            pos = start
             while pos < end:
                 got = os.preadv(fd, [view[pos:end]], pos)
                 if got == 0:
@@ -291,29 +291,29 @@ def _read(file: str, pin_memory: bool, digest: Digest) -> Tensor:
 
         starts = range(0, size, CHUNK)
         if len(starts) <= 2:
+            read(0, size)
             for start in starts:
-                read(start)
                 digest.add(sha(start))
             return buffer
         n = min(READERS, len(starts))
-        reads = [Future() for _ in range(n)]
+        runs = [starts[k * len(starts) // n:(k + 1) * len(starts) // n] for k in range(n)]
+        reads = [Future() for _ in runs]
 
         def task(k: int) -> list[bytes]:
             try:
-                for start in starts[k::n]:
-                    read(start)
+                read(runs[k][0], min(runs[k][-1] + CHUNK, size))
             except BaseException as e:  # noqa: BLE001 - raised where the caller waits for the read
                 reads[k].set_exception(e)
                 return []
             reads[k].set_result(None)
-            return [sha(start) for start in starts[k::n]]
+            return [sha(start) for start in runs[k]]
 
         hashes = [_readers().submit(task, k) for k in range(n)]
         wait(reads)  # every read ended (the file is closed below) before the first error is raised
         for done in reads:
             done.result()
-        for i in range(len(starts)):
-            digest.add(_Nth(hashes[i % n], i // n))
+        for run, hashed in zip(runs, hashes):
+            digest.add(*(_Nth(hashed, i) for i in range(len(run))))
         return buffer
     finally:
         os.close(fd)

@@ -342,7 +342,8 @@ def test_a_read_that_fails_on_the_reader_threads_fails_the_load(lora_dir, monkey
     file, and the load fails with it."""
     monkeypatch.setattr(ckpt_module, "CHUNK", 1024)
     preadv = os.preadv
-    monkeypatch.setattr(ckpt_module.os, "preadv", lambda fd, bufs, pos: 0 if pos >= 4096 else preadv(fd, bufs, pos))
+    monkeypatch.setattr(ckpt_module.os, "preadv",  # the file as if it ended at byte 4096
+                        lambda fd, bufs, pos: 0 if pos >= 4096 else preadv(fd, [bufs[0][:4096 - pos]], pos))
     with pytest.raises(AdapterError, match="corrupt or truncated .*the file ended at byte 4096"):
         read_checkpoint(lora_dir)
     with pytest.raises(AdapterError, match="corrupt or truncated"):
