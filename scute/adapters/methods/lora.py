@@ -52,25 +52,37 @@ def convert_plain_lora(config: Mapping, layers: Mapping[str, Mapping[str, Tensor
     if "r" not in config or any(config.get(key) for key in ("use_dora", "use_bdlora", *REFUSED)) or not layers:
         return None
     found, read, accs = [], set(), set()
+    uniform = not config.get("rank_pattern") and not config.get("alpha_pattern")
+    r, s = lora_scale(config, "") if uniform else (0, 0.0)
     for k, (name, tensors) in enumerate(layers.items()):
         if k % 16 == 0:
             pause()
         A, B, weight = tensors.get("lora_A.weight"), tensors.get("lora_B.weight"), modules[name].weight
         if len(tensors) != 2 or A is None or B is None:
             return None
-        r, s = lora_scale(config, name)
+        if not uniform:
+            r, s = lora_scale(config, name)
         o, i = weight.shape
         if A.shape != (r, i) or B.shape != (o, r):
             return None
         read |= {A.dtype, B.dtype}
-        accs.add(acc_dtype(weight.dtype))
-        found.append((name, i, o, A, B, s))
+        accs.add(weight.dtype)
+        found.append((name, i, o, r, A, B, s))
+    accs = {acc_dtype(dtype) for dtype in accs}
+    like: dict[tuple, Slots] = {}  # a slot per shape, validated; the others are made from it, of its shapes
+
+    def slots(i: int, o: int, r: int, A: Tensor, B: Tensor, **fields) -> Slots:
+        first = like.get((i, o, r))
+        if first is None:
+            first = like[i, o, r] = Slots(i, o, A=A, B=B, **fields)
+        return first.with_same_shapes(A=A, B=B, **fields)
+
     if served is not None and read == {served.dtype} and accs == {acc_dtype(served.dtype)}:
         served.then(lambda: _fold_in_place(found, pause))  # B·s in acc, rounded once to the dtype
-        return {n: Slots(i, o, A=A, B=B, merged=("s",)) for n, i, o, A, B, _ in found}
+        return {n: slots(i, o, r, A, B, merged=("s",)) for n, i, o, r, A, B, _ in found}
     if len(accs) != 1 or read != accs:  # not in the converter dtype (`LayerCheckpoint.dtype`): the per-layer path
         return None
-    return {n: Slots(i, o, A=A, B=B, scale=s) for n, i, o, A, B, s in found}
+    return {n: slots(i, o, r, A, B, scale=s) for n, i, o, r, A, B, s in found}
 
 
 def _fold_in_place(found: list[tuple], pause: Pause) -> None:
