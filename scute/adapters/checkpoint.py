@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -72,11 +73,27 @@ class AdapterCheckpoint:
     path: str
     config: dict
     digest: Digest  # of the config and weight files: `identity`
-    buffer: Tensor | None = None  # the weights file as read (uint8), of a safetensors file
+    data: Tensor | None = None  # the weights file's buffer (uint8), of a safetensors file: `buffer` once read
     layout: Layout | None = None  # its header
+    reading: list[Future] = field(default_factory=list)  # the reads into `data` still running
     loaded: dict[str, Tensor] | None = None  # the tensors of a pickled file
     landing: Landing | None = None  # tensors made on a device before their values (`arriving`)
     finite: Tensor | None = None  # whether the values `land` put in place are finite, not yet read (`verify`)
+
+    @property
+    def buffer(self) -> Tensor | None:
+        """The weights file as read (uint8), of a safetensors file: waits for its read (`read_checkpoint` returns
+        once the header is read; the rest is read while the caller goes on), raising `AdapterError` if it failed."""
+        if self.reading:
+            wait(self.reading)
+            try:
+                for read in self.reading:
+                    read.result()
+            except (OSError, ValueError) as e:
+                raise AdapterError(f"adapter {self.path}: {os.path.join(self.path, SAFETENSORS)} is corrupt or "
+                                   f"truncated ({e})") from e
+            self.reading = []
+        return self.data
 
     @cached_property
     def tensors(self) -> dict[str, Tensor]:
@@ -93,6 +110,7 @@ class AdapterCheckpoint:
     @cached_property
     def identity(self) -> str:
         """sha256 of the config and weight files: changes whenever the adapter does (waits for the hashing)."""
+        self.buffer  # noqa: B018 - the read first: its error, where it failed
         return self.digest.hexdigest()
 
     @property
@@ -141,7 +159,7 @@ class AdapterCheckpoint:
         read_dtype, lo, hi = self.layout.span
         raw = torch.empty(hi - lo, dtype=torch.uint8, device=device)
         self.landing = Landing(read_dtype, raw)
-        return self.layout.views(self.buffer, raw.view(read_dtype), pause)
+        return self.layout.views(self.data, raw.view(read_dtype), pause)  # floating: none is a view of `data`
 
     def land(self) -> None:
         """The values of the tensors `arriving` made put in place: the file's span copied there (non-blocking from
@@ -198,7 +216,9 @@ def read_checkpoint(path: str | os.PathLike, allow_pickle: bool = False, pin_mem
     """Read a PEFT adapter folder. Pickled ``adapter_model.bin`` files are refused unless `allow_pickle`
     (then loaded with ``torch.load(weights_only=True)``). `pin_memory`: read the weights into pinned memory
     (for a CUDA target: `AdapterCheckpoint.tensors_on` then copies them without staging; keep neither the
-    checkpoint nor views of its buffer, so that the memory is reused for the next file)."""
+    checkpoint nor views of its buffer, so that the memory is reused for the next file). Returns once a
+    safetensors file's header is read: the rest is read on the reader threads while the caller works on the
+    layout (`AdapterCheckpoint.arriving`); `AdapterCheckpoint.buffer` waits for it, and raises its error."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise AdapterError(f"adapter {path}: no such folder (expected a PEFT folder with {CONFIG})")
@@ -216,7 +236,8 @@ def read_checkpoint(path: str | os.PathLike, allow_pickle: bool = False, pin_mem
     digest = Digest(cfg_bytes)
     st_file, bin_file = os.path.join(path, SAFETENSORS), os.path.join(path, PICKLE)
     if os.path.isfile(st_file):
-        return AdapterCheckpoint(path, config, digest, *_load_safetensors(path, st_file, digest, pin_memory))
+        data, layout, reading = _load_safetensors(path, st_file, digest, pin_memory)
+        return AdapterCheckpoint(path, config, digest, data, layout, reading=reading)
     elif os.path.isfile(bin_file):
         if not allow_pickle:
             raise AdapterError(
@@ -251,27 +272,30 @@ def _readers() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(READERS, thread_name_prefix="scute-read")
 
 
-def _load_safetensors(path: str, file: str, digest: Digest, pin_memory: bool) -> tuple[Tensor, Layout]:
-    """The file in one buffer and its header; the hashing of its chunks begun (`Digest`)."""
+def _load_safetensors(path: str, file: str, digest: Digest, pin_memory: bool,
+                      ) -> tuple[Tensor, Layout, list[Future]]:
+    """The file's buffer, its header, and the reads of the rest still running (`_read`)."""
     try:
-        buffer = _read(file, pin_memory, digest)
+        buffer, reads = _read(file, pin_memory, digest)
         size = buffer.numel()
         if size < 8:
             raise ValueError(f"{size} bytes: too short for a safetensors header")
         n = int.from_bytes(buffer[:8].numpy().tobytes(), "little")
         if 8 + n > size:
             raise ValueError(f"the header claims {n} bytes, the file has {size}")
-        return buffer, _layout(buffer[8:8 + n].numpy().tobytes(), size)
+        return buffer, _layout(buffer[8:8 + n].numpy().tobytes(), size), reads
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise AdapterError(f"adapter {path}: {file} is corrupt or truncated ({e})") from e
 
 
-def _read(file: str, pin_memory: bool, digest: Digest) -> Tensor:
-    """The file read into one buffer; each chunk's sha256 added to `digest` in order. A file of a few chunks and
-    more is read by up to `READERS` threads side by side, one task each over a run of the chunks: it reads them
-    (one read call for all of them, as the file allows), says so, then hashes them one by one (the buffer is not
-    written again) while the caller goes on. A task per thread, not per chunk: each task, each read call and each
-    hash takes the interpreter lock when it ends, which the step loop then waits for."""
+def _read(file: str, pin_memory: bool, digest: Digest) -> tuple[Tensor, list[Future]]:
+    """The file in one buffer, its safetensors header read (the first 8 + n bytes, n the 8 first ones' value),
+    the rest being read: the futures of those reads (none where it is all read); each chunk's sha256 added to
+    `digest` in order, hashed once read. A file of a few chunks and more is read by up to `READERS` threads side by
+    side, a task each over a run of the chunks: it reads them (one read call for all, as the file allows), says
+    so, then hashes them one by one (the buffer is not written again) while the caller goes on. A task per
+    thread, not per chunk: each task, each read call and each hash takes the interpreter lock when it ends, which
+    the step loop then waits for. The file is closed once every read has ended."""
     fd = os.open(file, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
@@ -289,34 +313,42 @@ def _read(file: str, pin_memory: bool, digest: Digest) -> Tensor:
         def sha(start: int) -> bytes:
             return hashlib.sha256(view[start:start + CHUNK]).digest()
 
+        read(0, min(8, size))
+        head = min(8 + int.from_bytes(view[:8], "little"), size) if size >= 8 else size
+        read(8, head)
         starts = range(0, size, CHUNK)
         if len(starts) <= 2:
-            read(0, size)
-            for start in starts:
-                digest.add(sha(start))
-            return buffer
-        n = min(READERS, len(starts))
-        runs = [starts[k * len(starts) // n:(k + 1) * len(starts) // n] for k in range(n)]
-        reads = [Future() for _ in runs]
-
-        def task(k: int) -> list[bytes]:
-            try:
-                read(runs[k][0], min(runs[k][-1] + CHUNK, size))
-            except BaseException as e:  # noqa: BLE001 - raised where the caller waits for the read
-                reads[k].set_exception(e)
-                return []
-            reads[k].set_result(None)
-            return [sha(start) for start in runs[k]]
-
-        hashes = [_readers().submit(task, k) for k in range(n)]
-        wait(reads)  # every read ended (the file is closed below) before the first error is raised
-        for done in reads:
-            done.result()
-        for run, hashed in zip(runs, hashes):
-            digest.add(*(_Nth(hashed, i) for i in range(len(run))))
-        return buffer
-    finally:
+            read(head, size)
+            digest.add(*(sha(start) for start in starts))
+            os.close(fd)
+            return buffer, []
+    except BaseException:
         os.close(fd)
+        raise
+    n = min(READERS, len(starts))
+    runs = [starts[k * len(starts) // n:(k + 1) * len(starts) // n] for k in range(n)]
+    reads, left, lock = [Future() for _ in runs], [n], threading.Lock()
+
+    def task(k: int) -> list[bytes]:
+        error = None
+        try:
+            read(max(runs[k][0], head), min(runs[k][-1] + CHUNK, size))
+        except BaseException as e:  # noqa: BLE001 - raised where the read is waited for
+            error = e
+        with lock:
+            left[0] -= 1
+            if left[0] == 0:
+                os.close(fd)
+        if error is not None:
+            reads[k].set_exception(error)
+            raise error
+        reads[k].set_result(None)
+        return [sha(start) for start in runs[k]]
+
+    hashes = [_readers().submit(task, k) for k in range(n)]
+    for run, hashed in zip(runs, hashes):
+        digest.add(*(_Nth(hashed, i) for i in range(len(run))))
+    return buffer, reads
 
 
 class _Nth:

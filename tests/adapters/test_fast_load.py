@@ -5,6 +5,7 @@ block of rows at a time on the served W0, still PEFT's."""
 from __future__ import annotations
 
 import os
+import threading
 import re
 
 import pytest
@@ -344,8 +345,11 @@ def test_a_read_that_fails_on_the_reader_threads_fails_the_load(lora_dir, monkey
     preadv = os.preadv
     monkeypatch.setattr(ckpt_module.os, "preadv",  # the file as if it ended at byte 4096
                         lambda fd, bufs, pos: 0 if pos >= 4096 else preadv(fd, [bufs[0][:4096 - pos]], pos))
+    ckpt = read_checkpoint(lora_dir)  # the header is read: the rest is read on the reader threads
     with pytest.raises(AdapterError, match="corrupt or truncated .*the file ended at byte 4096"):
-        read_checkpoint(lora_dir)
+        ckpt.buffer
+    with pytest.raises(AdapterError, match="corrupt or truncated .*the file ended at byte 4096"):
+        ckpt.identity
     with pytest.raises(AdapterError, match="corrupt or truncated"):
         load_adapter(lora_dir, tiny_model())
 
@@ -393,3 +397,23 @@ def test_a_non_finite_file_on_a_gpu_fails_its_load_alone(tmp_path, dtype):
     outs = engine.generate([[1, 2, 3]] * 2, SamplingParams(max_tokens=2), [str(bad), str(good)], use_tqdm=False)
     assert "NaN or Inf" in outs[0].error and outs[1].error is None
     assert engine.adapters.loader.wait_idle(60)  # its CPU-tier copy's job ended before the next test's engine
+
+
+def test_a_files_tensors_arrive_while_it_is_read(tmp_path, monkeypatch):
+    """`read_checkpoint` returns once the header is read, the rest still being read on the reader threads: the
+    views `arriving` makes need no value and do not wait for it; `land` waits for the read, and the values are the
+    file's."""
+    monkeypatch.setattr(ckpt_module, "CHUNK", 1024)
+    tensors = {f"t{k}": torch.randn(32, 64).bfloat16() for k in range(3)}
+    saved(tmp_path, tensors)
+    gate, preadv = threading.Event(), os.preadv
+    monkeypatch.setattr(ckpt_module.os, "preadv",  # every read past the header's two waits for the gate
+                        lambda fd, bufs, pos: preadv(fd, bufs, pos) if pos in (0, 8) or gate.wait(10) else 0)
+    ckpt = read_checkpoint(tmp_path)
+    views = ckpt.arriving(torch.device("cpu"))
+    assert ckpt.reading and not any(read.done() for read in ckpt.reading)
+    gate.set()
+    ckpt.land()
+    ckpt.verify()
+    assert not ckpt.reading and all(torch.equal(views[k], x) for k, x in tensors.items())
+    assert ckpt.identity == read_checkpoint(tmp_path).identity
