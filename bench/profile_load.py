@@ -9,13 +9,15 @@ for a quick look). Per method, two tables of medians over ``--repeats``:
   converter's device and float32, checked, converted), ``fold`` (`fold_layers`),
   ``device`` (the serving copy: `AdapterLoader.to_device`), ``prepare`` (`prepare_adapter`), ``place``
   (`place_adapter` with the prepared rows); then cProfile of the placement (own time, top 25);
-* *as run*: `AdapterManager._job` itself, as the loader runs it (nothing synchronized inside; its hash runs on
-  beside the conversion), with the wall time spent inside each of its parts: ``read`` (`read_checkpoint`, the
-  hash left running), ``checked`` (`AdapterCheckpoint.tensors_on`: the file's transfer, check and views, within
-  ``convert``) or, for a LoRA file in the serving dtype, ``arriving`` (the views made before the values, within
-  ``convert``), ``convert``, ``fold``, ``prepare``, ``land`` (`AdapterCheckpoint.land`: the transfer, check and
-  in-place fold of an ``arriving`` file queued), ``verify`` (the wait for that check), ``hash_wait`` (what the
-  load waited for the hash), ``device`` (`AdapterLoader.device_copy`), ``job`` (the whole, synchronized at its
+* *as run*: `AdapterManager._job` itself, as the loader runs it (nothing synchronized inside; its read and hash
+  run on beside the conversion), with the wall time spent inside each of its parts: ``read`` (`read_checkpoint`,
+  the rest of the file and the hash left running), ``checked`` (`AdapterCheckpoint.tensors_on`: the file's
+  transfer, check and views, within ``convert``) or, for a LoRA file in the serving dtype, ``arriving`` (the
+  views made before the values, within ``convert``), ``convert``, ``fold``, ``prepare``, ``land``
+  (`AdapterCheckpoint.land`: the transfer, check and in-place fold of an ``arriving`` file queued),
+  ``read_wait`` (what its parts waited for the file's read, `AdapterCheckpoint.buffer`, within those parts),
+  ``verify`` (the wait for that check), ``hash_wait`` (what the load waited for the hash), ``device``
+  (`AdapterLoader.device_copy`), ``job`` (the whole, synchronized at its
   end) and ``place`` (synchronized): the critical path of a load.
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/profile_load.py --methods lora``. The host's part of each phase
@@ -103,7 +105,8 @@ def timing_parts(manager, spent: dict[str, float]):
     parts = [(conversion, "read_checkpoint", "read"), (AdapterCheckpoint, "tensors_on", "checked"),
              (AdapterCheckpoint, "arriving", "arriving"), (conversion, "convert_checkpoint", "convert"),
              (conversion, "fold_layers", "fold"), (manager.loader, "prepare", "prepare"),
-             (AdapterCheckpoint, "land", "land"), (AdapterCheckpoint, "verify", "verify"),
+             (AdapterCheckpoint, "land", "land"), (AdapterCheckpoint, "buffer", "read_wait"),
+             (AdapterCheckpoint, "verify", "verify"),
              (Digest, "hexdigest", "hash_wait"), (AdapterLoader, "device_copy", "device")]
     saved = [(owner, name, vars(owner)[name] if name in vars(owner) else None) for owner, name, _ in parts]
 
@@ -118,7 +121,9 @@ def timing_parts(manager, spent: dict[str, float]):
         return call
 
     for owner, name, part in parts:
-        setattr(owner, name, timed(getattr(owner, name), part))
+        attr = vars(owner).get(name)
+        setattr(owner, name, property(timed(attr.fget, part)) if isinstance(attr, property)
+                else timed(getattr(owner, name), part))
     try:
         yield
     finally:
@@ -149,8 +154,8 @@ def as_run(engine, path: str, repeats: int) -> dict[str, float]:
         spent["place"] = time.perf_counter() - t
         place_adapter(manager.linears, 1, None)
         rows.append(spent)
-    names = ["read", "checked", "arriving", "convert", "fold", "prepare", "land", "verify", "hash_wait", "device",
-             "job", "place"]
+    names = ["read", "checked", "arriving", "convert", "fold", "prepare", "land", "read_wait", "verify", "hash_wait",
+             "device", "job", "place"]
     return {k: statistics.median(r.get(k, 0.0) for r in rows[1:]) for k in names}
 
 
