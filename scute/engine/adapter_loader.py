@@ -203,7 +203,20 @@ class AdapterLoader:
         self._num_threads = torch.get_num_threads()  # the engine thread's: converters compute as they would there
         self.turns = Turns()
         # made here, before steps run (its pinned allocation would stall them), where a CUDA device is
-        self._staging = Staging() if device.type == "cuda" and torch.cuda.is_available() else None
+        cuda = device.type == "cuda" and torch.cuda.is_available()
+        self._staging = Staging() if cuda else None
+        self._stream = torch.cuda.Stream(device) if cuda else None  # the side stream the jobs run on
+
+    def reserve(self, nbytes: int) -> None:
+        """Take `nbytes` of device memory for what the loader allocates (the adapters' device copies) from the
+        device now, before steps run: allocated on the loader's stream and freed at once, the caching allocator
+        keeps it as one free segment of that stream's, which the loads' allocations are then cut from. Allocated
+        while steps run, each copy's memory would be a cudaMalloc of its own, which holds a lock of the CUDA driver
+        that the step loop's launches wait for (the engine reserves its adapter budget, once the KV cache and
+        the graphs have theirs: the caching allocator's cache is emptied there). On the CPU: nothing."""
+        if self._stream is not None and nbytes > 0:
+            with torch.cuda.stream(self._stream):
+                torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def submit(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on the loader thread after the jobs given before; its future holds the result or
@@ -291,7 +304,7 @@ class AdapterLoader:
 
     def _run(self) -> None:
         torch.set_num_threads(self._num_threads)
-        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        stream = self._stream
         while True:
             future, fn, args = self._jobs.get()
             interval = sys.getswitchinterval()

@@ -56,6 +56,7 @@ class Engine:
             if self.runner.graphs is not None:
                 self.runner.capture_graphs()
             self.adapters.warm_tokens = self.runner.step_sizes()
+            self.adapters.loader.reserve(memory or 0)  # last: the KV plan and the graphs empty the allocator's cache
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager, self.adapters)
         self.requests: dict[str, Request] = {}

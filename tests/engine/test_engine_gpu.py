@@ -79,6 +79,24 @@ def test_the_cpu_tier_keeps_no_pinned_memory(oracle):
         assert tensors and not any(x.is_cuda or x.is_pinned() for x in tensors), name
 
 
+def test_the_loads_device_copies_come_from_the_memory_reserved_before_steps_run(oracle):
+    """The engine reserves its adapter budget on the loader's stream once at start (`AdapterLoader.reserve`): the
+    loads' large device allocations are cut from that one segment, never a device allocation of their own while
+    steps run (each would take a lock of the CUDA driver that the step loop's launches wait for)."""
+    prompts, adapters = mixed_requests()
+    engine = oracle.engine(device="cuda", adapter_memory_bytes=64 << 20)
+    stream = engine.adapters.loader._stream.cuda_stream
+
+    def segments():
+        return [(s["address"], s["total_size"]) for s in torch.cuda.memory_snapshot()
+                if s["stream"] == stream and s["segment_type"] == "large"]
+
+    reserved = segments()
+    assert len(reserved) == 1 and reserved[0][1] >= 64 << 20
+    check(oracle, engine.generate(prompts, GREEDY, specs(oracle, adapters), use_tqdm=False), prompts, adapters)
+    assert engine.adapters.loader.wait_idle(60) and segments() == reserved
+
+
 @pytest.mark.parametrize("nbytes", [0, 1, 999, 1000, 4567])
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32])
 def test_staging_copies_both_ways_in_chunks(nbytes, dtype):
