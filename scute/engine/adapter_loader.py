@@ -21,11 +21,13 @@ its next pause point (`Turns.pause`: between two layers it converts, moves or pr
 
 from __future__ import annotations
 
+import atexit
 import math
 import queue
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
@@ -227,6 +229,7 @@ class AdapterLoader:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="scute-adapter-loader", daemon=True)
             self._thread.start()
+            atexit.register(_finish_at_exit, weakref.ref(self))
         self._jobs.put((future, fn, args))
         return future
 
@@ -323,3 +326,12 @@ class AdapterLoader:
                 self._pending -= 1
                 self._finished += 1
                 self._cond.notify_all()
+
+
+def _finish_at_exit(ref: weakref.ref) -> None:
+    """At exit, a loader still alive finishes the jobs given to it (at most 60 s): its daemon thread stopped inside
+    a call into torch as the interpreter ends (a load, a CPU tier's copy) aborts the process ("terminate called
+    without an active exception")."""
+    loader = ref()
+    if loader is not None:
+        loader.wait_idle(60)

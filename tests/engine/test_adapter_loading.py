@@ -464,3 +464,19 @@ def test_stage_prepares_rows_before_the_values_land_and_stages_what_finish_gives
     staged = loader.stage(early, finish)
     assert order == [("prepare", early), ("finish", None)]
     assert staged.adapter is done and staged.prepared == {"rows": 1}
+
+
+def test_a_process_exits_once_its_loaders_jobs_are_done(tmp_path):
+    """A process that ends with a job on the loader lets it finish first: its daemon thread stopped inside a call
+    into torch as the interpreter ends would abort the process."""
+    import subprocess
+    import sys
+
+    done = tmp_path / "done"
+    script = ("import time, torch\nfrom scute.engine.adapter_loader import AdapterLoader\n"
+              "loader = AdapterLoader(torch.device('cpu'))\n"
+              f"loader.submit(lambda: (time.sleep(0.5), open({str(done)!r}, 'w').close()))\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert run.returncode == 0, run.stderr
+    assert done.exists()
