@@ -27,7 +27,7 @@ from functools import cache
 
 from scute.adapters import Adapter
 from scute.engine.adapter_loader import Staged
-from scute.model.hf import placing
+from scute.model.hf import layer_pools, placing
 from scute.model.linear import ScuteLinear
 
 _END = object()
@@ -35,7 +35,7 @@ _END = object()
 
 class Placer:
     def __init__(self, linears: dict[str, ScuteLinear]) -> None:
-        self.linears = linears
+        self.linears, self.units = linears, list(layer_pools(linears))
         self._jobs: deque[tuple[Adapter | None, Iterator[None]]] = deque()  # in order: one slot's may empty it first
 
     @property
@@ -46,7 +46,7 @@ class Placer:
         """Place a staged adapter into `slot` (None: empty it), after the placements added before (call on the
         thread that runs the steps: the adapter is read on its stream from then on)."""
         adapter, prepared = (None, None) if staged is None else (staged.use(), staged.prepared)
-        self._jobs.append((adapter, placing(self.linears, slot, adapter, prepared)))
+        self._jobs.append((adapter, placing(self.linears, slot, adapter, prepared, self.units)))
 
     def run(self, more: Callable[[], bool]) -> list[Adapter]:
         """Advance the placements in order: one slot pool's work, then more while ``more()``; returns the adapters

@@ -51,16 +51,18 @@ def place_adapter(linears: dict[str, ScuteLinear], index: int, adapter: Adapter 
 
 
 def placing(linears: dict[str, ScuteLinear], index: int, adapter: Adapter | None,
-            prepared: dict[SlotPool, PreparedColumn] | None = None) -> Iterator[None]:
+            prepared: dict[SlotPool, PreparedColumn] | None = None, units: Sequence[tuple] | None = None,
+            ) -> Iterator[None]:
     """`place_adapter` a slot pool at a time, yielding after each: steps may run between two as long as no token
     uses slot `index` until it is exhausted. What it did takes effect at its end, at once: every pool's device
     rows in one copy (`Placement`), and the layers' versions, which CUDA graphs follow; or after a pool whose
-    signature or grouping of other slots changed, before any step (`Placement.resigned`)."""
+    signature or grouping of other slots changed, before any step (`Placement.resigned`). `units`: the
+    `layer_pools` of `linears`, if the caller keeps them (they change only with the model)."""
     layers = {} if adapter is None else adapter.layers
     if missing := set(layers) - set(linears):
         raise ValueError(f"adapter {adapter.name!r} adapts {min(missing)}, which is not a ScuteLinear here")
     placement = Placement(prepared)
-    for linear, group, names in layer_pools(linears):
+    for linear, group, names in layer_pools(linears) if units is None else units:
         if group is None:
             linear.set_slot(index, layers.get(names[0]), placement)
         else:  # each group once, its pool updated once for all its members

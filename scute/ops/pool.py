@@ -226,11 +226,15 @@ class SlotPool:
     def _use(self, s: int, keep: dict, mine: set) -> None:
         """Slot s now uses the copies whose keys are `mine` (`keep`: the copies by key): its old copies that no
         other slot uses are dropped."""
-        self._key_refs.update(mine)
-        self._key_refs.subtract(self._slot_keys[s])
-        for key in self._slot_keys[s] - mine:
-            if self._key_refs[key] <= 0:  # the old adapter's copies, used by no other slot
-                del self._key_refs[key]
+        refs, old = self._key_refs, self._slot_keys[s]
+        for key in mine:
+            refs[key] = refs.get(key, 0) + 1
+        for key in old:
+            left = refs.get(key, 0) - 1
+            if left > 0:
+                refs[key] = left
+            else:  # the old adapter's copies, used by no other slot
+                del refs[key]
                 self._cache.pop(key, None)
         self._cache.update(keep)
         self._slot_keys[s] = mine
@@ -243,7 +247,7 @@ class SlotPool:
         self.facts = facts
         self.exact_delta, self.block_b, self.min_block = facts.exact_delta, facts.block_b, facts.min_block
         self.max_rank, self.kind_masks = facts.max_rank, facts.kind_masks
-        self.signature = (self.h_width, tuple(self.step_kinds(None)), self.exact_delta, self.block_b,
+        self.signature = (self.h_width, tuple([m != 0 for m in facts.kind_masks]), self.exact_delta, self.block_b,
                           self.min_block, self.max_rank, self.shared_group, self.shared_a_of, self.shared_outs,
                           tuple(tuple(a.shape) for a in self.shared_a), self._owned)
 

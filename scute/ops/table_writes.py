@@ -23,15 +23,27 @@ class TableWrites:
     def __init__(self) -> None:
         self.rows: list[tuple[Tensor, tuple[int, ...], list[int]]] = []
         self.copies: list[tuple[Tensor, tuple[int, ...], Tensor | None]] = []
+        self._tables: dict[int, tuple[Tensor, int, int, int, tuple[int, ...]]] = {}  # `_table`, by id
 
     def add(self, table: Tensor, index: tuple[int, ...], values: list[int]) -> None:
         """Write `values` at the flush along the last, contiguous dimension of an int64 table: as the row
         ``table[index]`` (an index of all but the last dimension), or from the element ``table[index]`` on."""
-        first = index[-1] if len(index) == table.dim() else 0
-        if table.dtype != torch.int64 or table.stride(-1) != 1 or first + len(values) > table.shape[-1] or (
-                len(index) < table.dim() and len(values) != table.shape[-1]):
+        _, dim, width, _, _ = self._table(table)
+        first = index[-1] if len(index) == dim else 0
+        if width < 0 or first + len(values) > width or (len(index) < dim and len(values) != width):
             raise ValueError("TableWrites writes rows of contiguous int64 tables, within a row")
         self.rows.append((table, index, values))
+
+    def _table(self, table: Tensor) -> tuple[Tensor, int, int, int, tuple[int, ...]]:
+        """(table, its dims, its last dimension's size (-1 unless an int64 table contiguous along it), its
+        address, its strides in bytes), looked up once per table: a placement writes a few rows into each of a
+        hundred tables and more."""
+        got = self._tables.get(id(table))
+        if got is None:
+            ok = table.dtype == torch.int64 and table.stride(-1) == 1
+            got = self._tables[id(table)] = (table, table.dim(), table.shape[-1] if ok else -1, table.data_ptr(),
+                                             tuple(st * table.element_size() for st in table.stride()))
+        return got
 
     def copy(self, table: Tensor, index: tuple[int, ...], src: Tensor | None) -> None:
         """Copy `src` (a vector on the table's device, float32 as served; None: ones) into the float32 row
@@ -42,6 +54,7 @@ class TableWrites:
 
     def flush(self) -> None:
         rows, copies, self.rows, self.copies = self.rows, self.copies, [], []
+        tables, self._tables = self._tables, {}
         device = next((t.device for t, _, _ in rows + copies), None)
         if device is None or device.type != "cuda":  # through numpy views: no computing call into torch either
             for table, index, values in rows:
@@ -50,14 +63,14 @@ class TableWrites:
             for table, index, src in copies:
                 table[index] = 1.0 if src is None else src
             return
-        addresses, offsets, values = [_address(t, i) for t, i, _ in rows], [0], []
+        addresses, offsets, values = [_address(tables, t, i) for t, i, _ in rows], [0], []
         for _, _, row in rows:
             values += row
             offsets.append(len(values))
         head = addresses + offsets + values if rows else []
         sources = [x if x is None or (x.dtype == torch.float32 and x.is_contiguous()) else x.float().contiguous()
                    for _, _, x in copies]  # kept until the copy is queued (stream order keeps the memory theirs)
-        tail = [_address(t, i) for t, i, _ in copies] + [0 if x is None else x.data_ptr() for x in sources] + \
+        tail = [_address(tables, t, i) for t, i, _ in copies] + [0 if x is None else x.data_ptr() for x in sources] + \
             [t.shape[-1] for t, _, _ in copies]
         buf = torch.tensor(head + tail, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
         if rows:
@@ -66,8 +79,12 @@ class TableWrites:
             copy_rows(buf[len(head):], len(copies), max(t.shape[-1] for t, _, _ in copies))
 
 
-def _address(table: Tensor, index: tuple[int, ...]) -> int:
-    return table.data_ptr() + table.element_size() * sum(i * st for i, st in zip(index, table.stride()))
+def _address(tables: dict, table: Tensor, index: tuple[int, ...]) -> int:
+    """The address of ``table[index]``, from the table's facts in `tables` (`TableWrites._table`) if there."""
+    got = tables.get(id(table))
+    address, strides = (table.data_ptr(), [st * table.element_size() for st in table.stride()]) if got is None \
+        else got[3:]
+    return address + sum(i * st for i, st in zip(index, strides))
 
 
 def scatter_rows(buf: Tensor, n_rows: int, width: int) -> None:
