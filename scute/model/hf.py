@@ -43,10 +43,12 @@ def swap_linears(model: nn.Module, max_adapters: int,
 
 
 def place_adapter(linears: dict[str, ScuteLinear], index: int, adapter: Adapter | None,
-                  prepared: dict[SlotPool, PreparedColumn] | None = None) -> None:
+                  prepared: dict[SlotPool, PreparedColumn] | None = None, units: Sequence[tuple] | None = None,
+                  ) -> None:
     """Put `adapter`'s slots in slot `index` of every layer (layers it does not adapt get None); None empties the
-    slot. `prepared`: its rows computed ahead for the pools (`prepare_adapter`), taken where they still apply."""
-    for _ in placing(linears, index, adapter, prepared):
+    slot. `prepared`: its rows computed ahead for the pools (`prepare_adapter`), taken where they still apply;
+    `units`: as for `placing`."""
+    for _ in placing(linears, index, adapter, prepared, units):
         pass
 
 

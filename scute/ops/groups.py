@@ -269,9 +269,9 @@ def _groups(keys: Sequence[tuple | None]) -> tuple[list[int], int]:
 
 
 def storage_key(x: Tensor, kind: str) -> tuple:
-    """The identity of a tensor's memory as `kind` (shared matrices are found by it, not by value)."""
-    return (kind, x.device, x.dtype, x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape),
-            tuple(x.stride()))
+    """The identity of a tensor's memory as `kind` (shared matrices are found by it, not by value): its first
+    element's address, dtype, shape and strides (two tensors alive at one address view one storage there)."""
+    return kind, x.device, x.dtype, x.data_ptr(), x.shape, x.stride()
 
 
 def slot_storages(sl: Slots, matrix_bytes: int, names: Collection[str] | None = None) -> dict[tuple, int]:

@@ -205,8 +205,8 @@ def test_eviction_and_reload_keep_tokens(oracle, gate, monkeypatch):
     """Two device slots and two CPU-cached adapters for five adapters, twice over: adapters are evicted and
     read and placed again, tokens unchanged."""
     placed, place = [], adapter_placer.placing
-    monkeypatch.setattr(adapter_placer, "placing", lambda linears, slot, a, prepared: (
-        a is None or placed.append(a.identity), place(linears, slot, a, prepared))[1])
+    monkeypatch.setattr(adapter_placer, "placing", lambda linears, slot, a, prepared, units: (
+        a is None or placed.append(a.identity), place(linears, slot, a, prepared, units))[1])
     engine = oracle.engine(max_adapters=2, max_cpu_adapters=2)
     prompts, adapters = mixed_requests()
     specs = [None if a is None else oracle.paths[a] for a in adapters]

@@ -14,7 +14,7 @@ def test_profile_load_times_each_part_and_puts_them_back(tmp_path, capsys):
     def parts():
         return (conversion.read_checkpoint, conversion.convert_checkpoint, conversion.fold_layers, Digest.hexdigest,
                 AdapterLoader.device_copy, *(vars(AdapterCheckpoint)[p] for p in ("tensors_on", "arriving", "land",
-                                                                                   "verify")))
+                                                                                   "verify", "buffer")))
 
     before = parts()
     result = bench_module("profile_load").main(["--device", "cpu", "--layers", "2", "--hidden", "64", "--repeats",
@@ -22,8 +22,8 @@ def test_profile_load_times_each_part_and_puts_them_back(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "synchronized: each phase alone" in printed and "as run: the parts of one load" in printed
     run = result["as_run"]["lora"]
-    assert list(run) == ["read", "checked", "arriving", "convert", "fold", "prepare", "land", "verify", "hash_wait",
-                         "device", "job", "place"]
+    assert list(run) == ["read", "checked", "arriving", "convert", "fold", "prepare", "land", "read_wait", "verify",
+                         "hash_wait", "device", "job", "place"]
     assert run["job"] >= run["convert"] >= run["checked"] > 0 and run["read"] > 0 and run["fold"] > 0
     assert result["synchronized"]["lora"]["convert"] > 0
     assert parts() == before
