@@ -215,10 +215,14 @@ class AdapterLoader:
         keeps it as one free segment of that stream's, which the loads' allocations are then cut from. Allocated
         while steps run, each copy's memory would be a cudaMalloc of its own, which holds a lock of the CUDA driver
         that the step loop's launches wait for (the engine reserves its adapter budget, once the KV cache and
-        the graphs have theirs: the caching allocator's cache is emptied there). On the CPU: nothing."""
+        the graphs have theirs: the caching allocator's cache is emptied there). On the CPU, or where the device
+        cannot give it in one piece: nothing (the loads then allocate as they go)."""
         if self._stream is not None and nbytes > 0:
             with torch.cuda.stream(self._stream):
-                torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                try:
+                    torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                except torch.OutOfMemoryError:
+                    pass
 
     def submit(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on the loader thread after the jobs given before; its future holds the result or
