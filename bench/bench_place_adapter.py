@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> dict:
         times = []
         for i in range(args.repeats):
             t = time.perf_counter()
-            place_adapter(linears, 1 + i % (args.slots - 1), adapters[i % 4], prepared[i % 4] if ready else None)
+            place_adapter(linears, 1 + i % (args.slots - 1), adapters[i % 4], prepared[i % 4] if ready else None,
+                          units)  # the pools walked once, as the engine's Placer does
             if args.device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
