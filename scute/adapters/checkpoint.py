@@ -276,27 +276,22 @@ def _load_safetensors(path: str, file: str, digest: Digest, pin_memory: bool,
                       ) -> tuple[Tensor, Layout, list[Future]]:
     """The file's buffer, its header, and the reads of the rest still running (`_read`)."""
     try:
-        buffer, reads = _read(file, pin_memory, digest)
-        size = buffer.numel()
-        if size < 8:
-            raise ValueError(f"{size} bytes: too short for a safetensors header")
-        n = int.from_bytes(buffer[:8].numpy().tobytes(), "little")
-        if 8 + n > size:
-            raise ValueError(f"the header claims {n} bytes, the file has {size}")
-        return buffer, _layout(buffer[8:8 + n].numpy().tobytes(), size), reads
+        buffer, header, reads = _read(file, pin_memory, digest)
+        return buffer, _layout(header, buffer.numel()), reads
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise AdapterError(f"adapter {path}: {file} is corrupt or truncated ({e})") from e
 
 
-def _read(file: str, pin_memory: bool, digest: Digest) -> tuple[Tensor, list[Future]]:
-    """The file in one buffer, its safetensors header read (the first 8 + n bytes, n the 8 first ones' value),
-    the rest being read: the futures of those reads (none where it is all read); each chunk's sha256 added to
-    `digest` in order, hashed once read. A file of a few chunks and more is read by up to `READERS` threads side by
-    side, a task each over a run of the chunks: it reads them (one read call for all, as the file allows), says
-    so, then hashes them one by one (the buffer is not written again) while the caller goes on. A task per
-    thread, not per chunk: each task, each read call and each hash takes the interpreter lock when it ends, which
-    the step loop then waits for. The file is closed once every read has ended."""
+def _read(file: str, pin_memory: bool, digest: Digest) -> tuple[Tensor, bytes, list[Future]]:
+    """The safetensors file in one buffer, its header read (an 8-byte little-endian length n, then n bytes: returned
+    as bytes) and the rest being read: the futures of those reads (none where it is all read); each chunk's sha256
+    added to `digest` in order, hashed once read. A file of a few chunks and more is read by up to `READERS`
+    threads side by side, a task each over a run of the chunks: it reads them (one read call for all, as the file
+    allows), says so, then hashes them one by one (the buffer is not written again) while the caller goes on. A
+    task per thread, not per chunk: each task, each read call and each hash takes the interpreter lock when it
+    ends, which the step loop then waits for. The file is closed once every read has ended."""
     fd = os.open(file, os.O_RDONLY)
+    left, handed = 0, False  # the reader tasks still reading, once the file is handed to them (the last closes it)
     try:
         size = os.fstat(fd).st_size
         buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
@@ -313,42 +308,48 @@ def _read(file: str, pin_memory: bool, digest: Digest) -> tuple[Tensor, list[Fut
         def sha(start: int) -> bytes:
             return hashlib.sha256(view[start:start + CHUNK]).digest()
 
-        read(0, min(8, size))
-        head = min(8 + int.from_bytes(view[:8], "little"), size) if size >= 8 else size
+        if size < 8:
+            raise ValueError(f"{size} bytes: too short for a safetensors header")
+        read(0, 8)
+        head = 8 + int.from_bytes(view[:8], "little")
+        if head > size:
+            raise ValueError(f"the header claims {head - 8} bytes, the file has {size}")
         read(8, head)
+        header = bytes(view[8:head])
         starts = range(0, size, CHUNK)
         if len(starts) <= 2:
             read(head, size)
             digest.add(*(sha(start) for start in starts))
+            return buffer, header, []
+        n = min(READERS, len(starts))
+        runs = [starts[k * len(starts) // n:(k + 1) * len(starts) // n] for k in range(n)]
+        reads, lock = [Future() for _ in runs], threading.Lock()
+
+        def task(k: int) -> list[bytes]:
+            nonlocal left
+            error = None
+            try:
+                read(max(runs[k][0], head), min(runs[k][-1] + CHUNK, size))
+            except BaseException as e:  # noqa: BLE001 - raised where the read is waited for
+                error = e
+            with lock:
+                left -= 1
+                if left == 0:
+                    os.close(fd)
+            if error is not None:
+                reads[k].set_exception(error)
+                raise error
+            reads[k].set_result(None)
+            return [sha(start) for start in runs[k]]
+
+        left, handed = n, True
+        hashes = [_readers().submit(task, k) for k in range(n)]
+    finally:
+        if not handed:
             os.close(fd)
-            return buffer, []
-    except BaseException:
-        os.close(fd)
-        raise
-    n = min(READERS, len(starts))
-    runs = [starts[k * len(starts) // n:(k + 1) * len(starts) // n] for k in range(n)]
-    reads, left, lock = [Future() for _ in runs], [n], threading.Lock()
-
-    def task(k: int) -> list[bytes]:
-        error = None
-        try:
-            read(max(runs[k][0], head), min(runs[k][-1] + CHUNK, size))
-        except BaseException as e:  # noqa: BLE001 - raised where the read is waited for
-            error = e
-        with lock:
-            left[0] -= 1
-            if left[0] == 0:
-                os.close(fd)
-        if error is not None:
-            reads[k].set_exception(error)
-            raise error
-        reads[k].set_result(None)
-        return [sha(start) for start in runs[k]]
-
-    hashes = [_readers().submit(task, k) for k in range(n)]
     for run, hashed in zip(runs, hashes):
         digest.add(*(_Nth(hashed, i) for i in range(len(run))))
-    return buffer, reads
+    return buffer, header, reads
 
 
 class _Nth:
