@@ -78,7 +78,7 @@ def measure(engine, path: str, resident: list[str], repeats: int) -> dict:
         load_s, (_, on_device) = timed(lambda: manager._load(path), device)
         move_s = timed(lambda: manager.loader.move(adapter, manager._moved), device)[0] if on_device is None else 0.0
         # with the rows the loader prepared as it staged the copy, as the engine places it (`Placer`)
-        units = manager.placer.units  # the pools, walked once (as the engine's Placer does)
+        units = manager._units  # the pools, walked once (as the engine's Placer does)
         place_s, _ = timed(lambda: place_adapter(manager.linears, mine, staged.use(), staged.prepared, units), device)
         if i == 0:  # one step on the adapter: the layers' slot pools exist from now on, as in a server
             from scute import SamplingParams

@@ -79,7 +79,7 @@ def phases(engine, path: str, other: str, repeats: int) -> dict[str, float]:
         lap("device")
         prepared = prepare_adapter(manager._units, moved)
         lap("prepare")
-        place_adapter(manager.linears, 1, moved, prepared, manager.placer.units)
+        place_adapter(manager.linears, 1, moved, prepared, manager._units)
         lap("place")
         place_adapter(manager.linears, 1, None)
         rows.append(times)
@@ -87,7 +87,7 @@ def phases(engine, path: str, other: str, repeats: int) -> dict[str, float]:
     prof = cProfile.Profile()
     prepared = prepare_adapter(manager._units, moved)
     prof.enable()
-    place_adapter(manager.linears, 1, moved, prepared, manager.placer.units)
+    place_adapter(manager.linears, 1, moved, prepared, manager._units)
     sync(device)
     prof.disable()
     place_adapter(manager.linears, 1, None)
@@ -149,7 +149,7 @@ def as_run(engine, path: str, repeats: int) -> dict[str, float]:
             sync(device)
             spent["job"] = time.perf_counter() - t
         t = time.perf_counter()
-        place_adapter(manager.linears, 1, staged.use(), staged.prepared, manager.placer.units)
+        place_adapter(manager.linears, 1, staged.use(), staged.prepared, manager._units)
         sync(device)
         spent["place"] = time.perf_counter() - t
         place_adapter(manager.linears, 1, None)

@@ -74,7 +74,7 @@ class AdapterManager:
         # variants its placement will run, on the loader (`warm_kernels`; `_warmed`: the kinds done)
         self.warm_tokens: tuple[int, ...] = ()
         self._warmed: set = set()
-        self._units = list(layer_pools(linears))  # the pools' layers: for the warm-up and the prepared rows
+        self._units = list(layer_pools(linears))  # the pools' layers: warm-up, prepared rows, placements
         self.loader = AdapterLoader(device, self.dtype, prepare=self._prepare)
         self.memory = AdapterMemory(memory_bytes, self.dtype)
         self._loads: dict[tuple, Load] = {}  # ("path", folder, signature) or ("move", identity) -> its load
@@ -82,7 +82,7 @@ class AdapterManager:
         self._seq = itertools.count()
         self._started: list[tuple] = []  # keys of the loads given to the loader, not polled yet
         self._staged: dict[str, tuple[Staged, set[Request]]] = {}  # identity -> device copy, requests waiting
-        self.placer = Placer(linears)  # the placements `ready` began, advanced by `place`
+        self.placer = Placer(linears, self._units)  # the placements `ready` began, advanced by `place`
         self._placing: set[str] = set()  # identities in a slot whose placement has not ended
         self._failed: list[tuple[Request, str]] = []
         self._host_copies: list[tuple[tuple, Adapter, Future]] = []  # (CPU cache key, device copy, its host copy)

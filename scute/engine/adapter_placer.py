@@ -27,15 +27,16 @@ from functools import cache
 
 from scute.adapters import Adapter
 from scute.engine.adapter_loader import Staged
-from scute.model.hf import layer_pools, placing
+from scute.model.hf import placing
 from scute.model.linear import ScuteLinear
 
 _END = object()
 
 
 class Placer:
-    def __init__(self, linears: dict[str, ScuteLinear]) -> None:
-        self.linears, self.units = linears, list(layer_pools(linears))
+    def __init__(self, linears: dict[str, ScuteLinear], units: list[tuple]) -> None:
+        """`units`: the `layer_pools` of `linears`, walked once by the caller."""
+        self.linears, self.units = linears, units
         self._jobs: deque[tuple[Adapter | None, Iterator[None]]] = deque()  # in order: one slot's may empty it first
 
     @property

@@ -247,7 +247,7 @@ class SlotPool:
         self.facts = facts
         self.exact_delta, self.block_b, self.min_block = facts.exact_delta, facts.block_b, facts.min_block
         self.max_rank, self.kind_masks = facts.max_rank, facts.kind_masks
-        self.signature = (self.h_width, tuple([m != 0 for m in facts.kind_masks]), self.exact_delta, self.block_b,
+        self.signature = (self.h_width, tuple(self.step_kinds(None)), self.exact_delta, self.block_b,
                           self.min_block, self.max_rank, self.shared_group, self.shared_a_of, self.shared_outs,
                           tuple(tuple(a.shape) for a in self.shared_a), self._owned)
 

@@ -23,7 +23,8 @@ class TableWrites:
     def __init__(self) -> None:
         self.rows: list[tuple[Tensor, tuple[int, ...], list[int]]] = []
         self.copies: list[tuple[Tensor, tuple[int, ...], Tensor | None]] = []
-        self._tables: dict[int, tuple[Tensor, int, int, int, tuple[int, ...]]] = {}  # `_table`, by id
+        # `_table` by the table's id (the entry holds the table: the id stays its own, and so does its address)
+        self._tables: dict[int, tuple[Tensor, int, int, int, tuple[int, ...]]] = {}
 
     def add(self, table: Tensor, index: tuple[int, ...], values: list[int]) -> None:
         """Write `values` at the flush along the last, contiguous dimension of an int64 table: as the row
@@ -45,6 +46,11 @@ class TableWrites:
                                              tuple(st * table.element_size() for st in table.stride()))
         return got
 
+    def _address(self, table: Tensor, index: tuple[int, ...]) -> int:
+        """The address of ``table[index]``."""
+        *_, address, strides = self._table(table)
+        return address + sum(i * st for i, st in zip(index, strides))
+
     def copy(self, table: Tensor, index: tuple[int, ...], src: Tensor | None) -> None:
         """Copy `src` (a vector on the table's device, float32 as served; None: ones) into the float32 row
         ``table[index]`` at the flush."""
@@ -54,7 +60,6 @@ class TableWrites:
 
     def flush(self) -> None:
         rows, copies, self.rows, self.copies = self.rows, self.copies, [], []
-        tables, self._tables = self._tables, {}
         device = next((t.device for t, _, _ in rows + copies), None)
         if device is None or device.type != "cuda":  # through numpy views: no computing call into torch either
             for table, index, values in rows:
@@ -63,28 +68,20 @@ class TableWrites:
             for table, index, src in copies:
                 table[index] = 1.0 if src is None else src
             return
-        addresses, offsets, values = [_address(tables, t, i) for t, i, _ in rows], [0], []
+        addresses, offsets, values = [self._address(t, i) for t, i, _ in rows], [0], []
         for _, _, row in rows:
             values += row
             offsets.append(len(values))
         head = addresses + offsets + values if rows else []
         sources = [x if x is None or (x.dtype == torch.float32 and x.is_contiguous()) else x.float().contiguous()
                    for _, _, x in copies]  # kept until the copy is queued (stream order keeps the memory theirs)
-        tail = [_address(tables, t, i) for t, i, _ in copies] + [0 if x is None else x.data_ptr() for x in sources] + \
+        tail = [self._address(t, i) for t, i, _ in copies] + [0 if x is None else x.data_ptr() for x in sources] + \
             [t.shape[-1] for t, _, _ in copies]
         buf = torch.tensor(head + tail, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
         if rows:
             scatter_rows(buf[:len(head)], len(rows), max(len(r) for _, _, r in rows))
         if copies:
             copy_rows(buf[len(head):], len(copies), max(t.shape[-1] for t, _, _ in copies))
-
-
-def _address(tables: dict, table: Tensor, index: tuple[int, ...]) -> int:
-    """The address of ``table[index]``, from the table's facts in `tables` (`TableWrites._table`) if there."""
-    got = tables.get(id(table))
-    address, strides = (table.data_ptr(), [st * table.element_size() for st in table.stride()]) if got is None \
-        else got[3:]
-    return address + sum(i * st for i, st in zip(index, strides))
 
 
 def scatter_rows(buf: Tensor, n_rows: int, width: int) -> None:

@@ -94,3 +94,14 @@ def test_table_writes_copies_vectors_at_the_flush(monkeypatch):
     assert torch.equal(floats[1, 2], torch.ones(8, device=DEVICE)) and not floats[:, :2].any()
     with pytest.raises(ValueError, match="whole rows"):
         writes.copy(floats, (0, 0), torch.ones(3, device=DEVICE))
+
+
+def test_the_flush_addresses_are_the_rows_own():
+    """The addresses a CUDA flush sends (`TableWrites._address`, from each table's address and strides, looked up
+    once per table) are those of the rows themselves: int64 and float32 tables, a strided view, rows and elements."""
+    writes = tw.TableWrites()
+    cases = [(torch.zeros(3, 5, 7, dtype=torch.int64), [(1,), (2, 3), (1, 4, 2)]),
+             (torch.zeros(4, 6)[1:, 2:], [(0,), (2,), (1, 3)])]
+    for table, indices in cases:
+        for index in indices:
+            assert writes._address(table, index) == table[index].data_ptr(), (table.shape, index)

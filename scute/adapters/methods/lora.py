@@ -51,7 +51,7 @@ def convert_plain_lora(config: Mapping, layers: Mapping[str, Mapping[str, Tensor
     other shapes or dtypes; `convert_lora` converts those, or says why it refuses them. `pause` every 16 layers."""
     if "r" not in config or any(config.get(key) for key in ("use_dora", "use_bdlora", *REFUSED)) or not layers:
         return None
-    found, read, accs = [], set(), set()
+    found, read, weights = [], set(), set()
     uniform = not config.get("rank_pattern") and not config.get("alpha_pattern")
     r, s = lora_scale(config, "") if uniform else (0, 0.0)
     for k, (name, tensors) in enumerate(layers.items()):
@@ -66,9 +66,9 @@ def convert_plain_lora(config: Mapping, layers: Mapping[str, Mapping[str, Tensor
         if A.shape != (r, i) or B.shape != (o, r):
             return None
         read |= {A.dtype, B.dtype}
-        accs.add(weight.dtype)
+        weights.add(weight.dtype)
         found.append((name, i, o, r, A, B, s))
-    accs = {acc_dtype(dtype) for dtype in accs}
+    accs = {acc_dtype(dtype) for dtype in weights}
     like: dict[tuple, Slots] = {}  # a slot per shape, validated; the others are made from it, of its shapes
 
     def slots(i: int, o: int, r: int, A: Tensor, B: Tensor, **fields) -> Slots:
