@@ -17,8 +17,8 @@ for a quick look). Per method, two tables of medians over ``--repeats``:
   (`AdapterCheckpoint.land`: the transfer, check and in-place fold of an ``arriving`` file queued),
   ``read_wait`` (what its parts waited for the file's read, `AdapterCheckpoint.buffer`, within those parts),
   ``verify`` (the wait for that check), ``hash_wait`` (what the load waited for the hash), ``device``
-  (`AdapterLoader.device_copy`), ``job`` (the whole, synchronized at its
-  end) and ``place`` (synchronized): the critical path of a load.
+  (`AdapterLoader.device_copy`), ``job`` (the whole, synchronized at its end) and ``place`` (synchronized): the
+  critical path of a load.
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/profile_load.py --methods lora``. The host's part of each phase
 (its Python, with the slot pools the GPU path has) on a CPU, with a narrower model of the same 32 layers and

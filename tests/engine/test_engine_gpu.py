@@ -95,6 +95,11 @@ def test_the_loads_device_copies_come_from_the_memory_reserved_before_steps_run(
     assert len(reserved) == 1 and reserved[0][1] >= 64 << 20
     check(oracle, engine.generate(prompts, GREEDY, specs(oracle, adapters), use_tqdm=False), prompts, adapters)
     assert engine.adapters.loader.wait_idle(60) and segments() == reserved
+    # the tiny model's adapters fit the allocator's small pool: an 8B LoRA's 84 MB copy, scaled down, does not
+    (address, size), = reserved
+    with torch.cuda.stream(engine.adapters.loader._stream):
+        copy = torch.empty(16 << 20, dtype=torch.uint8, device="cuda")
+    assert address <= copy.data_ptr() < address + size and segments() == reserved
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 999, 1000, 4567])
