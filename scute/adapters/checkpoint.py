@@ -22,6 +22,8 @@ from functools import cache, cached_property, lru_cache
 import torch
 from torch import Tensor
 
+from scute.ops.sha256 import sha256_leaves, sha256_leaves_ref
+
 LAYER_PREFIX = "base_model.model."
 GLOBAL_PREFIX = "base_model."
 SAFETENSORS = "adapter_model.safetensors"
@@ -34,22 +36,71 @@ class AdapterError(ValueError):
 
 
 class Digest:
-    """The sha256 of a PEFT folder's files: of the config's bytes, then of the sha256 of each `CHUNK` of the
-    weights file in order (a hash tree). The chunks are hashed on the reader threads (`_readers`; hashlib
-    releases the interpreter lock) while the caller goes on: `hexdigest` waits for them."""
+    """The sha256 of a PEFT folder's files: of the config's bytes, then of the sha256 of each `LEAF` bytes of the
+    weights file in order (a hash tree). The leaves are hashed side by side while the caller goes on: on the reader
+    threads (`_readers`; hashlib releases the interpreter lock), and those inside the file's span (`SpanLeaves`)
+    where the caller copies the span (on a GPU, by a kernel). `hexdigest` waits for them."""
 
     def __init__(self, config: bytes) -> None:
         self._sha = hashlib.sha256(config)
-        self._chunks: list[bytes | _Nth] = []  # each chunk's digest, or where it will be
+        self._parts: list = []  # leaf digests, concatenated: bytes, or what gives them (`result()`)
+        self.span: SpanLeaves | None = None
 
-    def add(self, *chunks: bytes | _Nth) -> None:
-        self._chunks += chunks
+    def add(self, *parts) -> None:
+        self._parts += parts
+
+    def hash_span(self, span: Tensor) -> None:
+        """The span's leaves hashed from `span`, the file's bytes from the span's first (`SpanLeaves.hash`)."""
+        if self.span is not None:
+            self.span.hash(span)
 
     def hexdigest(self) -> str:
-        for chunk in self._chunks:
-            self._sha.update(chunk if isinstance(chunk, bytes) else chunk.result())
-        self._chunks = []
+        for part in self._parts:
+            self._sha.update(part if isinstance(part, bytes) else part.result())
+        self._parts = []
         return self._sha.hexdigest()
+
+
+class SpanLeaves:
+    """The leaves of a weights file that lie whole inside its span (`Layout.span`: its floating tensors, nearly
+    all of its bytes), hashed side by side where the caller puts the span (`hash`). A file read into pinned memory
+    (for a GPU) has them hashed on a GPU by one kernel (`scute.ops.sha256`): the caller's copy there queued ahead of
+    it, or (a conversion on the CPU) a copy of its own from the pinned buffer; on the host's cores a hashlib call
+    per leaf, each taking the interpreter lock back (which the step loop and the converter then wait for), would
+    end well after a large file's read. A file read for the CPU has them hashed on the reader threads. If no
+    caller did by `result`, from the file's buffer then."""
+
+    def __init__(self, buffer: Tensor, lo: int, first: int, count: int) -> None:
+        self.buffer, self.lo, self.first, self.count = buffer, lo, first, count  # leaves first.. (in the file)
+        self._hashed: Tensor | list[Future] | None = None
+        self._stream = None  # the CUDA stream the kernel was queued on
+
+    def hash(self, span: Tensor) -> None:
+        """Hash the leaves from `span` (uint8, the file's bytes from the span's first, on any device), once."""
+        if self._hashed is not None:
+            return
+        start = self.first * LEAF - self.lo
+        leaves = span[start:start + self.count * LEAF]
+        if not leaves.is_cuda and self.buffer.is_pinned():  # from the pinned buffer to the current GPU
+            file_leaves = self.buffer[self.first * LEAF:(self.first + self.count) * LEAF]
+            leaves = file_leaves.to(torch.cuda.current_device(), non_blocking=True)
+        if leaves.is_cuda:
+            self._stream = torch.cuda.current_stream(leaves.device)
+            self._hashed = sha256_leaves(leaves, LEAF)
+            return
+        n = min(READERS, self.count)
+        self._hashed = [_readers().submit(sha256_leaves_ref, leaves[k * self.count // n * LEAF:
+                                                                    (k + 1) * self.count // n * LEAF], LEAF)
+                        for k in range(n)]
+
+    def result(self) -> bytes:
+        """The leaves' digests, concatenated (waits for them; hashes them from the buffer, read, if not begun)."""
+        if self._hashed is None:
+            self.hash(self.buffer[self.lo:])
+        if isinstance(self._hashed, Tensor):
+            with torch.cuda.stream(self._stream):
+                return _read_back(self._hashed).numpy().tobytes()
+        return b"".join(part.result() for part in self._hashed)
 
 
 @dataclass
@@ -141,7 +192,9 @@ class AdapterCheckpoint:
                 raise self.error(f"tensor {bad!r} has NaN or Inf values")
             return tensors if dtype is None else cast_together(tensors, dtype)
         read_dtype, lo, hi = span
-        raw = self._buffer_on(device, lo, hi).view(read_dtype)  # the span alone (on a GPU a copy of its own)
+        raw = self._buffer_on(device, lo, hi)  # the span alone (on a GPU a copy of its own)
+        self.digest.hash_span(raw)  # queued before any write into it
+        raw = raw.view(read_dtype)
         cast = raw if dtype is None or dtype == read_dtype else raw.to(dtype)
         if not _finite([raw])[0]:  # one host sync, with the cast already queued
             raise self.error(f"tensor {first_nonfinite(self.tensors)!r} has NaN or Inf values")
@@ -170,6 +223,7 @@ class AdapterCheckpoint:
             return
         _, lo, hi = self.layout.span
         landing.raw.copy_(self.buffer[lo:hi], non_blocking=True)
+        self.digest.hash_span(landing.raw)
         raw = landing.raw.view(landing.dtype)
         self.finite = _finite_flags([raw]) if raw.is_cuda else torch.tensor(_finite([raw]))
         for fn in landing.after:
@@ -254,10 +308,12 @@ def read_checkpoint(path: str | os.PathLike, allow_pickle: bool = False, pin_mem
     raise AdapterError(f"adapter {path}: missing {SAFETENSORS}")
 
 
-# Bytes per chunk of the hash tree (`Digest`): files of a few chunks and more are read by several threads
-# (`_readers`), each over its share of the chunks, then hashing them while the conversion goes on; smaller chunks
-# spread the hashing over more threads, so it is done sooner after the read (`bench/bench_adapter_load.py`:
-# ``read_checkpoint_s``, the read and hash of a file).
+# Bytes per leaf of the hash tree (`Digest`): small enough that a large file's leaves keep a GPU busy (a leaf is
+# hashed serially), large enough that hashlib's call per leaf costs little beside its hashing.
+LEAF = 8 << 10
+# Bytes per chunk of a read (a multiple of `LEAF`): files of a few chunks and more are read by several threads
+# (`_readers`), each over its share of the chunks, then hashing their leaves outside the span while the conversion
+# goes on (`bench/bench_adapter_load.py`: ``read_checkpoint_s``, the read and hash of a file).
 CHUNK = 4 << 20
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -276,20 +332,20 @@ def _load_safetensors(path: str, file: str, digest: Digest, pin_memory: bool,
                       ) -> tuple[Tensor, Layout, list[Future]]:
     """The file's buffer, its header, and the reads of the rest still running (`_read`)."""
     try:
-        buffer, header, reads = _read(file, pin_memory, digest)
-        return buffer, _layout(header, buffer.numel()), reads
+        return _read(file, pin_memory, digest)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise AdapterError(f"adapter {path}: {file} is corrupt or truncated ({e})") from e
 
 
-def _read(file: str, pin_memory: bool, digest: Digest) -> tuple[Tensor, bytes, list[Future]]:
-    """The safetensors file in one buffer, its header read (an 8-byte little-endian length n, then n bytes: returned
-    as bytes) and the rest being read: the futures of those reads (none where it is all read); each chunk's sha256
-    added to `digest` in order, hashed once read. A file of a few chunks and more is read by up to `READERS`
-    threads side by side, a task each over a run of the chunks: it reads them (one read call for all, as the file
-    allows), says so, then hashes them one by one (the buffer is not written again) while the caller goes on. A
-    task per thread, not per chunk: each task, each read call and each hash takes the interpreter lock when it
-    ends, which the step loop then waits for. The file is closed once every read has ended."""
+def _read(file: str, pin_memory: bool, digest: Digest) -> tuple[Tensor, Layout, list[Future]]:
+    """The safetensors file in one buffer, its header read (an 8-byte little-endian length n, then n bytes: parsed,
+    `_layout`) and the rest being read: the futures of those reads (none where it is all read). The leaves of the
+    hash tree are added to `digest` in order: those inside the span as `digest.span` (`SpanLeaves`: hashed where
+    the caller copies the span), the others hashed once read. A file of a few chunks and more is read by up to
+    `READERS` threads side by side, a task each over a run of the chunks: it reads them (one read call for all, as
+    the file allows), says so, then hashes its leaves outside the span (the buffer is not written again) while the
+    caller goes on. A task per thread, not per chunk: each task, each read call and each hash takes the interpreter
+    lock when it ends, which the step loop then waits for. The file is closed once every read has ended."""
     fd = os.open(file, os.O_RDONLY)
     left, handed = 0, False  # the reader tasks still reading, once the file is handed to them (the last closes it)
     try:
@@ -305,9 +361,6 @@ def _read(file: str, pin_memory: bool, digest: Digest) -> tuple[Tensor, bytes, l
                     raise ValueError(f"the file ended at byte {pos} while reading it ({size} bytes)")
                 pos += got
 
-        def sha(start: int) -> bytes:
-            return hashlib.sha256(view[start:start + CHUNK]).digest()
-
         if size < 8:
             raise ValueError(f"{size} bytes: too short for a safetensors header")
         read(0, 8)
@@ -315,12 +368,28 @@ def _read(file: str, pin_memory: bool, digest: Digest) -> tuple[Tensor, bytes, l
         if head > size:
             raise ValueError(f"the header claims {head - 8} bytes, the file has {size}")
         read(8, head)
-        header = bytes(view[8:head])
-        starts = range(0, size, CHUNK)
+        layout = _layout(bytes(view[8:head]), size)
+        first = end = 0  # the leaves inside the span: first..end
+        if layout.span is not None:
+            first, end = -(-layout.span[1] // LEAF), layout.span[2] // LEAF
+            if end > first:
+                digest.span = SpanLeaves(buffer, layout.span[1], first, end - first)
+        spanned = [] if digest.span is None else [digest.span]
+
+        def sha(a: int, b: int) -> list[bytes]:
+            """The digests of leaves a..b before the span's and of those after it."""
+            if digest.span is None:
+                return [sha256_leaves_ref(view[a * LEAF:b * LEAF], LEAF), b""]
+            return [sha256_leaves_ref(view[a * LEAF:min(b, first) * LEAF], LEAF),
+                    sha256_leaves_ref(view[max(a, end) * LEAF:b * LEAF], LEAF)]
+
+        chunk = max(LEAF, CHUNK // LEAF * LEAF)
+        starts = range(0, size, chunk)
         if len(starts) <= 2:
             read(head, size)
-            digest.add(*(sha(start) for start in starts))
-            return buffer, header, []
+            before, after = sha(0, -(-size // LEAF))
+            digest.add(before, *spanned, after)
+            return buffer, layout, []
         n = min(READERS, len(starts))
         runs = [starts[k * len(starts) // n:(k + 1) * len(starts) // n] for k in range(n)]
         reads, lock = [Future() for _ in runs], threading.Lock()
@@ -328,8 +397,9 @@ def _read(file: str, pin_memory: bool, digest: Digest) -> tuple[Tensor, bytes, l
         def task(k: int) -> list[bytes]:
             nonlocal left
             error = None
+            lo, hi = runs[k][0], min(runs[k][-1] + chunk, size)
             try:
-                read(max(runs[k][0], head), min(runs[k][-1] + CHUNK, size))
+                read(max(lo, head), hi)
             except BaseException as e:  # noqa: BLE001 - raised where the read is waited for
                 error = e
             with lock:
@@ -340,16 +410,15 @@ def _read(file: str, pin_memory: bool, digest: Digest) -> tuple[Tensor, bytes, l
                 reads[k].set_exception(error)
                 raise error
             reads[k].set_result(None)
-            return [sha(start) for start in runs[k]]
+            return sha(lo // LEAF, -(-hi // LEAF))
 
         left, handed = n, True
         hashes = [_readers().submit(task, k) for k in range(n)]
     finally:
         if not handed:
             os.close(fd)
-    for run, hashed in zip(runs, hashes):
-        digest.add(*(_Nth(hashed, i) for i in range(len(run))))
-    return buffer, header, reads
+    digest.add(*(_Nth(hashed, 0) for hashed in hashes), *spanned, *(_Nth(hashed, 1) for hashed in hashes))
+    return buffer, layout, reads
 
 
 class _Nth:

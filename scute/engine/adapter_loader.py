@@ -38,8 +38,10 @@ from torch import Tensor
 
 from scute.adapters import Adapter
 from scute.adapters.adapter import Pause, SharedMemo, copy_to
+from scute.adapters.checkpoint import LEAF
 from scute.engine.cuda_graph import CAPTURE_GUARD
 from scute.engine.request import Request
+from scute.ops.sha256 import sha256_leaves
 
 
 @dataclass(eq=False)
@@ -208,6 +210,8 @@ class AdapterLoader:
         cuda = device.type == "cuda" and torch.cuda.is_available()
         self._staging = Staging() if cuda else None
         self._stream = torch.cuda.Stream(device) if cuda else None  # the side stream the jobs run on
+        if cuda:  # the hash kernel of a file's leaves compiled now: compiling in a load would stall the steps
+            sha256_leaves(torch.zeros(LEAF, dtype=torch.uint8, device=device), LEAF)
 
     def reserve(self, nbytes: int) -> None:
         """Take `nbytes` of device memory for what the loader allocates (the adapters' device copies) from the

@@ -4,9 +4,10 @@ block of rows at a time on the served W0, still PEFT's."""
 
 from __future__ import annotations
 
+import hashlib
 import os
-import threading
 import re
+import threading
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from scute.adapters import checkpoint as ckpt_module
 from scute.adapters import conversion
 from scute.adapters.adapter import ALIGN, pack
 from scute.adapters.methods import dora
+from scute.ops.sha256 import sha256_leaves
 from scute.ops.slots import TENSOR_SLOTS, fold_layers
 from tests.helpers import ALL_LINEAR, assert_matches_peft, make_adapter, tiny_model
 
@@ -27,7 +29,8 @@ WEIGHTS = SAFETENSORS
 
 def test_reader_matches_safetensors_and_views_one_buffer(lora_dir, monkeypatch):
     want = load_file(os.path.join(lora_dir, WEIGHTS))
-    monkeypatch.setattr(ckpt_module, "CHUNK", 4096)  # many chunks: the parallel read and the hash tree
+    monkeypatch.setattr(ckpt_module, "CHUNK", 4096)  # many chunks and leaves: the parallel read and the hash tree
+    monkeypatch.setattr(ckpt_module, "LEAF", 256)
     ckpt = read_checkpoint(lora_dir)
     assert ckpt.tensors.keys() == want.keys()
     for key, x in want.items():
@@ -42,6 +45,47 @@ def test_reader_matches_safetensors_and_views_one_buffer(lora_dir, monkeypatch):
     save_file({k: v + (k.endswith("q_proj.lora_B.weight") and k.startswith("base_model.model.model.layers.0."))
                for k, v in want.items()}, os.path.join(lora_dir, WEIGHTS))
     assert read_checkpoint(lora_dir).identity != ckpt.identity
+
+
+def hash_tree(folder) -> str:
+    """A folder's identity as defined (`Digest`): the sha256 of its config's bytes, then of the sha256 of each
+    `LEAF` bytes of its weights file, in order."""
+    digest = hashlib.sha256((folder / "adapter_config.json").read_bytes())
+    data = (folder / WEIGHTS).read_bytes()
+    for i in range(0, len(data), ckpt_module.LEAF):
+        digest.update(hashlib.sha256(data[i:i + ckpt_module.LEAF]).digest())
+    return digest.hexdigest()
+
+
+WHERE = ["read", "cpu", "cpu-arriving"]  # (a file read for a GPU: pinned; there, `cpu` is a CPU conversion's)
+WHERE += [f"pinned-{w}" for w in WHERE + ["cuda", "cuda-arriving"]] if torch.cuda.is_available() else []
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("readers", [1, 3])
+def test_identity_is_the_files_hash_tree_wherever_its_span_is_hashed(tmp_path, monkeypatch, where, readers):
+    """The leaves inside the span are hashed where the converter copies the span (on the reader threads from a
+    CPU copy; by the kernel on a GPU: its copy there, or one of its own for a file read into pinned memory:
+    `SpanLeaves`), or from the buffer when the identity is asked first (`read`); the others on the reader threads:
+    the identity is the same hash tree every way."""
+    monkeypatch.setattr(ckpt_module, "CHUNK", 1024)
+    monkeypatch.setattr(ckpt_module, "LEAF", 256)
+    monkeypatch.setattr(ckpt_module, "READERS", readers)
+    on_gpu = []
+    monkeypatch.setattr(ckpt_module, "sha256_leaves", lambda x, leaf: on_gpu.append(x) or sha256_leaves(x, leaf))
+    saved(tmp_path, {f"t{k}": torch.randn(37, 29).bfloat16() for k in range(5)})
+    pinned, action = where.startswith("pinned-"), where.removeprefix("pinned-")
+    device = torch.device(action.split("-")[0] if action != "read" else "cpu")
+    ckpt = read_checkpoint(tmp_path, pin_memory=pinned)
+    assert ckpt.digest.span is not None and ckpt.digest.span.count >= 4  # most leaves, not all: a header before
+    if action.endswith("arriving"):
+        views = ckpt.arriving(device)
+        ckpt.land()
+        assert torch.equal(views["t1"].cpu(), ckpt.tensors["t1"])
+    elif action != "read":
+        ckpt.tensors_on(device)
+    assert ckpt.identity == hash_tree(tmp_path)
+    assert bool(on_gpu) == pinned and all(x.is_cuda for x in on_gpu)
 
 
 def test_reader_refuses_a_range_past_the_file(lora_dir):
@@ -342,6 +386,7 @@ def test_a_read_that_fails_on_the_reader_threads_fails_the_load(lora_dir, monkey
     """A file that ends while its chunks are read (shortened after its size was taken): the read's error names the
     file, and the load fails with it."""
     monkeypatch.setattr(ckpt_module, "CHUNK", 1024)
+    monkeypatch.setattr(ckpt_module, "LEAF", 256)
     preadv = os.preadv
     monkeypatch.setattr(ckpt_module.os, "preadv",  # the file as if it ended at byte 4096
                         lambda fd, bufs, pos: 0 if pos >= 4096 else preadv(fd, [bufs[0][:4096 - pos]], pos))
@@ -404,6 +449,7 @@ def test_a_files_tensors_arrive_while_it_is_read(tmp_path, monkeypatch):
     views `arriving` makes need no value and do not wait for it; `land` waits for the read, and the values are the
     file's."""
     monkeypatch.setattr(ckpt_module, "CHUNK", 1024)
+    monkeypatch.setattr(ckpt_module, "LEAF", 256)
     tensors = {f"t{k}": torch.randn(32, 64).bfloat16() for k in range(3)}
     saved(tmp_path, tensors)
     gate, preadv = threading.Event(), os.preadv

@@ -1,0 +1,45 @@
+"""SHA-256 of many leaves (`scute.ops.sha256`) against hashlib: in Triton's interpreter on the CPU (small leaves;
+`tests/interpreter.py`), on the GPU with the adapter files' leaf size. Leaves start at any byte (a file's span
+does), and lanes past the last leaf store nothing."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from tests.interpreter import DEVICE, interpreter_module, spy_launches, use_interpreter
+
+FRESH_PROCESS = use_interpreter()  # before triton is imported (tests/interpreter.py)
+pytest.importorskip("triton")
+
+from scute.ops import sha256 as sha  # noqa: E402
+
+_in_interpreter_process, test_in_a_fresh_interpreter_process = interpreter_module(__file__, FRESH_PROCESS,
+                                                                                  triton_cpu=True)
+LEAVES = [(64, 3), (192, 2)] if DEVICE == "cpu" else [(64, 1000), (8192, 700), (8192, 1)]
+
+
+@pytest.mark.parametrize("leaf,n", LEAVES)
+def test_leaves_match_hashlib_at_any_offset(monkeypatch, leaf, n):
+    from scute.ops import sha256_kernels
+
+    g = torch.Generator().manual_seed(leaf + n)
+    data = torch.randint(0, 256, (leaf * n + 7,), dtype=torch.uint8, generator=g)
+    data[:leaf] = 0  # a leaf of zeros: the padding is the standard's, not a function of the bytes
+    for start in (0, 3):
+        seen = spy_launches(monkeypatch, sha256_kernels, "sha256_leaves_kernel")
+        got = sha.sha256_leaves(data.to(DEVICE)[start:start + leaf * n], leaf)
+        assert seen and got.shape == (n, 32) and got.dtype == torch.uint8
+        want = b"".join(hashlib.sha256(data[start + i * leaf:start + (i + 1) * leaf].numpy().tobytes()).digest()
+                        for i in range(n))
+        assert got.cpu().numpy().tobytes() == want
+        assert sha.sha256_leaves_ref(data[start:start + leaf * n], leaf) == want
+
+
+def test_refuses_what_is_not_whole_leaves():
+    with pytest.raises(ValueError, match="whole 64-byte leaves"):
+        sha.sha256_leaves(torch.zeros(100, dtype=torch.uint8), 64)
+    with pytest.raises(ValueError, match="a multiple of 64"):
+        sha.sha256_leaves(torch.zeros(96, dtype=torch.uint8), 96)
