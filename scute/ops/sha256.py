@@ -42,8 +42,8 @@ def sha256_leaves(data: Tensor, leaf: int) -> Tensor:
         raise ValueError(f"sha256_leaves: a contiguous uint8 buffer of whole {leaf}-byte leaves (a multiple of 64), "
                          f"not {data.dtype} {list(data.shape)}")
     if not data.is_cuda and os.environ.get("SCUTE_TRITON_CPU") != "1":
-        ref = sha256_leaves_ref(data, leaf)
-        return torch.frombuffer(bytearray(ref), dtype=torch.uint8).view(n, 32)
+        ref = bytearray(sha256_leaves_ref(data, leaf))
+        return (torch.frombuffer(ref, dtype=torch.uint8) if ref else torch.empty(0, dtype=torch.uint8)).view(n, 32)
     from scute.ops.sha256_kernels import sha256_leaves_kernel  # lazy: triton.jit reads TRITON_INTERPRET
 
     table = _TABLES.get(data.device)

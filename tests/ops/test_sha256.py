@@ -38,6 +38,14 @@ def test_leaves_match_hashlib_at_any_offset(monkeypatch, leaf, n):
         assert sha.sha256_leaves_ref(data[start:start + leaf * n], leaf) == want
 
 
+def test_no_leaves_and_the_cpu_path_without_the_interpreter(monkeypatch):
+    assert sha.sha256_leaves(torch.zeros(0, dtype=torch.uint8, device=DEVICE), 64).shape == (0, 32)
+    monkeypatch.delenv("SCUTE_TRITON_CPU", raising=False)  # CPU tensors: hashlib
+    data = torch.arange(128, dtype=torch.uint8)
+    assert sha.sha256_leaves(data, 64).numpy().tobytes() == sha.sha256_leaves_ref(data, 64)
+    assert sha.sha256_leaves(data[:0], 64).shape == (0, 32)
+
+
 def test_refuses_what_is_not_whole_leaves():
     with pytest.raises(ValueError, match="whole 64-byte leaves"):
         sha.sha256_leaves(torch.zeros(100, dtype=torch.uint8), 64)
