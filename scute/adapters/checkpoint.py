@@ -36,10 +36,13 @@ class AdapterError(ValueError):
 
 
 class Digest:
-    """The sha256 of a PEFT folder's files: of the config's bytes, then of the sha256 of each `LEAF` bytes of the
-    weights file in order (a hash tree). The leaves are hashed side by side while the caller goes on: on the reader
-    threads (`_readers`; hashlib releases the interpreter lock), and those inside the file's span (`SpanLeaves`)
-    where the caller copies the span (on a GPU, by a kernel). `hexdigest` waits for them."""
+    """The sha256 of a PEFT folder's files: of the config's bytes, then of the sha256 of each leaf of the weights
+    file in order (a hash tree). Its leaves are `LEAF` bytes for a file read into pinned memory (for a GPU: those
+    inside its span are hashed there, `SpanLeaves`), `CHUNK` bytes for one read for the CPU (hashlib's call per
+    leaf, each taking the interpreter lock back, makes 8 KB leaves ~15x slower on 14 host threads:
+    `bench/bench_leaf_hash.py`); an engine reads every adapter one way, so its identities compare. The leaves are
+    hashed side by side while the caller goes on, on the reader threads (`_readers`; hashlib releases the
+    interpreter lock) or the GPU; `hexdigest` waits for them."""
 
     def __init__(self, config: bytes) -> None:
         self._sha = hashlib.sha256(config)
@@ -65,13 +68,14 @@ class SpanLeaves:
     """The leaves of a weights file that lie whole inside its span (`Layout.span`: its floating tensors, nearly
     all of its bytes), hashed side by side where the caller puts the span (`hash`). A file read into pinned memory
     (for a GPU) has them hashed on a GPU by one kernel (`scute.ops.sha256`): the caller's copy there queued ahead of
-    it, or (a conversion on the CPU) a copy of its own from the pinned buffer; on the host's cores a hashlib call
-    per leaf, each taking the interpreter lock back (which the step loop and the converter then wait for), would
-    end well after a large file's read. A file read for the CPU has them hashed on the reader threads. If no
-    caller did by `result`, from the file's buffer then."""
+    it, or (a conversion on the CPU) a copy of its own from the pinned buffer; the host's sha256 of a large file
+    would end well after its read, and take the cores and the interpreter lock from the step loop meanwhile. A
+    file read for the CPU has them hashed on the reader threads. If no caller did by `result`, from the file's
+    buffer then."""
 
-    def __init__(self, buffer: Tensor, lo: int, first: int, count: int) -> None:
+    def __init__(self, buffer: Tensor, lo: int, first: int, count: int, leaf: int) -> None:
         self.buffer, self.lo, self.first, self.count = buffer, lo, first, count  # leaves first.. (in the file)
+        self.leaf = leaf  # bytes per leaf
         self._hashed: Tensor | list[Future] | None = None
         self._stream = None  # the CUDA stream the kernel was queued on
 
@@ -79,18 +83,18 @@ class SpanLeaves:
         """Hash the leaves from `span` (uint8, the file's bytes from the span's first, on any device), once."""
         if self._hashed is not None:
             return
-        start = self.first * LEAF - self.lo
-        leaves = span[start:start + self.count * LEAF]
+        leaf, start = self.leaf, self.first * self.leaf - self.lo
+        leaves = span[start:start + self.count * leaf]
         if not leaves.is_cuda and self.buffer.is_pinned():  # from the pinned buffer to the current GPU
-            file_leaves = self.buffer[self.first * LEAF:(self.first + self.count) * LEAF]
+            file_leaves = self.buffer[self.first * leaf:(self.first + self.count) * leaf]
             leaves = file_leaves.to(torch.cuda.current_device(), non_blocking=True)
         if leaves.is_cuda:
             self._stream = torch.cuda.current_stream(leaves.device)
-            self._hashed = sha256_leaves(leaves, LEAF)
+            self._hashed = sha256_leaves(leaves, leaf)
             return
         n = min(READERS, self.count)
-        self._hashed = [_readers().submit(sha256_leaves_ref, leaves[k * self.count // n * LEAF:
-                                                                    (k + 1) * self.count // n * LEAF], LEAF)
+        self._hashed = [_readers().submit(sha256_leaves_ref, leaves[k * self.count // n * leaf:
+                                                                    (k + 1) * self.count // n * leaf], leaf)
                         for k in range(n)]
 
     def result(self) -> bytes:
@@ -308,12 +312,13 @@ def read_checkpoint(path: str | os.PathLike, allow_pickle: bool = False, pin_mem
     raise AdapterError(f"adapter {path}: missing {SAFETENSORS}")
 
 
-# Bytes per leaf of the hash tree (`Digest`): small enough that a large file's leaves keep a GPU busy (a leaf is
-# hashed serially), large enough that hashlib's call per leaf costs little beside its hashing.
+# Bytes per leaf of the hash tree (`Digest`) of a file read for a GPU: small enough that a large file's leaves keep
+# the GPU busy (a leaf is hashed serially), and few: 10,240 for a LoRA of the 8B shape.
 LEAF = 8 << 10
-# Bytes per chunk of a read (a multiple of `LEAF`): files of a few chunks and more are read by several threads
-# (`_readers`), each over its share of the chunks, then hashing their leaves outside the span while the conversion
-# goes on (`bench/bench_adapter_load.py`: ``read_checkpoint_s``, the read and hash of a file).
+# Bytes per chunk of a read (a multiple of `LEAF`), and per leaf of the hash tree of a file read for the CPU: files
+# of a few chunks and more are read by several threads (`_readers`), each over its share of the chunks, then
+# hashing their leaves outside the span while the conversion goes on (`bench/bench_adapter_load.py`:
+# ``read_checkpoint_s``, the read and hash of a file).
 CHUNK = 4 << 20
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -340,12 +345,13 @@ def _load_safetensors(path: str, file: str, digest: Digest, pin_memory: bool,
 def _read(file: str, pin_memory: bool, digest: Digest) -> tuple[Tensor, Layout, list[Future]]:
     """The safetensors file in one buffer, its header read (an 8-byte little-endian length n, then n bytes: parsed,
     `_layout`) and the rest being read: the futures of those reads (none where it is all read). The leaves of the
-    hash tree are added to `digest` in order: those inside the span as `digest.span` (`SpanLeaves`: hashed where
-    the caller copies the span), the others hashed once read. A file of a few chunks and more is read by up to
-    `READERS` threads side by side, a task each over a run of the chunks: it reads them (one read call for all, as
-    the file allows), says so, then hashes its leaves outside the span (the buffer is not written again) while the
-    caller goes on. A task per thread, not per chunk: each task, each read call and each hash takes the interpreter
-    lock when it ends, which the step loop then waits for. The file is closed once every read has ended."""
+    hash tree (`LEAF` bytes read into pinned memory, else `CHUNK`) are added to `digest` in order: those inside the
+    span as `digest.span` (`SpanLeaves`: hashed where the caller copies the span), the others hashed once read. A
+    file of a few chunks and more is read by up to `READERS` threads side by side, a task each over a run of the
+    chunks: it reads them (one read call for all, as the file allows), says so, then hashes its leaves outside the
+    span (the buffer is not written again) while the caller goes on. A task per thread, not per chunk: each task,
+    each read call and each hash takes the interpreter lock when it ends, which the step loop then waits for. The
+    file is closed once every read has ended."""
     fd = os.open(file, os.O_RDONLY)
     left, handed = 0, False  # the reader tasks still reading, once the file is handed to them (the last closes it)
     try:
@@ -369,25 +375,26 @@ def _read(file: str, pin_memory: bool, digest: Digest) -> tuple[Tensor, Layout, 
             raise ValueError(f"the header claims {head - 8} bytes, the file has {size}")
         read(8, head)
         layout = _layout(bytes(view[8:head]), size)
+        leaf = LEAF if pin_memory else CHUNK
         first = end = 0  # the leaves inside the span: first..end
         if layout.span is not None:
-            first, end = -(-layout.span[1] // LEAF), layout.span[2] // LEAF
+            first, end = -(-layout.span[1] // leaf), layout.span[2] // leaf
             if end > first:
-                digest.span = SpanLeaves(buffer, layout.span[1], first, end - first)
+                digest.span = SpanLeaves(buffer, layout.span[1], first, end - first, leaf)
         spanned = [] if digest.span is None else [digest.span]
 
         def sha(a: int, b: int) -> list[bytes]:
             """The digests of leaves a..b before the span's and of those after it."""
             if digest.span is None:
-                return [sha256_leaves_ref(view[a * LEAF:b * LEAF], LEAF), b""]
-            return [sha256_leaves_ref(view[a * LEAF:min(b, first) * LEAF], LEAF),
-                    sha256_leaves_ref(view[max(a, end) * LEAF:b * LEAF], LEAF)]
+                return [sha256_leaves_ref(view[a * leaf:b * leaf], leaf), b""]
+            return [sha256_leaves_ref(view[a * leaf:min(b, first) * leaf], leaf),
+                    sha256_leaves_ref(view[max(a, end) * leaf:b * leaf], leaf)]
 
-        chunk = max(LEAF, CHUNK // LEAF * LEAF)
+        chunk = max(leaf, CHUNK // leaf * leaf)
         starts = range(0, size, chunk)
         if len(starts) <= 2:
             read(head, size)
-            before, after = sha(0, -(-size // LEAF))
+            before, after = sha(0, -(-size // leaf))
             digest.add(before, *spanned, after)
             return buffer, layout, []
         n = min(READERS, len(starts))
@@ -410,7 +417,7 @@ def _read(file: str, pin_memory: bool, digest: Digest) -> tuple[Tensor, Layout, 
                 reads[k].set_exception(error)
                 raise error
             reads[k].set_result(None)
-            return sha(lo // LEAF, -(-hi // LEAF))
+            return sha(lo // leaf, -(-hi // leaf))
 
         left, handed = n, True
         hashes = [_readers().submit(task, k) for k in range(n)]

@@ -47,13 +47,13 @@ def test_reader_matches_safetensors_and_views_one_buffer(lora_dir, monkeypatch):
     assert read_checkpoint(lora_dir).identity != ckpt.identity
 
 
-def hash_tree(folder) -> str:
+def hash_tree(folder, leaf: int) -> str:
     """A folder's identity as defined (`Digest`): the sha256 of its config's bytes, then of the sha256 of each
-    `LEAF` bytes of its weights file, in order."""
+    `leaf` bytes of its weights file, in order."""
     digest = hashlib.sha256((folder / "adapter_config.json").read_bytes())
     data = (folder / WEIGHTS).read_bytes()
-    for i in range(0, len(data), ckpt_module.LEAF):
-        digest.update(hashlib.sha256(data[i:i + ckpt_module.LEAF]).digest())
+    for i in range(0, len(data), leaf):
+        digest.update(hashlib.sha256(data[i:i + leaf]).digest())
     return digest.hexdigest()
 
 
@@ -67,13 +67,14 @@ def test_identity_is_the_files_hash_tree_wherever_its_span_is_hashed(tmp_path, m
     """The leaves inside the span are hashed where the converter copies the span (on the reader threads from a
     CPU copy; by the kernel on a GPU: its copy there, or one of its own for a file read into pinned memory:
     `SpanLeaves`), or from the buffer when the identity is asked first (`read`); the others on the reader threads:
-    the identity is the same hash tree every way."""
-    monkeypatch.setattr(ckpt_module, "CHUNK", 1024)
-    monkeypatch.setattr(ckpt_module, "LEAF", 256)
+    the identity is the same hash tree every way, of `LEAF`-byte leaves for a file read for a GPU (pinned), of
+    `CHUNK`-byte ones for the CPU."""
+    monkeypatch.setattr(ckpt_module, "CHUNK", 512)
+    monkeypatch.setattr(ckpt_module, "LEAF", 128)
     monkeypatch.setattr(ckpt_module, "READERS", readers)
     on_gpu = []
     monkeypatch.setattr(ckpt_module, "sha256_leaves", lambda x, leaf: on_gpu.append(x) or sha256_leaves(x, leaf))
-    saved(tmp_path, {f"t{k}": torch.randn(37, 29).bfloat16() for k in range(5)})
+    saved(tmp_path, {f"t{k}": torch.randn(57, 29).bfloat16() for k in range(5)})
     pinned, action = where.startswith("pinned-"), where.removeprefix("pinned-")
     device = torch.device(action.split("-")[0] if action != "read" else "cpu")
     ckpt = read_checkpoint(tmp_path, pin_memory=pinned)
@@ -84,7 +85,7 @@ def test_identity_is_the_files_hash_tree_wherever_its_span_is_hashed(tmp_path, m
         assert torch.equal(views["t1"].cpu(), ckpt.tensors["t1"])
     elif action != "read":
         ckpt.tensors_on(device)
-    assert ckpt.identity == hash_tree(tmp_path)
+    assert ckpt.identity == hash_tree(tmp_path, 128 if pinned else 512)
     assert bool(on_gpu) == pinned and all(x.is_cuda for x in on_gpu)
 
 
