@@ -2,7 +2,8 @@
 # Checks and measurements of the six-slot op on a CUDA machine, run from the repo root; logs and JSON under $OUT
 # (default ./out/gpu). Usage: bash bench/run_gpu.sh [tests] [engine] [profile] [bench] [sweep] [ab]
 # (default: tests profile sweep). Each step, in the order given:
-#   tests    the op's GPU tests: kernels against the reference op, CUDA-graph capture, grouped projections
+#   tests    the op's GPU tests: kernels against the reference op, CUDA-graph capture, grouped projections,
+#            the adapter files' leaf hash against hashlib
 #   engine   the engine's GPU tests: greedy tokens equal to PEFT's, further methods, attention backends, penalties,
 #            the fast load path (a LoRA served as its file's views, a bad file failing its load alone)
 #   e2e      bench/bench_engine.py --eager 64: the served step's table (engine_h200.json, e2e.log)
@@ -22,6 +23,8 @@
 #            requests' slowest step in bursts of new step sizes on IA3 adapters, 4 layers (compiles.json, compiles.log)
 #   host     bench/bench_host_step.py: the engine's host time a decode step per request, forward stubbed, on this
 #            machine's CPU (what bounds the host-bound 4-layer request-rate runs; host_step.json, host.log)
+#   leafhash bench/bench_leaf_hash.py: an adapter file's hash-tree leaves by the GPU kernel and by hashlib on the
+#            reader threads (leaf_hash.json)
 #   load     bench/bench_adapter_load.py: each method's time from a PEFT folder to servable (adapter_load.json)
 #   loadphases bench/profile_load.py --methods lora: a LoRA load's phases, synchronized one by one and as the loader
 #            runs them (profile_load.log)
@@ -48,7 +51,7 @@ for step in $steps; do
   start=$(date +%s)
   case $step in
     tests) timeout 300 python3 -m pytest -q -x tests/ops/test_ops_triton.py tests/ops/test_ops_gpu.py tests/ops/test_ops_elementwise.py \
-             tests/model/test_linear_groups.py > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log" ;;
+             tests/ops/test_sha256.py tests/model/test_linear_groups.py > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log" ;;
     engine) timeout 300 python3 -m pytest -q tests/engine/test_engine_gpu.py tests/engine/test_cuda_graph_gpu.py \
              tests/engine/test_penalties.py tests/adapters/test_peft_equality.py tests/adapters/test_fast_load.py tests/model/test_attention.py > "$OUT/engine.log" 2>&1; tail -3 "$OUT/engine.log" ;;
     e2e) timeout 560 python3 bench/bench_engine.py --eager 64 --out "$OUT/engine_h200.json" > "$OUT/e2e.log" 2>&1
@@ -79,6 +82,7 @@ for step in $steps; do
              tail -12 "$OUT/serving.log" ;;
     compiles) timeout 300 python3 bench/bench_compiles.py --out "$OUT/compiles.json" 2>&1 | grep -v Capturing \
                 > "$OUT/compiles.log"; tail -14 "$OUT/compiles.log" ;;
+    leafhash) timeout 100 python3 bench/bench_leaf_hash.py --out "$OUT/leaf_hash.json" 2>&1 | tail -5 ;;
     host) timeout 200 python3 bench/bench_host_step.py --requests 32,128 --repeats 9 --out "$OUT/host_step.json" \
             > "$OUT/host.log" 2>&1; tail -6 "$OUT/host.log" ;;
     load) timeout 280 python3 bench/bench_adapter_load.py --device cuda --out "$OUT/adapter_load.json" > "$OUT/load.log" 2>&1
