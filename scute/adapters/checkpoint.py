@@ -145,8 +145,7 @@ class AdapterCheckpoint:
                 for read in self.reading:
                     read.result()
             except (OSError, ValueError) as e:
-                raise AdapterError(f"adapter {self.path}: {os.path.join(self.path, SAFETENSORS)} is corrupt or "
-                                   f"truncated ({e})") from e
+                raise _corrupt(self.path, os.path.join(self.path, SAFETENSORS), e) from e
             self.reading = []
         return self.data
 
@@ -339,7 +338,12 @@ def _load_safetensors(path: str, file: str, digest: Digest, pin_memory: bool,
     try:
         return _read(file, pin_memory, digest)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise AdapterError(f"adapter {path}: {file} is corrupt or truncated ({e})") from e
+        raise _corrupt(path, file, e) from e
+
+
+def _corrupt(path: str, file: str, e: Exception) -> AdapterError:
+    """The error of a weights file that cannot be read as safetensors (at its header, or while the rest is read)."""
+    return AdapterError(f"adapter {path}: {file} is corrupt or truncated ({e})")
 
 
 def _read(file: str, pin_memory: bool, digest: Digest) -> tuple[Tensor, Layout, list[Future]]:
@@ -376,17 +380,14 @@ def _read(file: str, pin_memory: bool, digest: Digest) -> tuple[Tensor, Layout, 
         read(8, head)
         layout = _layout(bytes(view[8:head]), size)
         leaf = LEAF if pin_memory else CHUNK
-        first = end = 0  # the leaves inside the span: first..end
-        if layout.span is not None:
+        first = end = 0  # the leaves inside the span: first..end (none: every leaf is after them)
+        if layout.span is not None and layout.span[2] // leaf > -(-layout.span[1] // leaf):
             first, end = -(-layout.span[1] // leaf), layout.span[2] // leaf
-            if end > first:
-                digest.span = SpanLeaves(buffer, layout.span[1], first, end - first, leaf)
+            digest.span = SpanLeaves(buffer, layout.span[1], first, end - first, leaf)
         spanned = [] if digest.span is None else [digest.span]
 
         def sha(a: int, b: int) -> list[bytes]:
             """The digests of leaves a..b before the span's and of those after it."""
-            if digest.span is None:
-                return [sha256_leaves_ref(view[a * leaf:b * leaf], leaf), b""]
             return [sha256_leaves_ref(view[a * leaf:min(b, first) * leaf], leaf),
                     sha256_leaves_ref(view[max(a, end) * leaf:b * leaf], leaf)]
 

@@ -89,6 +89,15 @@ def test_identity_is_the_files_hash_tree_wherever_its_span_is_hashed(tmp_path, m
     assert bool(on_gpu) == pinned and all(x.is_cuda for x in on_gpu)
 
 
+def test_identity_of_a_file_whose_span_holds_no_whole_leaf(tmp_path, monkeypatch):
+    """A span shorter than a leaf: every leaf is hashed on the reader threads (`SpanLeaves` none), the tree the
+    same."""
+    monkeypatch.setattr(ckpt_module, "CHUNK", 4096)
+    saved(tmp_path, {"a": torch.randn(3, 5).bfloat16(), "b": torch.randn(7).bfloat16()})
+    ckpt = read_checkpoint(tmp_path)
+    assert ckpt.digest.span is None and ckpt.identity == hash_tree(tmp_path, 4096)
+
+
 def test_reader_refuses_a_range_past_the_file(lora_dir):
     path = os.path.join(lora_dir, WEIGHTS)
     data = open(path, "rb").read()
