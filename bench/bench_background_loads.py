@@ -20,7 +20,9 @@ loading steps and the slow quiet ones (over `SLOW` quiet medians) which phases o
 collections of the garbage collector (any generation) ran during them and how long the step's own parts took
 (schedule, launch, the wait for the GPU, placements, the tokens' landing and the outputs; `Trace`: the functions
 of `TRACED` wrapped while both phases run; ``untraced``: the step's time in none of its own parts), beside those
-parts' median in the phase's other steps; on CUDA, for the
+parts' median in the phase's other steps, and the longest of the loader's stretches between its pause points
+(`stretches.py`: a step loop's turn that begins inside one shares the interpreter lock until it ends) that
+overlapped it, with the longest kinds of stretch over the loading phases; on CUDA, for the
 slow steps, the other loading steps and the quiet ones, how long the GPU sat idle before each step's launch and
 how long it ran the step (`Clock`: slower GPU work, or a host that launched late). The ratios: p99 over
 the quiet median, and (the figure) p99 of each loading step's time over the quiet steps' linear fit in their KV
@@ -49,6 +51,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_engine as B  # noqa: E402
 from bench_request_rate import TINY, percentile  # noqa: E402
+from stretches import Stretches  # noqa: E402
+from stretches import summary as stretch_summary  # noqa: E402
 
 
 SLOW = 1.15  # a loading step over this many quiet medians (the bar on the p99) is slow: what it overlapped is reported
@@ -149,6 +153,7 @@ class Trace:
         self.collections: list[tuple[int, int, float, str]] = []  # (generation, young objects, ms, thread)
         self._gc: dict[int, tuple[float, int]] = {}
         self._saved: list[tuple[object, str, object]] = []
+        self.stretches = Stretches()  # the loader's runs between pause points
 
     def _collections(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -169,6 +174,7 @@ class Trace:
 
     def __enter__(self) -> Trace:
         gc.callbacks.append(self._collections)
+        self.stretches.__enter__()
         for module, attr in TRACED:
             owner = importlib.import_module(module)
             if "." in attr:
@@ -179,6 +185,7 @@ class Trace:
 
     def __exit__(self, *exc) -> None:
         gc.callbacks.remove(self._collections)
+        self.stretches.__exit__()
         for owner, attr, fn in reversed(self._saved):
             setattr(owner, attr, fn)
 
@@ -223,9 +230,10 @@ def loading_phase(engine, clock: Clock, cold: list[str], args) -> dict:
             spans[-1] = (spans[-1], time.perf_counter())
             if len(steps) > args.max_loading_steps:
                 raise RuntimeError(f"loads did not finish in {len(steps)} steps ({len(waiting) + len(todo)} to go)")
-    return dict(steps=steps, placing=placing, latency=latency, phases=[trace.overlaps(*sp) for sp in spans],
+    phases = [{**trace.overlaps(*sp), "longest loader stretch": trace.stretches.longest_within(*sp)} for sp in spans]
+    return dict(steps=steps, placing=placing, latency=latency, phases=phases,
                 full_collections_ms=[1e3 * (b - a) for name, a, b in trace.spans if name == "collection gen2"],
-                collections=trace.collections)
+                collections=trace.collections, stretches=trace.stretches.records)
 
 
 def quiet_phase(clock: Clock, steps: int) -> dict:
@@ -374,8 +382,10 @@ def summary(rounds: list[dict]) -> dict:
                                 median_ms=statistics.median(ms for _, ms in rows), max_ms=max(ms for _, ms in rows))
         print(f"  collections, {key}: {len(rows)}, young objects median {collections[key]['young_median']:.0f}, "
               f"median {collections[key]['median_ms']:.2f} / max {collections[key]['max_ms']:.2f} ms")
+    print("  the loader's longest stretches between pause points (bench/stretches.py):")
+    stretches = stretch_summary([t for x in rounds for t in x["stretches"]])
     return dict(
-        loads=len(latency), collections=collections, quiet_median_ms=1e3 * med,
+        loads=len(latency), collections=collections, stretches=stretches, quiet_median_ms=1e3 * med,
         quiet_p99_ms=1e3 * percentile([s[0] for s in quiet], 99),
         loading_median_ms=1e3 * statistics.median(walls), loading_p90_ms=1e3 * percentile(walls, 90),
         loading_p99_ms=1e3 * percentile(walls, 99), loading_max_ms=1e3 * max(walls),
@@ -391,7 +401,7 @@ def summary(rounds: list[dict]) -> dict:
                      for s in v] if k in ("quiet", "steps") else
                  [round(1e3 * t, 2) for t in v] if k == "latency" else
                  [{n: round(ms, 2) for n, ms in o.items()} for o in v] if k in ("phases", "quiet_phases") else v
-                 for k, v in x.items() if k not in ("collections", "quiet_collections")} for x in rounds])
+                 for k, v in x.items() if k not in ("collections", "quiet_collections", "stretches")} for x in rounds])
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_engine as B  # noqa: E402
 from bench_adapter_load import sync  # noqa: E402
+from stretches import Stretches  # noqa: E402
+from stretches import summary as stretch_summary  # noqa: E402
 
 
 def phases(engine, path: str, other: str, repeats: int) -> dict[str, float]:
@@ -134,29 +136,38 @@ def timing_parts(manager, spent: dict[str, float]):
                 setattr(owner, name, fn)
 
 
-def as_run(engine, path: str, repeats: int) -> dict[str, float]:
-    """`AdapterManager._job` as the loader runs it, its parts timed inside (`timing_parts`), then the placement."""
-    from scute.model.hf import place_adapter
-
+def as_run(engine, path: str, repeats: int) -> tuple[dict[str, float], list]:
+    """`AdapterManager._job` as the loader runs it, its parts timed inside (`timing_parts`), then the placement;
+    and the job's stretches between pause points (`Stretches`, the first job's left out)."""
     manager, device = engine.adapters, engine.adapters.device
     rows = []
-    for _ in range(repeats + 1):
-        spent: dict[str, float] = {}
-        sync(device)
-        with timing_parts(manager, spent):
-            t = time.perf_counter()
-            _, staged = manager._job(path)
+    with Stretches() as stretches:
+        first = 0
+        for _ in range(repeats + 1):
+            spent: dict[str, float] = {}
             sync(device)
-            spent["job"] = time.perf_counter() - t
-        t = time.perf_counter()
-        place_adapter(manager.linears, 1, staged.use(), staged.prepared, manager._units)
-        sync(device)
-        spent["place"] = time.perf_counter() - t
-        place_adapter(manager.linears, 1, None)
-        rows.append(spent)
+            with timing_parts(manager, spent), stretches.job("_job"):
+                t = time.perf_counter()
+                _, staged = manager._job(path)
+                sync(device)
+                spent["job"] = time.perf_counter() - t
+            first = first or len(stretches.records)
+            rows.append(place_timed(manager, staged, spent))
     names = ["read", "checked", "arriving", "convert", "fold", "prepare", "land", "read_wait", "verify", "hash_wait",
              "device", "job", "place"]
-    return {k: statistics.median(r.get(k, 0.0) for r in rows[1:]) for k in names}
+    return {k: statistics.median(r.get(k, 0.0) for r in rows[1:]) for k in names}, stretches.records[first:]
+
+
+def place_timed(manager, staged, spent: dict[str, float]) -> dict[str, float]:
+    """`spent` with the placement of `staged` in slot 1 timed (synchronized); the slot is then emptied."""
+    from scute.model.hf import place_adapter
+
+    t = time.perf_counter()
+    place_adapter(manager.linears, 1, staged.use(), staged.prepared, manager._units)
+    sync(manager.device)
+    spent["place"] = time.perf_counter() - t
+    place_adapter(manager.linears, 1, None)
+    return spent
 
 
 def print_table(title: str, table: dict[str, dict[str, float]]) -> None:
@@ -196,8 +207,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
     synchronized = {m: phases(engine, *paths[m], args.repeats) for m in paths}
     run = {m: as_run(engine, paths[m][0], args.repeats) for m in paths}
     print_table("synchronized: each phase alone", synchronized)
-    print_table("as run: the parts of one load on the loader, unsynchronized", run)
-    return {"synchronized": synchronized, "as_run": run}
+    print_table("as run: the parts of one load on the loader, unsynchronized", {m: r[0] for m, r in run.items()})
+    stretches = {}
+    for m, (_, records) in run.items():
+        print(f"{m}: the job's longest stretches between pause points (as run)")
+        stretches[m] = stretch_summary(records, top=8)
+    return {"synchronized": synchronized, "as_run": {m: r[0] for m, r in run.items()}, "stretches": stretches}
 
 
 if __name__ == "__main__":

@@ -192,6 +192,7 @@ def convert_checkpoint(
     method = checkpoint_method(ckpt, options)
     device = weights_device(modules) if method.on_device else torch.device("cpu")
     keys, globals_ = _group_keys(ckpt, _split_keys(ckpt, method), modules)  # refused before any copy
+    pause()
     acc = acc_dtype(next((m.weight.dtype for m in modules.values()), torch.float32))
     whole = method.whole if not dense and not options else None  # all layers at once, where it takes the adapter
     span = None if ckpt.layout is None else ckpt.layout.span
@@ -417,6 +418,7 @@ def start_load(
     layers = model if isinstance(model, ModelLayers) else ModelLayers.of(model)
     modules = layers.linears
     ckpt = read_checkpoint(path, allow_pickle=allow_pickle, pin_memory=weights_device(modules).type == "cuda")
+    pause()
     if ckpt.config.get("fan_in_fan_out") or any(is_targeted(ckpt.config, n) for n in layers.conv1d):
         raise ckpt.error(
             "the adapter targets GPT-2-style Conv1D layers (fan_in_fan_out=True: weights stored [in, out]); "

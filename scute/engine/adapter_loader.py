@@ -15,8 +15,8 @@ the interpreter's thread switch interval is `switch_interval` (Python's default,
 lock that long while the step loop waits to launch its next step), then restored. Two threads that both run
 Python still take the lock in turns, each at half speed; so while the step loop holds its turn (`Turns`: the host
 work of a decode step launched behind the one in flight, whose outputs the requests wait for), the loader stops at
-its next pause point (`Turns.pause`: between two layers it converts, moves or prepares) once it has run
-`Turns.slice_s` into that turn, until the step loop waits for the GPU or ends its turn.
+its next pause point (`Turns.pause`: between two layers it converts, moves or prepares), until the step loop
+waits for the GPU or ends its turn; a step loop that did not wait `Turns.slice_s` gives it that long into the turn.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from scute.adapters import Adapter
-from scute.adapters.adapter import Pause, SharedMemo, copy_to
+from scute.adapters.adapter import Pause, SharedMemo, copy_to, no_pause, paused
 from scute.adapters.checkpoint import LEAF
 from scute.engine.cuda_graph import CAPTURE_GUARD
 from scute.engine.request import Request
@@ -86,10 +86,11 @@ class Staged:
         return self.adapter
 
 
-def buffers_of(adapter: Adapter) -> list[Tensor]:
+def buffers_of(adapter: Adapter, pause: Pause = no_pause) -> list[Tensor]:
     """One tensor of each buffer the adapter's tensors are views of (a packed adapter: one, and its shared
-    matrices'): found on the loader thread, so that `Staged.use` on the step loop walks a few, not hundreds."""
-    tensors = (x for s in adapter.layers.values() for x in s.tensors().values())
+    matrices'): found on the loader thread, so that `Staged.use` on the step loop walks a few, not hundreds;
+    `pause` every 32 layers."""
+    tensors = (x for s in paused(adapter.layers.values(), pause, 32) for x in s.tensors().values())
     return list({x.untyped_storage().data_ptr(): x for x in tensors}.values())
 
 
@@ -137,13 +138,16 @@ class Staging:
 
 class Turns:
     """The step loop's turn at the interpreter lock. Inside `step_loop` another thread's `pause` waits (at most
-    `max_pause` seconds) until the step loop waits (`waiting`) or leaves its turn, once that thread has run
-    `slice_s` seconds since it last went on: a step loop that never waits for the GPU (a small model's, host-bound)
-    gives a load that much of every step, where a wait at every pause point would make a load of a few hundred
-    pause points last as many steps. Outside a turn, and on the step loop's own thread, `pause` returns at once."""
+    `max_pause` seconds) until the step loop waits (`waiting`) or leaves its turn. If the step loop's last wait
+    lasted less than `slice_s`, that thread first runs on through its pause points until `slice_s` past the last
+    one it went on from: a step loop that never waits for the GPU (a small model's, host-bound) gives a load that
+    much of every step, where a wait at every pause point would make a load of a few hundred pause points last as
+    many steps. One that waits for the GPU gives the loader its wait, and shares the host work that bounds the
+    step once the GPU is done with the loader only up to the loader's next pause point. Outside a turn, and on
+    the step loop's own thread, `pause` returns at once."""
 
     max_pause: float = 0.05  # seconds; 0: the loader never pauses
-    slice_s: float = 5e-4  # seconds the loader runs on into the step loop's turn, at most one pause point more
+    slice_s: float = 5e-4  # seconds the loader runs into a turn after a shorter wait, at most one pause point more
 
     def __init__(self) -> None:
         self.idle: Callable[[], object] = lambda: None  # run at a pause point while the step loop waits (below)
@@ -151,6 +155,7 @@ class Turns:
         self._free.set()
         self._holder: int | None = None  # the thread in `step_loop`
         self._went_on = -math.inf  # when the pausing thread last went on (perf_counter)
+        self._waited = 0.0  # seconds the step loop's last wait lasted
 
     @contextmanager
     def step_loop(self) -> Iterator[None]:
@@ -164,13 +169,14 @@ class Turns:
     @contextmanager
     def waiting(self) -> Iterator[None]:
         """The step loop waits (for the GPU, for a load): the loader runs meanwhile."""
-        held = not self._free.is_set()
+        held, start = not self._free.is_set(), time.perf_counter()
         self._free.set()
         try:
             yield
         finally:
             if held:
                 self._free.clear()
+                self._waited = time.perf_counter() - start
 
     def pause(self) -> None:
         """A pause point of the loader's work: waits while the step loop holds its turn, once its slice is spent;
@@ -180,8 +186,8 @@ class Turns:
         if threading.get_ident() == self._holder:
             return
         held = not self._free.is_set()
-        if held and time.perf_counter() - self._went_on < self.slice_s:
-            return  # within its slice: it went on less than `slice_s` ago
+        if held and self._waited < self.slice_s and time.perf_counter() - self._went_on < self.slice_s:
+            return  # within its slice: the step loop's wait gave it less, and it went on less than `slice_s` ago
         if held:
             with CAPTURE_GUARD.released():  # a capture of the step loop's may run while this waits
                 self._free.wait(self.max_pause)
@@ -296,7 +302,7 @@ class AdapterLoader:
         event = torch.cuda.Event()
         event.record()  # on the loader's side stream, the current one of this thread
         event.synchronize()
-        return Staged(moved, event, prepared, buffers_of(moved))
+        return Staged(moved, event, prepared, buffers_of(moved, self.turns.pause))
 
     @property
     def busy(self) -> bool:

@@ -345,6 +345,36 @@ def test_a_held_turn_lets_the_loader_run_its_slice_then_waits():
     assert passed == [1, 2, 3]
 
 
+def test_a_turn_after_a_wait_as_long_as_the_slice_gives_the_loader_none_of_it():
+    """A step loop that waited for the GPU at least `slice_s` gave the loader its slice then: inside the turn after
+    it, the loader waits at its next pause point, though it went on from one a moment before (where a shorter
+    wait would let it run on for `slice_s`)."""
+    turns, passed, stop = Turns(), [], threading.Event()
+    turns.max_pause, turns.slice_s = 30.0, 0.3
+
+    def loader() -> None:
+        while not stop.is_set():  # a pause point every 10 ms
+            turns.pause()
+            passed.append(time.perf_counter())
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=loader, daemon=True)
+    try:
+        with turns.step_loop():
+            thread.start()
+            time.sleep(0.1)
+            assert passed == []
+            with turns.waiting():
+                time.sleep(0.35)  # the wait outlasts the slice
+            ended = time.perf_counter()
+            time.sleep(0.2)
+            assert 10 < len(passed) and sum(t > ended for t in passed) <= 1
+    finally:
+        stop.set()
+    thread.join(5)
+    assert not thread.is_alive()
+
+
 def test_the_loader_runs_idle_work_only_where_the_step_loop_does_not_hold_its_turn():
     """`Turns.idle` (the engine's garbage collections due) runs at a pause point of another thread while the step
     loop waits or outside its turn; never inside its turn, where it would delay the step's host work."""

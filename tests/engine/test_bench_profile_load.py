@@ -1,5 +1,5 @@
-"""`bench/profile_load.py` on the CPU with a narrow 2-layer model: both tables, and the parts it times inside a load
-put back as they were."""
+"""`bench/profile_load.py` on the CPU with a narrow 2-layer model: both tables, the load's stretches between pause
+points, and the parts it times inside a load put back as they were."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from tests.helpers import bench_module
 def test_profile_load_times_each_part_and_puts_them_back(tmp_path, capsys):
     import scute.adapters.conversion as conversion
     from scute.adapters.checkpoint import AdapterCheckpoint, Digest
-    from scute.engine.adapter_loader import AdapterLoader
+    from scute.engine.adapter_loader import AdapterLoader, Turns
 
     def parts():
-        return (conversion.read_checkpoint, conversion.convert_checkpoint, conversion.fold_layers, Digest.hexdigest,
+        return (Turns.pause, AdapterLoader.submit, conversion.read_checkpoint, conversion.convert_checkpoint, conversion.fold_layers, Digest.hexdigest,
                 AdapterLoader.device_copy, *(vars(AdapterCheckpoint)[p] for p in ("tensors_on", "arriving", "land",
                                                                                    "verify", "buffer")))
 
@@ -26,4 +26,9 @@ def test_profile_load_times_each_part_and_puts_them_back(tmp_path, capsys):
                          "hash_wait", "device", "job", "place"]
     assert run["job"] >= run["convert"] >= run["checked"] > 0 and run["read"] > 0 and run["fold"] > 0
     assert result["synchronized"]["lora"]["convert"] > 0
+    stretches = result["stretches"]["lora"]  # from the job's start to its first pause point, ..., to its end
+    assert any(k.startswith("start of _job -> ") for k in stretches) and any(k.endswith("-> end of the job")
+                                                                             for k in stretches)
+    assert all(st["count"] > 0 and st["wall_max_ms"] >= st["wall_median_ms"] > 0 and st["cpu_max_ms"] >= 0
+               for st in stretches.values())
     assert parts() == before

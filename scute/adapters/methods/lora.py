@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from scute.adapters.adapter import Pause
+from scute.adapters.adapter import Pause, paused
 from scute.adapters.checkpoint import Landing, pattern_value
 from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.methods.dora import dora_slots
@@ -48,7 +48,8 @@ def convert_plain_lora(config: Mapping, layers: Mapping[str, Mapping[str, Tensor
     place once they land (a float32 product rounded once to that dtype: the value that folding in float32 and
     casting gives), so the layers are served as the file's views, with no float32 copy, fold or pack. None for
     any other adapter: DoRA, a variant (`lora_variants.py`), a bias (``lora_bias``, ``bias="all"``), tensors of
-    other shapes or dtypes; `convert_lora` converts those, or says why it refuses them. `pause` every 16 layers."""
+    other shapes or dtypes; `convert_lora` converts those, or says why it refuses them. `pause` every 16 layers
+    checked and every 32 made."""
     if "r" not in config or any(config.get(key) for key in ("use_dora", "use_bdlora", *REFUSED)) or not layers:
         return None
     found, read, weights = [], set(), set()
@@ -79,10 +80,10 @@ def convert_plain_lora(config: Mapping, layers: Mapping[str, Mapping[str, Tensor
 
     if served is not None and read == {served.dtype} and accs == {acc_dtype(served.dtype)}:
         served.then(lambda: _fold_in_place(found, pause))  # B·s in acc, rounded once to the dtype
-        return {n: slots(i, o, r, A, B, merged=("s",)) for n, i, o, r, A, B, _ in found}
+        return {n: slots(i, o, r, A, B, merged=("s",)) for n, i, o, r, A, B, _ in paused(found, pause, 32)}
     if len(accs) != 1 or read != accs:  # not in the converter dtype (`LayerCheckpoint.dtype`): the per-layer path
         return None
-    return {n: slots(i, o, r, A, B, scale=s) for n, i, o, r, A, B, s in found}
+    return {n: slots(i, o, r, A, B, scale=s) for n, i, o, r, A, B, s in paused(found, pause, 32)}
 
 
 def _fold_in_place(found: list[tuple], pause: Pause) -> None:
