@@ -247,6 +247,17 @@ class AdapterLoader:
         self._jobs.put((future, fn, args))
         return future
 
+    def drop(self, *objects: object) -> None:
+        """Let go of `objects` on the loader thread, at a pause point (while the step loop waits for the GPU): an
+        adapter of the CPU tier whose last reference this was frees its host memory there. That is an munmap of
+        its buffer (84 MB for a LoRA of the 8B shape: 5-10 ms), which on the step loop (a CPU tier's eviction,
+        `AdapterManager.poll`) would stall the step for as long. The caller keeps no reference of its own."""
+        self.submit(self._drop, list(objects))
+
+    def _drop(self, objects: list) -> None:
+        self.turns.pause()
+        objects.clear()
+
     def transfer(self, buffer: Tensor, device: torch.device) -> Tensor:
         """`buffer` copied to `device`, through the `Staging` buffers where it crosses between host and device."""
         return copy_to(buffer, device) if buffer.device.type == device.type else self._staging.copy(buffer, device)

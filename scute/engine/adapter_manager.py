@@ -169,7 +169,7 @@ class AdapterManager:
         if self.max_cpu_adapters > 0:
             self._by_path[key] = adapter
             while len(self._by_path) > self.max_cpu_adapters:
-                self._by_path.popitem(last=False)
+                self.loader.drop(self._by_path.popitem(last=False)[1])  # its host memory freed off this thread
         return adapter
 
     # ------------------------------------------------------------------ loads (the scheduler and the engine)
@@ -263,6 +263,8 @@ class AdapterManager:
                     self._by_path[key] = future.result()
                 else:  # read again when asked
                     del self._by_path[key]
+            else:  # evicted meanwhile: the copy's host memory freed off this thread (its future holds it)
+                self.loader.drop(item)
 
     def poll(self, finish: Callable[[Request], None]) -> list[Request]:
         """Take the loader's finished loads (the engine, between steps): a folder's adapter joins the CPU cache

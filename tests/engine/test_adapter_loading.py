@@ -220,6 +220,25 @@ def test_eviction_and_reload_keep_tokens(oracle, gate, monkeypatch):
     assert sorted(s for s in slots if s is not None) == [0, 1] and slots.count(None) == len(METHODS) - 2
 
 
+def test_an_adapter_the_cpu_tier_evicts_is_let_go_on_the_loader(oracle):
+    """The CPU tier's eviction hands the adapter to the loader thread, which frees its host memory there (an munmap
+    of milliseconds for a large adapter, which on the step loop would stall the step): with one adapter cached,
+    caching a second lets the first go, and its last reference dies on the loader."""
+    import gc
+    import weakref
+
+    manager = oracle.engine(max_cpu_adapters=1).adapters
+    died = []
+    first = manager.get_by_path(oracle.paths["lora"])
+    weakref.finalize(first, lambda: died.append(threading.current_thread().name))
+    del first
+    gc.collect()
+    assert died == []  # the cache holds it
+    manager.get_by_path(oracle.paths["ia3"])  # evicts the first
+    assert manager.loader.wait_idle(10)
+    assert died == [LOADER]
+
+
 def test_placements_spread_over_steps_keep_tokens(oracle, monkeypatch):
     """Each placement advanced one slot pool per step (as when the device finishes every step before the host
     has more time), with two slots for five adapters: requests of other adapters decode between the pools of a
