@@ -235,8 +235,8 @@ class AdapterLoader:
                     pass
 
     def submit(self, fn: Callable, *args) -> Future:
-        """Run ``fn(*args)`` on the loader thread after the jobs given before; its future holds the result or
-        the exception."""
+        """Run ``fn(*args)`` on the loader thread after the jobs given before, from a pause point (`Turns.pause`);
+        its future holds the result or the exception."""
         future: Future = Future()
         with self._cond:
             self._pending += 1
@@ -252,11 +252,7 @@ class AdapterLoader:
         adapter of the CPU tier whose last reference this was frees its host memory there. That is an munmap of
         its buffer (84 MB for a LoRA of the 8B shape: 5-10 ms), which on the step loop (a CPU tier's eviction,
         `AdapterManager.poll`) would stall the step for as long. The caller keeps no reference of its own."""
-        self.submit(self._drop, list(objects))
-
-    def _drop(self, objects: list) -> None:
-        self.turns.pause()
-        objects.clear()
+        self.submit(list.clear, list(objects))
 
     def transfer(self, buffer: Tensor, device: torch.device) -> Tensor:
         """`buffer` copied to `device`, through the `Staging` buffers where it crosses between host and device."""
@@ -340,7 +336,8 @@ class AdapterLoader:
                 sys.setswitchinterval(self.switch_interval)
             try:
                 with torch.cuda.stream(stream) if stream is not None else nullcontext(), CAPTURE_GUARD.job():
-                    result = fn(*args)
+                    self.turns.pause()  # a job begins at a pause point: its read's threads start in the step
+                    result = fn(*args)  # loop's wait, not in its turn
             except BaseException as e:  # noqa: BLE001 - the job's error, raised where its future is read
                 future.set_exception(e)
             else:

@@ -515,6 +515,23 @@ def test_stage_prepares_rows_before_the_values_land_and_stages_what_finish_gives
     assert staged.adapter is done and staged.prepared == {"rows": 1}
 
 
+def test_a_job_given_during_the_step_loops_turn_begins_when_it_waits():
+    """A job begins at a pause point: one given while the step loop holds its turn (a load a step's `poll` starts)
+    waits for the step loop's wait for the GPU, so that its read's threads start there, not in the turn."""
+    from scute.engine.adapter_loader import AdapterLoader
+
+    loader, began = AdapterLoader(torch.device("cpu")), []
+    loader.turns.max_pause = 30.0
+    with loader.turns.step_loop():
+        future = loader.submit(lambda: began.append(time.perf_counter()))
+        time.sleep(0.2)
+        assert began == []
+        with loader.turns.waiting():
+            waited = time.perf_counter()
+            future.result(timeout=5)
+    assert began[0] >= waited
+
+
 def test_a_process_exits_once_its_loaders_jobs_are_done(tmp_path):
     """A process that ends with a job on the loader lets it finish first: its daemon thread stopped inside a call
     into torch as the interpreter ends would abort the process."""
