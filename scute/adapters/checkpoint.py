@@ -149,6 +149,11 @@ class AdapterCheckpoint:
             self.reading = []
         return self.data
 
+    @property
+    def read(self) -> bool:
+        """Whether the weights file's read has ended (`buffer` then returns without waiting)."""
+        return all(f.done() for f in self.reading)
+
     @cached_property
     def tensors(self) -> dict[str, Tensor]:
         """The tensors as read, on the CPU: views of `buffer` (made on first use: a load that converts on the GPU

@@ -367,6 +367,21 @@ class AdapterLoad:
         GPU while the caller goes on (on the slot pools' rows); `finish` waits for the check."""
         self.checkpoint.land()
 
+    def landing(self, pause: Pause) -> Pause:
+        """`pause`, which lands the values (`land`) at the first pause point after the file's read has ended (before
+        it waits there, or after, if the read ended meanwhile): work on the slots that reads no value (their rows
+        in the slot pools) then goes on through the read's end and the transfer, instead of waiting for the read
+        before it starts; `finish` lands them if no pause point came after the read."""
+        def land_if_read() -> None:
+            if self.checkpoint.landing is not None and self.checkpoint.read:
+                self.land()
+
+        def paused() -> None:
+            land_if_read()
+            pause()
+            land_if_read()
+        return paused
+
     def adapter(self, identity: str) -> Adapter:
         """The adapter with `identity` (`finish`'s; before it, for work on its slots that reads no value)."""
         ckpt = self.checkpoint

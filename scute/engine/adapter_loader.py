@@ -296,12 +296,13 @@ class AdapterLoader:
         """`adapter` copied to the device (a job's last part, on the loader thread); `memo` as for `Adapter.to`."""
         return self.stage(self.to_device(adapter, memo))
 
-    def stage(self, moved: Adapter, finish: Callable[[], Adapter] | None = None) -> Staged:
+    def stage(self, moved: Adapter, finish: Callable[[], Adapter] | None = None,
+              pause: Pause | None = None) -> Staged:
         """An adapter on the device, once the work queued for it on this thread's stream is done, with its rows
         in the slot pools (`prepare`). `finish`: the rows are prepared from `moved` before its values are there
         (`scute.adapters.AdapterLoad.arriving`), and the adapter staged is what `finish` then returns (the same
-        slots, its values in place)."""
-        prepared = {} if self.prepare is None else self.prepare(moved, self.turns.pause)
+        slots, its values in place). `pause`: the preparation's pause points (default `Turns.pause`)."""
+        prepared = {} if self.prepare is None else self.prepare(moved, pause or self.turns.pause)
         if finish is not None:
             moved = finish()
         if self.device.type != "cuda":

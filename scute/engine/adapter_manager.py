@@ -239,9 +239,10 @@ class AdapterManager:
             adapter = self._checked(source)
             return adapter, self.loader.move(adapter, self._moved)
         load = self._start_load(source)
-        if load.arriving:  # its slots are the file's own device copy: their rows are prepared while it lands
-            load.land()
-            staged = self.loader.stage(load.adapter(""), lambda: self._checked(load.finish()))
+        if load.arriving:  # its slots are the file's own device copy: their rows are prepared while the read
+            # ends and the values land (`AdapterLoad.landing`: queued at the first pause point after the read)
+            staged = self.loader.stage(load.adapter(""), lambda: self._checked(load.finish()),
+                                       load.landing(self.loader.turns.pause))
             return staged.adapter, staged
         adapter = self._checked(load.finish())
         moved = self.loader.device_copy(adapter, self._moved)

@@ -473,3 +473,41 @@ def test_a_files_tensors_arrive_while_it_is_read(tmp_path, monkeypatch):
     ckpt.verify()
     assert not ckpt.reading and all(torch.equal(views[k], x) for k, x in tensors.items())
     assert ckpt.identity == read_checkpoint(tmp_path).identity
+
+
+def test_a_load_lands_at_its_first_pause_point_after_the_read(tmp_path, monkeypatch):
+    """`AdapterLoad.landing`: the pause points of work on the slots (their rows) land the values once the file's
+    read has ended, not before: after the pause point's wait if the read ended during it, before the wait if it
+    had ended already; `finish` then gives the file's values."""
+    monkeypatch.setattr(ckpt_module, "CHUNK", 1024)
+    monkeypatch.setattr(ckpt_module, "LEAF", 256)
+    tensors = {f"t{k}": torch.randn(32, 64).bfloat16() for k in range(3)}
+    saved(tmp_path, tensors)
+    gate, preadv = threading.Event(), os.preadv
+    monkeypatch.setattr(ckpt_module.os, "preadv",  # every read past the header's two waits for the gate
+                        lambda fd, bufs, pos: preadv(fd, bufs, pos) if pos in (0, 8) or gate.wait(10) else 0)
+
+    def read_to_the_end(ckpt) -> None:
+        gate.set()
+        for _ in range(500):
+            if ckpt.read:
+                return
+            threading.Event().wait(0.01)
+
+    ckpt = read_checkpoint(tmp_path)
+    views = ckpt.arriving(torch.device("cpu"))
+    landed = []  # at each wait of a pause point: whether the values had landed
+    pause = conversion.AdapterLoad(ckpt, "a", "", {}, True).landing(
+        lambda: (landed.append(ckpt.landing is None), read_to_the_end(ckpt) if len(landed) == 2 else None))
+    pause()
+    assert not ckpt.read and ckpt.landing is not None and landed == [False]  # still reading: not landed
+    pause()  # the read ends during this one's wait
+    assert ckpt.read and ckpt.landing is None and ckpt.finite is not None and landed == [False, False]
+    adapter = conversion.AdapterLoad(ckpt, "a", "", {}, True).finish()
+    assert all(torch.equal(views[k], x) for k, x in tensors.items())
+    assert adapter.identity == read_checkpoint(tmp_path).identity
+    again = read_checkpoint(tmp_path)
+    again.arriving(torch.device("cpu"))
+    read_to_the_end(again)
+    conversion.AdapterLoad(again, "a", "", {}, True).landing(lambda: landed.append(again.landing is None))()
+    assert landed[-1] is True  # the read had ended: landed before the wait
