@@ -20,7 +20,9 @@ loading steps and the slow quiet ones (over `SLOW` quiet medians) which phases o
 collections of the garbage collector (any generation) ran during them and how long the step's own parts took
 (schedule, launch, the wait for the GPU, placements, the tokens' landing and the outputs; `Trace`: the functions
 of `TRACED` wrapped while both phases run; ``untraced``: the step's time in none of its own parts), beside those
-parts' median in the phase's other steps, and the longest of the loader's stretches between its pause points
+parts' median in the phase's other steps, the step loop's CPU time in the step and the time it was neither on a
+CPU nor waiting for the GPU (waiting for the interpreter lock, mostly), and the longest of the loader's stretches
+between its pause points
 (`stretches.py`: a step loop's turn that begins inside one shares the interpreter lock until it ends) that
 overlapped it, with the longest kinds of stretch over the loading phases; on CUDA, for the
 slow steps, the other loading steps and the quiet ones, how long the GPU sat idle before each step's launch and
@@ -154,6 +156,7 @@ class Trace:
         self._gc: dict[int, tuple[float, int]] = {}
         self._saved: list[tuple[object, str, object]] = []
         self.stretches = Stretches()  # the loader's runs between pause points
+        self.wait_cpu = 0.0  # the step loop's CPU seconds inside its waits for the GPU (`InFlight.wait`), so far
 
     def _collections(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -165,11 +168,13 @@ class Trace:
 
     def _timed(self, name: str, fn):
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.spans.append((name, start, time.perf_counter()))
+                if name == "wait":  # the wait for the GPU may spin: its CPU time is not the step loop's work
+                    self.wait_cpu += time.thread_time() - cpu
         return timed
 
     def __enter__(self) -> Trace:
@@ -225,15 +230,31 @@ def loading_phase(engine, clock: Clock, cold: list[str], args) -> dict:
                 manager.release(req.adapter)
                 latency.append(time.perf_counter() - start - asked[req])
             placing.append(manager.placer.busy)
-            spans.append(time.perf_counter())
-            steps.append(clock.step())
-            spans[-1] = (spans[-1], time.perf_counter())
+            steps.append(timed_step(clock, trace, spans))
             if len(steps) > args.max_loading_steps:
                 raise RuntimeError(f"loads did not finish in {len(steps)} steps ({len(waiting) + len(todo)} to go)")
-    phases = [{**trace.overlaps(*sp), "longest loader stretch": trace.stretches.longest_within(*sp)} for sp in spans]
+    phases = [{**step_phases(trace, *sp), "longest loader stretch": trace.stretches.longest_within(*sp[:2])}
+              for sp in spans]
     return dict(steps=steps, placing=placing, latency=latency, phases=phases,
                 full_collections_ms=[1e3 * (b - a) for name, a, b in trace.spans if name == "collection gen2"],
                 collections=trace.collections, stretches=trace.stretches.records)
+
+
+def timed_step(clock: Clock, trace: Trace, spans: list[tuple[float, float, float]]) -> int:
+    """`clock.step()`, with the step's start, end and the step loop's CPU seconds in it but in its wait for the
+    GPU appended to `spans`."""
+    start, cpu, wait_cpu = time.perf_counter(), time.thread_time(), trace.wait_cpu
+    index = clock.step()
+    spans.append((start, time.perf_counter(), time.thread_time() - cpu - (trace.wait_cpu - wait_cpu)))
+    return index
+
+
+def step_phases(trace: Trace, start: float, end: float, cpu: float) -> dict[str, float]:
+    """`Trace.overlaps` of a step, with the step loop's CPU ms in it (``step loop CPU``) and the ms it was neither
+    on a CPU nor waiting for the GPU (``step loop off CPU``: waiting for the interpreter lock, or for a core)."""
+    phases = trace.overlaps(start, end)
+    wall = 1e3 * (end - start)
+    return {**phases, "step loop CPU": 1e3 * cpu, "step loop off CPU": wall - 1e3 * cpu - phases.get("wait", 0.0)}
 
 
 def quiet_phase(clock: Clock, steps: int) -> dict:
@@ -241,10 +262,9 @@ def quiet_phase(clock: Clock, steps: int) -> dict:
     spans, quiet = [], []
     with Trace() as trace:
         for _ in range(steps):
-            start = time.perf_counter()
-            quiet.append(clock.step())
-            spans.append((start, time.perf_counter()))
-    return dict(quiet=quiet, quiet_phases=[trace.overlaps(*sp) for sp in spans], quiet_collections=trace.collections)
+            quiet.append(timed_step(clock, trace, spans))
+    return dict(quiet=quiet, quiet_phases=[step_phases(trace, *sp) for sp in spans],
+                quiet_collections=trace.collections)
 
 
 def slow_steps(steps: list[tuple], med: float, phase: str) -> tuple[list, list, dict]:

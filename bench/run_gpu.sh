@@ -27,7 +27,7 @@
 #            reader threads (leaf_hash.json)
 #   load     bench/bench_adapter_load.py: each method's time from a PEFT folder to servable (adapter_load.json)
 #   loadphases bench/profile_load.py --methods lora: a LoRA load's phases, synchronized one by one and as the loader
-#            runs them (profile_load.log)
+#            runs them, and the loader's longest stretches between pause points (profile_load.log)
 #   background bench/bench_background_loads.py: the decode step while cold adapters load (background_loads.json)
 #   decode   bench/profile_decode.py: GPU time per kernel and idle gaps of graph-replayed decode steps (decode.json)
 #   profile  bench/profile_ops.py: per-kernel times of one layer call (torch profiler)
@@ -88,9 +88,11 @@ for step in $steps; do
     load) timeout 280 python3 bench/bench_adapter_load.py --device cuda --out "$OUT/adapter_load.json" > "$OUT/load.log" 2>&1
           tail -12 "$OUT/load.log" ;;
     loadphases) timeout 200 python3 bench/profile_load.py --methods lora > "$OUT/profile_load.log" 2>&1
-                grep -A3 "^synchronized\|^as run" "$OUT/profile_load.log" ;;
+                grep -A3 "^synchronized\|^as run" "$OUT/profile_load.log"; grep -A8 "stretches between" "$OUT/profile_load.log" ;;
     background) timeout 400 python3 bench/bench_background_loads.py --out "$OUT/background_loads.json" \
-                  > "$OUT/background.log" 2>&1; tail -14 "$OUT/background.log" ;;
+                  > "$OUT/background.log" 2>&1
+                grep -E 'round [0-9]|GPU in the|"(quiet_median|loading_p99|p99_over_quiet_fit|load_latency_median)_?' \
+                  "$OUT/background.log"; grep -A12 "longest stretches" "$OUT/background.log" | head -13 ;;
     decode) timeout 300 python3 bench/profile_decode.py --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1
             grep -v "^{" "$OUT/decode.log" | tail -110 ;;
     profile) timeout 200 python3 bench/profile_ops.py > "$OUT/profile.log" 2>&1; grep -v "^expand\|^shrink\|^input" "$OUT/profile.log" | tail -40 ;;

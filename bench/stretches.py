@@ -79,16 +79,16 @@ class Stretches:
 
 
 def summary(records: list[tuple[str, str, float, float, float]], top: int = 12) -> dict[str, dict]:
-    """The `top` kinds of stretch (from -> to) by their longest CPU time: count, median and max of the wall and CPU
-    ms; printed."""
+    """Each kind of stretch (from -> to), the longest CPU time first: count, median and max of the wall and CPU ms;
+    the first `top` printed."""
     kinds: dict[str, list[tuple[float, float]]] = {}
     for where, here, start, end, cpu in records:
         kinds.setdefault(f"{where} -> {here}", []).append((1e3 * (end - start), 1e3 * cpu))
     rows = [(k, dict(count=len(v), wall_median_ms=statistics.median(w for w, _ in v), wall_max_ms=max(w for w, _ in v),
                      cpu_median_ms=statistics.median(c for _, c in v), cpu_max_ms=max(c for _, c in v)))
             for k, v in kinds.items()]
-    rows = sorted(rows, key=lambda kv: -kv[1]["cpu_max_ms"])[:top]
-    for key, st in rows:
+    rows = sorted(rows, key=lambda kv: -kv[1]["cpu_max_ms"])
+    for key, st in rows[:top]:
         print(f"  {key}: {st['count']}, CPU median {st['cpu_median_ms']:.3f} / max {st['cpu_max_ms']:.3f} ms, wall "
               f"median {st['wall_median_ms']:.3f} / max {st['wall_max_ms']:.3f} ms")
     return dict(rows)

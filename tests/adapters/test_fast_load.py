@@ -454,17 +454,24 @@ def test_a_non_finite_file_on_a_gpu_fails_its_load_alone(tmp_path, dtype):
     assert engine.adapters.loader.wait_idle(60)  # its CPU-tier copy's job ended before the next test's engine
 
 
+def gated_file(folder, monkeypatch) -> tuple[dict[str, torch.Tensor], threading.Event]:
+    """A bf16 file of a few chunks saved in `folder` (its tensors) whose reads past the header wait for the gate
+    (set it to let them go on)."""
+    monkeypatch.setattr(ckpt_module, "CHUNK", 1024)
+    monkeypatch.setattr(ckpt_module, "LEAF", 256)
+    tensors = {f"t{k}": torch.randn(32, 64).bfloat16() for k in range(3)}
+    saved(folder, tensors)
+    gate, preadv = threading.Event(), os.preadv
+    monkeypatch.setattr(ckpt_module.os, "preadv",  # every read past the header's two waits for the gate
+                        lambda fd, bufs, pos: preadv(fd, bufs, pos) if pos in (0, 8) or gate.wait(10) else 0)
+    return tensors, gate
+
+
 def test_a_files_tensors_arrive_while_it_is_read(tmp_path, monkeypatch):
     """`read_checkpoint` returns once the header is read, the rest still being read on the reader threads: the
     views `arriving` makes need no value and do not wait for it; `land` waits for the read, and the values are the
     file's."""
-    monkeypatch.setattr(ckpt_module, "CHUNK", 1024)
-    monkeypatch.setattr(ckpt_module, "LEAF", 256)
-    tensors = {f"t{k}": torch.randn(32, 64).bfloat16() for k in range(3)}
-    saved(tmp_path, tensors)
-    gate, preadv = threading.Event(), os.preadv
-    monkeypatch.setattr(ckpt_module.os, "preadv",  # every read past the header's two waits for the gate
-                        lambda fd, bufs, pos: preadv(fd, bufs, pos) if pos in (0, 8) or gate.wait(10) else 0)
+    tensors, gate = gated_file(tmp_path, monkeypatch)
     ckpt = read_checkpoint(tmp_path)
     views = ckpt.arriving(torch.device("cpu"))
     assert ckpt.reading and not any(read.done() for read in ckpt.reading)
@@ -479,13 +486,7 @@ def test_a_load_lands_at_its_first_pause_point_after_the_read(tmp_path, monkeypa
     """`AdapterLoad.landing`: the pause points of work on the slots (their rows) land the values once the file's
     read has ended, not before: after the pause point's wait if the read ended during it, before the wait if it
     had ended already; `finish` then gives the file's values."""
-    monkeypatch.setattr(ckpt_module, "CHUNK", 1024)
-    monkeypatch.setattr(ckpt_module, "LEAF", 256)
-    tensors = {f"t{k}": torch.randn(32, 64).bfloat16() for k in range(3)}
-    saved(tmp_path, tensors)
-    gate, preadv = threading.Event(), os.preadv
-    monkeypatch.setattr(ckpt_module.os, "preadv",  # every read past the header's two waits for the gate
-                        lambda fd, bufs, pos: preadv(fd, bufs, pos) if pos in (0, 8) or gate.wait(10) else 0)
+    tensors, gate = gated_file(tmp_path, monkeypatch)
 
     def read_to_the_end(ckpt) -> None:
         gate.set()

@@ -29,6 +29,8 @@ def test_profile_load_times_each_part_and_puts_them_back(tmp_path, capsys):
     stretches = result["stretches"]["lora"]  # from the job's start to its first pause point, ..., to its end
     assert any(k.startswith("start of _job -> ") for k in stretches) and any(k.endswith("-> end of the job")
                                                                              for k in stretches)
+    assert [st["cpu_max_ms"] for st in stretches.values()] == sorted((st["cpu_max_ms"] for st in stretches.values()),
+                                                                     reverse=True)
     assert all(st["count"] > 0 and st["wall_max_ms"] >= st["wall_median_ms"] > 0 and st["cpu_max_ms"] >= 0
                for st in stretches.values())
     assert parts() == before
