@@ -170,6 +170,21 @@ def place_timed(manager, staged, spent: dict[str, float]) -> dict[str, float]:
     return spent
 
 
+def llama_8b_shape(layers: int, hidden: int | None, device: torch.device, dtype: torch.dtype):
+    """A random `LlamaForCausalLM` of the Llama-3-8B shape with `layers` layers; `hidden`: a narrower one of the
+    same ratios (MLP 3.5x, heads of 64, 4 query heads per KV head) and a 1000-token vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    shape = {**B.LLAMA3_8B, "num_hidden_layers": layers}
+    if hidden:
+        heads = max(4, hidden // 64)
+        shape.update(hidden_size=hidden, intermediate_size=hidden * 7 // 2, num_attention_heads=heads,
+                      num_key_value_heads=heads // 4, head_dim=hidden // heads, vocab_size=1000)
+    with torch.device(device):
+        return LlamaForCausalLM._from_config(LlamaConfig(**shape), dtype=dtype).eval()
+
+
 def print_table(title: str, table: dict[str, dict[str, float]]) -> None:
     names = list(next(iter(table.values())))
     print(f"{title}\nmethod  " + "".join(f"{n:>10}" for n in names) + "  (ms)")
@@ -187,20 +202,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
                    "ratios (MLP 3.5x, heads of 64, 4 query heads per KV head), a 1000-token vocabulary")
     p.add_argument("--root", default="/tmp/scute-bench-adapter-load")
     args = p.parse_args(argv)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from scute import Engine
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(0)
-    shape = {**B.LLAMA3_8B, "num_hidden_layers": args.layers}
-    if args.hidden:
-        heads = max(4, args.hidden // 64)
-        shape.update(hidden_size=args.hidden, intermediate_size=args.hidden * 7 // 2, num_attention_heads=heads,
-                     num_key_value_heads=heads // 4, head_dim=args.hidden // heads, vocab_size=1000)
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(LlamaConfig(**shape), dtype=dtype).eval()
+    model = llama_8b_shape(args.layers, args.hidden, device, dtype)
     paths = {m: B.make_adapters(model, m, 2, args.root) for m in args.methods.split(",")}
     engine = Engine(model, device=args.device, dtype=str(dtype).split(".")[1], enforce_eager=True, max_adapters=3,
                     max_adapter_rank=256, max_model_len=64, max_num_seqs=4, kv_cache_memory_bytes=64 << 20)

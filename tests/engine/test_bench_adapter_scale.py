@@ -1,5 +1,6 @@
-"""`bench/bench_background_loads.py` and `bench/bench_resident.py` end to end on the CPU with a tiny model: the
-loads asked for during decoding all land in slots, the slots fill, and the JSON the GPU runs record."""
+"""`bench/bench_background_loads.py`, `bench/bench_turns.py` and `bench/bench_resident.py` end to end on the CPU
+with a tiny model: the loads asked for during decoding all land in slots, the emulated step loop times its host
+work beside real loads, the slots fill, and the JSON the GPU runs record."""
 
 from __future__ import annotations
 
@@ -28,6 +29,22 @@ def test_background_loads_bench_places_every_cold_adapter(tmp_path):
     assert all(len(r["quiet_phases"]) == 5 and all("schedule" in o for o in r["quiet_phases"]) for r in saved["rounds"])
     assert not any("convert_checkpoint" in o for r in saved["rounds"] for o in r["quiet_phases"])
     assert "slow_quiet_step_phases" in saved
+
+
+def test_turns_bench_times_the_host_work_beside_the_loads(tmp_path):
+    from scute.engine.adapter_loader import AdapterLoader, Turns
+
+    pause, submit = Turns.pause, AdapterLoader.submit
+    out = tmp_path / "turns.json"
+    result = bench_module("bench_turns").main(["--layers", "2", "--hidden", "64", "--cold", "2", "--rounds", "1",
+                                               "--steps", "5", "--host-ms", "0.5", "--gpu-ms", "2", "--interval",
+                                               "0.01", "--root", str(tmp_path / "adapters"), "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["loads"] == 2 and saved["quiet_steps"] == 5 and saved["loading_steps"] >= 1
+    assert 0 < saved["quiet_host"]["median_ms"] <= saved["quiet_host"]["max_ms"]
+    assert saved["quiet_wall"]["median_ms"] >= 2  # the emulated GPU's time at least
+    assert result["host_p99_over_quiet_median"] > 0 and any(k.startswith("start of _job") for k in saved["stretches"])
+    assert (Turns.pause, AdapterLoader.submit) == (pause, submit)  # put back
 
 
 def test_resident_bench_fills_every_slot(tmp_path):
