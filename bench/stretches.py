@@ -43,6 +43,8 @@ class Stretches:
             if ident not in self._resumed:
                 return pause(turns)
             f = sys._getframe(1)
+            while f.f_back is not None and f.f_code.co_name == "paused":  # past `adapter.paused`, `landing`'s
+                f = f.f_back
             here = f"{f.f_code.co_name}:{f.f_lineno} < {f.f_back.f_code.co_name if f.f_back else '?'}"
             where, start, cpu = self._resumed[ident]
             self.records.append((where, here, start, now, cpu_now - cpu))
