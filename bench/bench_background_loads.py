@@ -22,10 +22,9 @@ collections of the garbage collector (any generation) ran during them and how lo
 of `TRACED` wrapped while both phases run; ``untraced``: the step's time in none of its own parts), beside those
 parts' median in the phase's other steps, the step loop's CPU time in the step and the time it was neither on a
 CPU nor waiting for the GPU (waiting for the interpreter lock, mostly), and the longest of the loader's stretches
-between its pause points
-(`stretches.py`: a step loop's turn that begins inside one shares the interpreter lock until it ends) that
-overlapped it, with the longest kinds of stretch over the loading phases; on CUDA, for the
-slow steps, the other loading steps and the quiet ones, how long the GPU sat idle before each step's launch and
+between its pause points that overlapped it (`stretches.py`: a step loop's turn that begins inside one shares the
+interpreter lock until it ends), with the longest kinds of stretch over the loading phases; on CUDA, for the slow
+steps, the other loading steps and the quiet ones, how long the GPU sat idle before each step's launch and
 how long it ran the step (`Clock`: slower GPU work, or a host that launched late). The ratios: p99 over
 the quiet median, and (the figure) p99 of each loading step's time over the quiet steps' linear fit in their KV
 tokens at its own (the context grows as the phases run, and a decode step with it). ``--switch-interval`` sets
@@ -156,7 +155,7 @@ class Trace:
         self._gc: dict[int, tuple[float, int]] = {}
         self._saved: list[tuple[object, str, object]] = []
         self.stretches = Stretches()  # the loader's runs between pause points
-        self.wait_cpu = 0.0  # the step loop's CPU seconds inside its waits for the GPU (`InFlight.wait`), so far
+        self.cpu: dict[str, float] = {}  # each traced name's thread CPU seconds so far (its calls' threads)
 
     def _collections(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -173,8 +172,7 @@ class Trace:
                 return fn(*args, **kwargs)
             finally:
                 self.spans.append((name, start, time.perf_counter()))
-                if name == "wait":  # the wait for the GPU may spin: its CPU time is not the step loop's work
-                    self.wait_cpu += time.thread_time() - cpu
+                self.cpu[name] = self.cpu.get(name, 0.0) + time.thread_time() - cpu
         return timed
 
     def __enter__(self) -> Trace:
@@ -242,10 +240,10 @@ def loading_phase(engine, clock: Clock, cold: list[str], args) -> dict:
 
 def timed_step(clock: Clock, trace: Trace, spans: list[tuple[float, float, float]]) -> int:
     """`clock.step()`, with the step's start, end and the step loop's CPU seconds in it but in its wait for the
-    GPU appended to `spans`."""
-    start, cpu, wait_cpu = time.perf_counter(), time.thread_time(), trace.wait_cpu
+    GPU (`InFlight.wait`, which may spin: not the step loop's work) appended to `spans`."""
+    start, cpu, wait_cpu = time.perf_counter(), time.thread_time(), trace.cpu.get("wait", 0.0)
     index = clock.step()
-    spans.append((start, time.perf_counter(), time.thread_time() - cpu - (trace.wait_cpu - wait_cpu)))
+    spans.append((start, time.perf_counter(), time.thread_time() - cpu - (trace.cpu.get("wait", 0.0) - wait_cpu)))
     return index
 
 

@@ -8,8 +8,9 @@ began. A quiet phase of ``--steps`` steps alternates with a loading phase in whi
 every ``--interval`` seconds by the engine's own loader (`AdapterManager._job`: read, convert, rows in the slot
 pools; the CPU path: the file copied and cast on the CPU, where a GPU engine's load lands in a device buffer) until
 ``--cold`` are done; ``--rounds`` rounds. Reports the host work's time per step (the fixed Python that takes
-``--host-ms`` alone) quiet and while loading, median / p99 / max, the steps' wall time, and the loader's longest
-stretches between pause points (`stretches.py`). A stand-in for `bench_background_loads.py` where no GPU is at
+``--host-ms`` alone) quiet and while loading, median / p99 / max, the steps' wall time, the loader's longest
+stretches between pause points (`stretches.py`), and what freeing an 84 MB host tensor (a LoRA's CPU-tier copy of
+the 8B shape) costs the thread that lets it go (`free_ms`: why `AdapterLoader.drop` does it on the loader). A stand-in for `bench_background_loads.py` where no GPU is at
 hand: it times the turns' rule and the pause points, not the GPU's work.
 
 Run: ``SCUTE_TRITON_CPU=1 TRITON_INTERPRET=1 PYTHONPATH=. python3 bench/bench_turns.py --out turns.json``
@@ -89,6 +90,16 @@ def loading_phase(engine, steps: Steps, cold: list[str], interval: float, max_st
     return rows
 
 
+def free_ms(nbytes: int = 84 << 20, repeats: int = 5) -> float:
+    """Median ms the thread that lets go of a host tensor of `nbytes` (written, as a CPU tier's copy is) spends
+    freeing it: the munmap `AdapterLoader.drop` takes off the step loop."""
+    times = []
+    for _ in range(repeats):
+        box = [torch.ones(nbytes, dtype=torch.uint8)]
+        times.append(timed(box.clear))
+    return 1e3 * statistics.median(times)
+
+
 def stats(rows: list[tuple], i: int) -> dict[str, float]:
     values = [1e3 * r[i] for r in rows]
     return dict(median_ms=statistics.median(values), p99_ms=percentile(values, 99), max_ms=max(values))
@@ -127,6 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = dict(command=" ".join(sys.argv), torch=torch.__version__, layers=args.layers, hidden=args.hidden,
                   host_ms=args.host_ms, gpu_ms=args.gpu_ms, interval_s=args.interval,
                   loads=args.cold * args.rounds, quiet_steps=len(quiet), loading_steps=len(loading),
+                  free_84mb_ms=free_ms(),
                   quiet_host=stats(quiet, 1), loading_host=stats(loading, 1), quiet_wall=stats(quiet, 0),
                   loading_wall=stats(loading, 0))
     result["host_p99_over_quiet_median"] = result["loading_host"]["p99_ms"] / result["quiet_host"]["median_ms"]
@@ -136,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{phase:>8}: host work median {h['median_ms']:.2f} / p99 {h['p99_ms']:.2f} / max {h['max_ms']:.2f} ms;"
               f" step median {w['median_ms']:.2f} / p99 {w['p99_ms']:.2f} / max {w['max_ms']:.2f} ms")
     print(f"loading host p99 / quiet median {result['host_p99_over_quiet_median']:.2f}x, step p99 / quiet median "
-          f"{result['wall_p99_over_quiet_median']:.2f}x")
+          f"{result['wall_p99_over_quiet_median']:.2f}x; freeing an 84 MB host tensor {result['free_84mb_ms']:.1f} ms")
     print("the loader's longest stretches between pause points:")
     result["stretches"] = stretch_summary(stretches.records, top=8)
     return B.save(result, args.out)

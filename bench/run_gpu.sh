@@ -91,7 +91,7 @@ for step in $steps; do
                 grep -A3 "^synchronized\|^as run" "$OUT/profile_load.log"; grep -A8 "stretches between" "$OUT/profile_load.log" ;;
     background) timeout 400 python3 bench/bench_background_loads.py --out "$OUT/background_loads.json" \
                   > "$OUT/background.log" 2>&1
-                grep -E 'round [0-9]|GPU in the|"(quiet_median|loading_p99|p99_over_quiet_fit|load_latency_median)_?' \
+                grep -E 'round [0-9]|GPU in the|"(quiet_median_ms|loading_p99_ms|p99_over_quiet_fit|load_latency_median_ms)"' \
                   "$OUT/background.log"; grep -A12 "longest stretches" "$OUT/background.log" | head -13 ;;
     decode) timeout 300 python3 bench/profile_decode.py --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1
             grep -v "^{" "$OUT/decode.log" | tail -110 ;;

@@ -150,7 +150,7 @@ class AdapterCheckpoint:
         return self.data
 
     @property
-    def read(self) -> bool:
+    def is_read(self) -> bool:
         """Whether the weights file's read has ended (`buffer` then returns without waiting)."""
         return all(f.done() for f in self.reading)
 

@@ -373,7 +373,7 @@ class AdapterLoad:
         in the slot pools) then goes on through the read's end and the transfer, instead of waiting for the read
         before it starts; `finish` lands them if no pause point came after the read."""
         def land_if_read() -> None:
-            if self.checkpoint.landing is not None and self.checkpoint.read:
+            if self.checkpoint.landing is not None and self.checkpoint.is_read:
                 self.land()
 
         def paused() -> None:

@@ -250,8 +250,9 @@ class AdapterLoader:
     def drop(self, *objects: object) -> None:
         """Let go of `objects` on the loader thread, at a pause point (while the step loop waits for the GPU): an
         adapter of the CPU tier whose last reference this was frees its host memory there. That is an munmap of
-        its buffer (84 MB for a LoRA of the 8B shape: 5-10 ms), which on the step loop (a CPU tier's eviction,
-        `AdapterManager.poll`) would stall the step for as long. The caller keeps no reference of its own."""
+        its buffer (milliseconds for the 84 MB of a LoRA of the 8B shape: `bench/bench_turns.py`), which on the step
+        loop (a CPU tier's eviction, `AdapterManager.poll`) would stall the step for as long. The caller keeps no
+        reference of its own."""
         self.submit(list.clear, list(objects))
 
     def transfer(self, buffer: Tensor, device: torch.device) -> Tensor:
@@ -311,10 +312,6 @@ class AdapterLoader:
         event.record()  # on the loader's side stream, the current one of this thread
         event.synchronize()
         return Staged(moved, event, prepared, buffers_of(moved, self.turns.pause))
-
-    @property
-    def busy(self) -> bool:
-        return self._pending > 0
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until every job given so far has finished (tests; shutdown); False on timeout."""

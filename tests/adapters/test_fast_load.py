@@ -8,6 +8,7 @@ import hashlib
 import os
 import re
 import threading
+from concurrent.futures import wait
 
 import pytest
 import torch
@@ -490,10 +491,7 @@ def test_a_load_lands_at_its_first_pause_point_after_the_read(tmp_path, monkeypa
 
     def read_to_the_end(ckpt) -> None:
         gate.set()
-        for _ in range(500):
-            if ckpt.read:
-                return
-            threading.Event().wait(0.01)
+        assert not wait(ckpt.reading, timeout=10).not_done
 
     ckpt = read_checkpoint(tmp_path)
     views = ckpt.arriving(torch.device("cpu"))
@@ -501,9 +499,9 @@ def test_a_load_lands_at_its_first_pause_point_after_the_read(tmp_path, monkeypa
     pause = conversion.AdapterLoad(ckpt, "a", "", {}, True).landing(
         lambda: (landed.append(ckpt.landing is None), read_to_the_end(ckpt) if len(landed) == 2 else None))
     pause()
-    assert not ckpt.read and ckpt.landing is not None and landed == [False]  # still reading: not landed
+    assert not ckpt.is_read and ckpt.landing is not None and landed == [False]  # still reading: not landed
     pause()  # the read ends during this one's wait
-    assert ckpt.read and ckpt.landing is None and ckpt.finite is not None and landed == [False, False]
+    assert ckpt.is_read and ckpt.landing is None and ckpt.finite is not None and landed == [False, False]
     adapter = conversion.AdapterLoad(ckpt, "a", "", {}, True).finish()
     assert all(torch.equal(views[k], x) for k, x in tensors.items())
     assert adapter.identity == read_checkpoint(tmp_path).identity

@@ -44,6 +44,7 @@ def test_turns_bench_times_the_host_work_beside_the_loads(tmp_path):
     assert 0 < saved["quiet_host"]["median_ms"] <= saved["quiet_host"]["max_ms"]
     assert saved["quiet_wall"]["median_ms"] >= 2  # the emulated GPU's time at least
     assert result["host_p99_over_quiet_median"] > 0 and any(k.startswith("start of _job") for k in saved["stretches"])
+    assert saved["free_84mb_ms"] > 0
     assert (Turns.pause, AdapterLoader.submit) == (pause, submit)  # put back
 
 
