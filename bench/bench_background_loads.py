@@ -31,7 +31,9 @@ tokens at its own (the context grows as the phases run, and a decode step with i
 `AdapterLoader.switch_interval` (``default`` keeps it), ``--max-pause`` `Turns.max_pause` (0: the loader never
 waits for the step loop's turn), ``--slice`` `Turns.slice_s` (0: it waits at every pause point inside the turn),
 ``--gc off`` turns the garbage collector's automatic collections off for both phases (the engine's `Collections`
-then hold nothing: what collections cost the steps).
+then hold nothing: what collections cost the steps). ``--ablate`` changes parts of a load's work (`ABLATIONS`,
+comma-separated; bench-only stand-ins, not options of the engine) to tell what each costs the steps: run it beside
+a run without, on one machine (``bash bench/run_gpu.sh ablate``).
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/bench_background_loads.py --out background_loads.json``.
 """
@@ -39,6 +41,7 @@ Run on a GPU: ``PYTHONPATH=. python3 bench/bench_background_loads.py --out backg
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
 import os
@@ -56,6 +59,13 @@ from stretches import Stretches  # noqa: E402
 from stretches import summary as stretch_summary  # noqa: E402
 
 
+ABLATIONS = {
+    "hash": "the identity's leaves hashed by a stand-in (each leaf's first 32 bytes copied: one small kernel, the "
+            "adapters still told apart) in place of the sha256 kernel",
+    "host-copy": "the CPU tier keeps no copy of an adapter converted on the GPU: its entry is dropped where the copy "
+                 "would be asked for (read again when asked)",
+    "priority": "the engine and its steps on a CUDA stream of the highest priority (the loader's at the default)",
+}
 SLOW = 1.15  # a loading step over this many quiet medians (the bar on the p99) is slow: what it overlapped is reported
 
 
@@ -304,9 +314,49 @@ def main(argv: list[str] | None = None) -> dict:
                    "every pause point inside the step loop's turn; default: the engine's)")
     p.add_argument("--gc", default="on", choices=["on", "off"], help="off: the garbage collector's automatic "
                    "collections are off while the phases run (what its collections cost the steps)")
+    p.add_argument("--ablate", default="", help="comma-separated, of: " + "; ".join(
+        f"{k}: {v}" for k, v in ABLATIONS.items()))
     p.add_argument("--root", default="/tmp/scute-bench-background")
     p.add_argument("--out", default="background_loads.json")
     args = p.parse_args(argv)
+    with ablated([a for a in args.ablate.split(",") if a], "cpu" if args.tiny else "cuda"):
+        return run(args)
+
+
+@contextlib.contextmanager
+def ablated(names: list[str], device: str):
+    """Within it, the parts of a load's work `names` says are changed (`ABLATIONS`); put back on exit."""
+    from scute.adapters import checkpoint
+    from scute.engine.adapter_manager import AdapterManager
+
+    if unknown := set(names) - set(ABLATIONS):
+        raise SystemExit(f"--ablate: unknown {sorted(unknown)}; known: {sorted(ABLATIONS)}")
+    if "priority" in names and device != "cuda":
+        raise SystemExit("--ablate priority needs CUDA (stream priorities)")
+    saved = checkpoint.sha256_leaves, AdapterManager._host_copy
+
+    def stand_in(data, leaf):
+        return data.view(-1, leaf)[:, :32].contiguous()
+
+    def no_host_copy(manager, key, adapter):
+        if manager._by_path.get(key) is adapter:
+            del manager._by_path[key]
+
+    with contextlib.ExitStack() as stack:
+        if "hash" in names:
+            checkpoint.sha256_leaves = stand_in
+        if "host-copy" in names:
+            AdapterManager._host_copy = no_host_copy
+        if "priority" in names:
+            stack.enter_context(torch.cuda.stream(torch.cuda.Stream(priority=-100)))
+        try:
+            yield
+        finally:
+            checkpoint.sha256_leaves, AdapterManager._host_copy = saved
+
+
+def run(args) -> dict:
+    """The bench's phases and figures (`main`, within its ablations)."""
     from scute import Engine, SamplingParams
     from scute.engine.adapter_loader import AdapterLoader, Turns
 
@@ -363,7 +413,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
                   command=" ".join(sys.argv), layers=args.layers, batch=args.batch, methods=methods,
                   interval_s=args.interval, placed=placed, switch_interval=AdapterLoader.switch_interval,
-                  max_pause_s=Turns.max_pause, slice_s=Turns.slice_s, gc=args.gc)
+                  max_pause_s=Turns.max_pause, slice_s=Turns.slice_s, gc=args.gc,
+                  ablate=[a for a in args.ablate.split(",") if a])
     return B.save({**result, **summary(rounds)}, args.out, "rounds")
 
 

@@ -29,6 +29,10 @@
 #   loadphases bench/profile_load.py --methods lora: a LoRA load's phases, synchronized one by one and as the loader
 #            runs them, and the loader's longest stretches between pause points (profile_load.log)
 #   background bench/bench_background_loads.py: the decode step while cold adapters load (background_loads.json)
+#   ablate   bench/bench_background_loads.py once per $ABLATE_VARIANTS (default: "none priority hash host-copy";
+#            a variant is an --ablate value, "none" for none), alternating for $ABLATE_ROUNDS rounds (default 1), on
+#            one machine: what each part of a load's work costs the steps (background_<variant>_<round>.json, one
+#            line each; a run takes 80-120 s: four fit one call)
 #   decode   bench/profile_decode.py: GPU time per kernel and idle gaps of graph-replayed decode steps (decode.json)
 #   profile  bench/profile_ops.py: per-kernel times of one layer call (torch profiler)
 #   bench    bench/bench_ops.py: the layer table of docs/performance.md (bench_ops.json, bench.log)
@@ -93,6 +97,25 @@ for step in $steps; do
                   > "$OUT/background.log" 2>&1
                 grep -E 'round [0-9]|GPU in the|"(quiet_median_ms|loading_p99_ms|p99_over_quiet_fit|load_latency_median_ms)"' \
                   "$OUT/background.log"; grep -A12 "longest stretches" "$OUT/background.log" | head -13 ;;
+    ablate) for round in $(seq "${ABLATE_ROUNDS:-1}"); do
+              for v in ${ABLATE_VARIANTS:-none priority hash host-copy}; do
+                a=$v; [ "$v" = none ] && a=
+                timeout 200 python3 bench/bench_background_loads.py --ablate "$a" \
+                  --out "$OUT/background_${v}_$round.json" > "$OUT/background_${v}_$round.log" 2>&1
+                python3 - "$OUT/background_${v}_$round.json" "$v" <<'PY'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except OSError:
+    sys.exit(print(f"{sys.argv[2]:<20} no result (see its .log)"))
+g = r["gpu"]
+print(f"{sys.argv[2]:<20} quiet median {r['quiet_median_ms']:.2f}  loading p99 {r['loading_p99_ms']:.2f} ms  "
+      f"p99/fit {r['p99_over_quiet_fit']:.3f}  slow {r['slow_steps']}/{r['loading_steps']}  GPU busy slow/other "
+      f"{g.get('slow', {}).get('busy_median_ms', 0):.2f}/{g.get('other', {}).get('busy_median_ms', 0):.2f} ms  "
+      f"latency {r['load_latency_median_ms']:.0f} ms")
+PY
+              done
+            done ;;
     decode) timeout 300 python3 bench/profile_decode.py --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1
             grep -v "^{" "$OUT/decode.log" | tail -110 ;;
     profile) timeout 200 python3 bench/profile_ops.py > "$OUT/profile.log" 2>&1; grep -v "^expand\|^shrink\|^input" "$OUT/profile.log" | tail -40 ;;

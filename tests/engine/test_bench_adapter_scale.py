@@ -74,3 +74,26 @@ def test_place_adapter_bench_runs(tmp_path):
     saved = json.loads(out.read_text())
     assert saved["pools"] == saved["prepared_pools"] == 8  # 4 pools a layer, every one prepared
     assert all(v > 0 for row in saved["ms"].values() for v in row.values())
+
+
+def test_background_loads_bench_ablations_apply_and_are_put_back():
+    import pytest
+    import torch
+
+    from scute.adapters import checkpoint
+    from scute.engine.adapter_manager import AdapterManager
+
+    bench = bench_module("bench_background_loads")
+    saved = checkpoint.sha256_leaves, AdapterManager._host_copy
+    with bench.ablated(["hash", "host-copy"], "cpu"):
+        assert checkpoint.sha256_leaves is not saved[0] and AdapterManager._host_copy is not saved[1]
+        leaves = torch.arange(4 * 64, dtype=torch.int64).to(torch.uint8)
+        digests = checkpoint.sha256_leaves(leaves, 64)  # the stand-in still tells leaves apart
+        assert digests.shape == (4, 32) and len({bytes(d.tolist()) for d in digests}) == 4
+    assert (checkpoint.sha256_leaves, AdapterManager._host_copy) == saved
+    with pytest.raises(SystemExit, match="unknown"):
+        with bench.ablated(["nope"], "cpu"):
+            pass
+    with pytest.raises(SystemExit, match="needs CUDA"):
+        with bench.ablated(["priority"], "cpu"):
+            pass
