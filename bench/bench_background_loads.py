@@ -137,7 +137,7 @@ class Clock:
 
 
 TRACED = (  # (module, attribute): the adapter loader's phases, timed on whichever thread runs them
-    ("scute.adapters.checkpoint", "_read"), ("scute.adapters.conversion", "convert_checkpoint"),
+    ("scute.adapters.checkpoint", "read_safetensors"), ("scute.adapters.conversion", "convert_checkpoint"),
     ("scute.adapters.adapter", "pack"), ("scute.engine.adapter_manager", "prepare_adapter"),
     ("scute.engine.adapter_loader", "AdapterLoader.host_and_device"),
     ("scute.engine.adapter_loader", "AdapterLoader.stage"),
@@ -149,7 +149,7 @@ TRACED = (  # (module, attribute): the adapter loader's phases, timed on whichev
     # finer phases of the loader's work
     ("scute.engine.adapter_manager", "start_load"), ("scute.adapters.conversion", "_group_keys"),
     *(("scute.adapters.checkpoint", f"AdapterCheckpoint.{p}") for p in ("tensors_on", "arriving", "land", "verify")),
-    ("scute.engine.adapter_loader", "AdapterLoader.to_device"), ("scute.adapters.checkpoint", "_layout"),
+    ("scute.engine.adapter_loader", "AdapterLoader.to_device"), ("scute.adapters.safetensors_file", "layout_of"),
 )
 STEP_PARTS = ("poll", "place", "schedule", "launch", "wait", "_release_samples", "append_tokens", "_outputs")
 
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
 @contextlib.contextmanager
 def ablated(names: list[str], device: str):
     """Within it, the parts of a load's work `names` says are changed (`ABLATIONS`); put back on exit."""
-    from scute.adapters import checkpoint
+    from scute.adapters import safetensors_file as checkpoint
     from scute.engine.adapter_manager import AdapterManager
 
     if unknown := set(names) - set(ABLATIONS):

@@ -1,4 +1,4 @@
-"""The adapter identity's hash tree (`scute.adapters.checkpoint.Digest`) over one file's worth of bytes: its 8 KB
+"""The adapter identity's hash tree (`scute.adapters.safetensors_file.Digest`) over one file's worth of bytes: its 8 KB
 leaves hashed by the GPU kernel (`scute.ops.sha256.sha256_leaves`, on CUDA) against hashlib on the host's reader
 threads (`READERS` of them, a run of leaves each: the CPU path), and against hashlib over 4 MB leaves on the same
 threads (what a tree of large leaves costs the host: the cost of the small leaves' calls).
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="leaf_hash.json")
     args = p.parse_args(argv)
-    from scute.adapters.checkpoint import LEAF, READERS
+    from scute.adapters.safetensors_file import LEAF, READERS
     from scute.ops.sha256 import sha256_leaves, sha256_leaves_ref
 
     n = max(1, int(args.mb * 1e6) // LEAF)

@@ -101,7 +101,8 @@ def phases(engine, path: str, other: str, repeats: int) -> dict[str, float]:
 def timing_parts(manager, spent: dict[str, float]):
     """Within it, the wall time of each call of a part of a load is added to ``spent[part]``."""
     import scute.adapters.conversion as conversion
-    from scute.adapters.checkpoint import AdapterCheckpoint, Digest
+    from scute.adapters.checkpoint import AdapterCheckpoint
+    from scute.adapters.safetensors_file import Digest
     from scute.engine.adapter_loader import AdapterLoader
 
     parts = [(conversion, "read_checkpoint", "read"), (AdapterCheckpoint, "tensors_on", "checked"),

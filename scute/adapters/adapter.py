@@ -14,7 +14,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from scute.adapters.checkpoint import TypedViews, contiguous_strides
+from scute.adapters.safetensors_file import TypedViews, contiguous_strides
 from scute.ops.slots import Slots
 
 # (storage address, device, dtype) -> (the source storage, its moved copy). Holding the source keeps it alive,

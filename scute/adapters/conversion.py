@@ -27,11 +27,10 @@ from scute.adapters.checkpoint import (
     AdapterCheckpoint,
     AdapterError,
     cast_together,
-    is_targeted,
     read_checkpoint,
-    targeted_modules,
 )
 from scute.adapters.registry import Method, get_method, methods_with_option
+from scute.adapters.targeting import is_targeted, targeted_modules
 from scute.ops.reference import acc_dtype, rotate_pairs
 from scute.ops.slots import Slots, fold_layers
 

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from scute.adapters import Adapter
 from scute.adapters.adapter import Pause, SharedMemo, copy_to, no_pause, paused
-from scute.adapters.checkpoint import LEAF
+from scute.adapters.safetensors_file import LEAF
 from scute.engine.cuda_graph import CAPTURE_GUARD
 from scute.engine.request import Request
 from scute.ops.sha256 import sha256_leaves

@@ -1,5 +1,5 @@
 """SHA-256 of a buffer's equal leaves, side by side: the leaves of an adapter file's hash tree (its identity,
-`scute.adapters.checkpoint.Digest`) hashed on the GPU where the file's bytes land anyway, instead of on the
+`scute.adapters.safetensors_file.Digest`) hashed on the GPU where the file's bytes land anyway, instead of on the
 host's cores, where the hash of a large file ends well after its read."""
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from scute.adapters import AdapterError, load_adapter, read_checkpoint
 from scute.adapters.checkpoint import SAFETENSORS
 from scute.adapters import checkpoint as ckpt_module
+from scute.adapters import safetensors_file
 from scute.adapters import conversion
 from scute.adapters.adapter import ALIGN, pack
 from scute.adapters.methods import dora
@@ -30,8 +31,8 @@ WEIGHTS = SAFETENSORS
 
 def test_reader_matches_safetensors_and_views_one_buffer(lora_dir, monkeypatch):
     want = load_file(os.path.join(lora_dir, WEIGHTS))
-    monkeypatch.setattr(ckpt_module, "CHUNK", 4096)  # many chunks and leaves: the parallel read and the hash tree
-    monkeypatch.setattr(ckpt_module, "LEAF", 256)
+    monkeypatch.setattr(safetensors_file, "CHUNK", 4096)  # many chunks and leaves: the parallel read and the hash tree
+    monkeypatch.setattr(safetensors_file, "LEAF", 256)
     ckpt = read_checkpoint(lora_dir)
     assert ckpt.tensors.keys() == want.keys()
     for key, x in want.items():
@@ -40,7 +41,7 @@ def test_reader_matches_safetensors_and_views_one_buffer(lora_dir, monkeypatch):
         assert got.untyped_storage().data_ptr() == ckpt.buffer.untyped_storage().data_ptr()
     assert read_checkpoint(lora_dir).identity == ckpt.identity
     for readers in (1, 3, 64):  # one thread, threads over several chunks each, a thread per chunk
-        monkeypatch.setattr(ckpt_module, "READERS", readers)
+        monkeypatch.setattr(safetensors_file, "READERS", readers)
         again = read_checkpoint(lora_dir)
         assert again.identity == ckpt.identity and torch.equal(again.buffer, ckpt.buffer)
     save_file({k: v + (k.endswith("q_proj.lora_B.weight") and k.startswith("base_model.model.model.layers.0."))
@@ -70,11 +71,11 @@ def test_identity_is_the_files_hash_tree_wherever_its_span_is_hashed(tmp_path, m
     `SpanLeaves`), or from the buffer when the identity is asked first (`read`); the others on the reader threads:
     the identity is the same hash tree every way, of `LEAF`-byte leaves for a file read for a GPU (pinned), of
     `CHUNK`-byte ones for the CPU."""
-    monkeypatch.setattr(ckpt_module, "CHUNK", 512)
-    monkeypatch.setattr(ckpt_module, "LEAF", 128)
-    monkeypatch.setattr(ckpt_module, "READERS", readers)
+    monkeypatch.setattr(safetensors_file, "CHUNK", 512)
+    monkeypatch.setattr(safetensors_file, "LEAF", 128)
+    monkeypatch.setattr(safetensors_file, "READERS", readers)
     on_gpu = []
-    monkeypatch.setattr(ckpt_module, "sha256_leaves", lambda x, leaf: on_gpu.append(x) or sha256_leaves(x, leaf))
+    monkeypatch.setattr(safetensors_file, "sha256_leaves", lambda x, leaf: on_gpu.append(x) or sha256_leaves(x, leaf))
     saved(tmp_path, {f"t{k}": torch.randn(57, 29).bfloat16() for k in range(5)})
     pinned, action = where.startswith("pinned-"), where.removeprefix("pinned-")
     device = torch.device(action.split("-")[0] if action != "read" else "cpu")
@@ -93,7 +94,7 @@ def test_identity_is_the_files_hash_tree_wherever_its_span_is_hashed(tmp_path, m
 def test_identity_of_a_file_whose_span_holds_no_whole_leaf(tmp_path, monkeypatch):
     """A span shorter than a leaf: every leaf is hashed on the reader threads (`SpanLeaves` none), the tree the
     same."""
-    monkeypatch.setattr(ckpt_module, "CHUNK", 4096)
+    monkeypatch.setattr(safetensors_file, "CHUNK", 4096)
     saved(tmp_path, {"a": torch.randn(3, 5).bfloat16(), "b": torch.randn(7).bfloat16()})
     ckpt = read_checkpoint(tmp_path)
     assert ckpt.digest.span is None and ckpt.identity == hash_tree(tmp_path, 4096)
@@ -186,11 +187,11 @@ def test_a_bf16_file_converts_as_each_tensor_cast_alone(lora_dir, monkeypatch):
     model = tiny_model()
     together = load_adapter(lora_dir, model)
     assert read_checkpoint(lora_dir).layout.span is not None
-    ckpt_module._layout.cache_clear()
-    monkeypatch.setattr(ckpt_module, "_span", lambda entries: None)
+    safetensors_file.layout_of.cache_clear()
+    monkeypatch.setattr(safetensors_file, "span_of", lambda entries: None)
     monkeypatch.setattr(ckpt_module, "cast_together", lambda tensors, dtype: dict(tensors))
     alone = load_adapter(lora_dir, model)
-    ckpt_module._layout.cache_clear()  # no layout without a span outlives the test
+    safetensors_file.layout_of.cache_clear()  # no layout without a span outlives the test
     assert together.layers.keys() == alone.layers.keys()
     for name, slots in together.layers.items():
         for key, x in slots.tensors().items():
@@ -234,7 +235,7 @@ def test_a_files_views_are_made_a_run_at_a_time_and_are_each_tensors_own(tmp_pat
         got, want = layout.views(ckpt.buffer, span, lambda: pauses.append(1)), {}
         for key, dtype, shape, start in layout.entries:
             offset = span.storage_offset() + (start - lo) // dtype.itemsize
-            want[key] = span.as_strided(shape, ckpt_module.contiguous_strides(shape), offset)
+            want[key] = span.as_strided(shape, safetensors_file.contiguous_strides(shape), offset)
     else:
         got = layout.views(ckpt.buffer, pause=lambda: pauses.append(1))
         want = {key: ckpt.buffer[start:start + x.numel() * dtype.itemsize].view(dtype).view(shape)
@@ -257,7 +258,7 @@ def test_a_header_is_parsed_once_for_every_file_that_has_it(tmp_path):
     first, second = read_checkpoint(a), read_checkpoint(b)
     assert first.layout is second.layout
     assert torch.equal(second.tensors["a"], want["a"] + 1) and torch.equal(first.tensors["a"], want["a"])
-    assert ckpt_module._span(first.layout.entries) is None  # bf16 and float32 together: no one span
+    assert safetensors_file.span_of(first.layout.entries) is None  # bf16 and float32 together: no one span
     third = read_checkpoint(a)  # one tensor alone (a model-level one), without every tensor's view
     assert all(torch.equal(third.tensor(k), x) for k, x in want.items()) and "tensors" not in vars(third)
 
@@ -396,10 +397,10 @@ def test_arriving_tensors_get_the_files_values_at_land_then_their_writes(tmp_pat
 def test_a_read_that_fails_on_the_reader_threads_fails_the_load(lora_dir, monkeypatch):
     """A file that ends while its chunks are read (shortened after its size was taken): the read's error names the
     file, and the load fails with it."""
-    monkeypatch.setattr(ckpt_module, "CHUNK", 1024)
-    monkeypatch.setattr(ckpt_module, "LEAF", 256)
+    monkeypatch.setattr(safetensors_file, "CHUNK", 1024)
+    monkeypatch.setattr(safetensors_file, "LEAF", 256)
     preadv = os.preadv
-    monkeypatch.setattr(ckpt_module.os, "preadv",  # the file as if it ended at byte 4096
+    monkeypatch.setattr(safetensors_file.os, "preadv",  # the file as if it ended at byte 4096
                         lambda fd, bufs, pos: 0 if pos >= 4096 else preadv(fd, [bufs[0][:4096 - pos]], pos))
     ckpt = read_checkpoint(lora_dir)  # the header is read: the rest is read on the reader threads
     with pytest.raises(AdapterError, match="corrupt or truncated .*the file ended at byte 4096"):
@@ -458,12 +459,12 @@ def test_a_non_finite_file_on_a_gpu_fails_its_load_alone(tmp_path, dtype):
 def gated_file(folder, monkeypatch) -> tuple[dict[str, torch.Tensor], threading.Event]:
     """A bf16 file of a few chunks saved in `folder` (its tensors) whose reads past the header wait for the gate
     (set it to let them go on)."""
-    monkeypatch.setattr(ckpt_module, "CHUNK", 1024)
-    monkeypatch.setattr(ckpt_module, "LEAF", 256)
+    monkeypatch.setattr(safetensors_file, "CHUNK", 1024)
+    monkeypatch.setattr(safetensors_file, "LEAF", 256)
     tensors = {f"t{k}": torch.randn(32, 64).bfloat16() for k in range(3)}
     saved(folder, tensors)
     gate, preadv = threading.Event(), os.preadv
-    monkeypatch.setattr(ckpt_module.os, "preadv",  # every read past the header's two waits for the gate
+    monkeypatch.setattr(safetensors_file.os, "preadv",  # every read past the header's two waits for the gate
                         lambda fd, bufs, pos: preadv(fd, bufs, pos) if pos in (0, 8) or gate.wait(10) else 0)
     return tensors, gate
 

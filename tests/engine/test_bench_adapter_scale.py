@@ -80,7 +80,7 @@ def test_background_loads_bench_ablations_apply_and_are_put_back():
     import pytest
     import torch
 
-    from scute.adapters import checkpoint
+    from scute.adapters import safetensors_file as checkpoint
     from scute.engine.adapter_manager import AdapterManager
 
     bench = bench_module("bench_background_loads")

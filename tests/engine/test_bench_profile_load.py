@@ -8,7 +8,8 @@ from tests.helpers import bench_module
 
 def test_profile_load_times_each_part_and_puts_them_back(tmp_path, capsys):
     import scute.adapters.conversion as conversion
-    from scute.adapters.checkpoint import AdapterCheckpoint, Digest
+    from scute.adapters.checkpoint import AdapterCheckpoint
+    from scute.adapters.safetensors_file import Digest
     from scute.engine.adapter_loader import AdapterLoader, Turns
 
     def parts():

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from scute.adapters.checkpoint import pattern_value
 from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.registry import register_method
+from scute.adapters.targeting import pattern_value
 from scute.ops.slots import Slots
 
 KEYS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from scute.adapters.checkpoint import pattern_value
 from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.registry import SavedShapes, register_method
+from scute.adapters.targeting import pattern_value
 from scute.ops.slots import Slots
 
 KEYS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")

@@ -14,11 +14,12 @@ import torch
 from torch import Tensor, nn
 
 from scute.adapters.adapter import Pause, paused
-from scute.adapters.checkpoint import Landing, pattern_value
+from scute.adapters.checkpoint import Landing
 from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.methods.dora import dora_slots
 from scute.adapters.methods.lora_variants import REFUSED, TRAINING_ONLY_KEYS, lora_factors
 from scute.adapters.registry import SavedShapes, register_method
+from scute.adapters.targeting import pattern_value
 from scute.ops.reference import acc_dtype
 from scute.ops.slots import Slots
 

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from scute.adapters.checkpoint import is_targeted
 from scute.adapters.conversion import LayerCheckpoint
 from scute.adapters.registry import register_method
+from scute.adapters.targeting import is_targeted
 from scute.ops.slots import Slots
 
 KEYS = ("unilora_indices_A", "unilora_indices_B", "unilora_scales_A", "unilora_scales_B")
