@@ -33,7 +33,7 @@ waits for the step loop's turn), ``--slice`` `Turns.slice_s` (0: it waits at eve
 ``--gc off`` turns the garbage collector's automatic collections off for both phases (the engine's `Collections`
 then hold nothing: what collections cost the steps). ``--ablate`` changes parts of a load's work (`ABLATIONS`,
 comma-separated; bench-only stand-ins, not options of the engine) to tell what each costs the steps: run it beside
-a run without, on one machine (``bash bench/run_gpu.sh ablate``).
+a run without, on one machine (``bash bench/run_gpu.sh ablate``); ``--readers`` the threads that read a file.
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/bench_background_loads.py --out background_loads.json``.
 """
@@ -314,11 +314,17 @@ def main(argv: list[str] | None = None) -> dict:
                    "every pause point inside the step loop's turn; default: the engine's)")
     p.add_argument("--gc", default="on", choices=["on", "off"], help="off: the garbage collector's automatic "
                    "collections are off while the phases run (what its collections cost the steps)")
+    p.add_argument("--readers", type=int, default=None, help="threads that read a file (default: the engine's "
+                   "READERS, all cores but two, at most 16)")
     p.add_argument("--ablate", default="", help="comma-separated, of: " + "; ".join(
         f"{k}: {v}" for k, v in ABLATIONS.items()))
     p.add_argument("--root", default="/tmp/scute-bench-background")
     p.add_argument("--out", default="background_loads.json")
     args = p.parse_args(argv)
+    if args.readers is not None:  # before the first read makes the readers' pool
+        from scute.adapters import safetensors_file
+
+        safetensors_file.READERS = args.readers
     with ablated([a for a in args.ablate.split(",") if a], "cpu" if args.tiny else "cuda"):
         return run(args)
 
@@ -414,7 +420,7 @@ def run(args) -> dict:
                   command=" ".join(sys.argv), layers=args.layers, batch=args.batch, methods=methods,
                   interval_s=args.interval, placed=placed, switch_interval=AdapterLoader.switch_interval,
                   max_pause_s=Turns.max_pause, slice_s=Turns.slice_s, gc=args.gc,
-                  ablate=[a for a in args.ablate.split(",") if a])
+                  ablate=[a for a in args.ablate.split(",") if a], readers=args.readers)
     return B.save({**result, **summary(rounds)}, args.out, "rounds")
 
 

@@ -30,9 +30,9 @@
 #            runs them, and the loader's longest stretches between pause points (profile_load.log)
 #   background bench/bench_background_loads.py: the decode step while cold adapters load (background_loads.json)
 #   ablate   bench/bench_background_loads.py once per $ABLATE_VARIANTS (default: "none priority hash host-copy";
-#            a variant is an --ablate value, "none" for none), alternating for $ABLATE_ROUNDS rounds (default 1), on
-#            one machine: what each part of a load's work costs the steps (background_<variant>_<round>.json, one
-#            line each; a run takes 80-120 s: four fit one call)
+#            a variant is an --ablate value, "none" for none, or readers<N>: --readers N), alternating for
+#            $ABLATE_ROUNDS rounds (default 1), on one machine: what each part of a load's work costs the steps
+#            (background_<variant>_<round>.json, one line each; a run takes 80-120 s: four fit one call)
 #   decode   bench/profile_decode.py: GPU time per kernel and idle gaps of graph-replayed decode steps (decode.json)
 #   profile  bench/profile_ops.py: per-kernel times of one layer call (torch profiler)
 #   bench    bench/bench_ops.py: the layer table of docs/performance.md (bench_ops.json, bench.log)
@@ -99,8 +99,8 @@ for step in $steps; do
                   "$OUT/background.log"; grep -A12 "longest stretches" "$OUT/background.log" | head -13 ;;
     ablate) for round in $(seq "${ABLATE_ROUNDS:-1}"); do
               for v in ${ABLATE_VARIANTS:-none priority hash host-copy}; do
-                a=$v; [ "$v" = none ] && a=
-                timeout 200 python3 bench/bench_background_loads.py --ablate "$a" \
+                a=(--ablate "$v"); [ "$v" = none ] && a=(); [[ "$v" = readers* ]] && a=(--readers "${v#readers}")
+                timeout 200 python3 bench/bench_background_loads.py "${a[@]}" \
                   --out "$OUT/background_${v}_$round.json" > "$OUT/background_${v}_$round.log" 2>&1
                 python3 - "$OUT/background_${v}_$round.json" "$v" <<'PY'
 import json, sys
