@@ -62,6 +62,8 @@ from stretches import summary as stretch_summary  # noqa: E402
 ABLATIONS = {
     "hash": "the identity's leaves hashed by a stand-in (each leaf's first 32 bytes copied: one small kernel, the "
             "adapters still told apart) in place of the sha256 kernel",
+    "cpu-hash": "the identity's leaves hashed on the host's reader threads (hashlib, 4 MB leaves, after the read) in "
+                "place of the sha256 kernel",
     "host-copy": "the CPU tier keeps no copy of an adapter converted on the GPU: its entry is dropped where the copy "
                  "would be asked for (read again when asked)",
     "priority": "the engine and its steps on a CUDA stream of the highest priority (the loader's at the default)",
@@ -333,16 +335,24 @@ def main(argv: list[str] | None = None) -> dict:
 def ablated(names: list[str], device: str):
     """Within it, the parts of a load's work `names` says are changed (`ABLATIONS`); put back on exit."""
     from scute.adapters import safetensors_file as checkpoint
+    from scute.adapters.safetensors_file import SpanLeaves
     from scute.engine.adapter_manager import AdapterManager
 
     if unknown := set(names) - set(ABLATIONS):
         raise SystemExit(f"--ablate: unknown {sorted(unknown)}; known: {sorted(ABLATIONS)}")
     if "priority" in names and device != "cuda":
         raise SystemExit("--ablate priority needs CUDA (stream priorities)")
-    saved = checkpoint.sha256_leaves, AdapterManager._host_copy
+    saved = checkpoint.sha256_leaves, AdapterManager._host_copy, checkpoint.LEAF, SpanLeaves.hash
 
     def stand_in(data, leaf):
         return data.view(-1, leaf)[:, :32].contiguous()
+
+    def on_readers(leaves, span):  # the file's own leaves, from its buffer once read, a run per reader thread
+        if leaves._hashed is None:
+            lo, k, n = leaves.first * leaves.leaf, leaves.count, min(checkpoint.READERS, leaves.count)
+            runs = [leaves.buffer[lo + i * k // n * leaves.leaf:lo + (i + 1) * k // n * leaves.leaf] for i in range(n)]
+            leaves._hashed = [checkpoint._readers().submit(checkpoint.sha256_leaves_ref, run, leaves.leaf)
+                              for run in runs]
 
     def no_host_copy(manager, key, adapter):
         if manager._by_path.get(key) is adapter:
@@ -351,6 +361,8 @@ def ablated(names: list[str], device: str):
     with contextlib.ExitStack() as stack:
         if "hash" in names:
             checkpoint.sha256_leaves = stand_in
+        if "cpu-hash" in names:
+            checkpoint.LEAF, SpanLeaves.hash = checkpoint.CHUNK, on_readers
         if "host-copy" in names:
             AdapterManager._host_copy = no_host_copy
         if "priority" in names:
@@ -358,7 +370,7 @@ def ablated(names: list[str], device: str):
         try:
             yield
         finally:
-            checkpoint.sha256_leaves, AdapterManager._host_copy = saved
+            checkpoint.sha256_leaves, AdapterManager._host_copy, checkpoint.LEAF, SpanLeaves.hash = saved
 
 
 def run(args) -> dict:

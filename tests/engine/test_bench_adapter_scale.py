@@ -91,6 +91,14 @@ def test_background_loads_bench_ablations_apply_and_are_put_back():
         digests = checkpoint.sha256_leaves(leaves, 64)  # the stand-in still tells leaves apart
         assert digests.shape == (4, 32) and len({bytes(d.tolist()) for d in digests}) == 4
     assert (checkpoint.sha256_leaves, AdapterManager._host_copy) == saved
+    hash_, leaf = checkpoint.SpanLeaves.hash, checkpoint.LEAF
+    with bench.ablated(["cpu-hash"], "cpu"):
+        assert checkpoint.LEAF == checkpoint.CHUNK
+        buffer = torch.randint(0, 256, (8 * 64,), dtype=torch.uint8)
+        leaves = checkpoint.SpanLeaves(buffer, 64, 1, 5, 64)  # leaves 1..5 of the file, on the reader threads
+        leaves.hash(None)
+        assert leaves.result() == checkpoint.sha256_leaves_ref(buffer[64:6 * 64], 64)
+    assert (checkpoint.SpanLeaves.hash, checkpoint.LEAF) == (hash_, leaf)
     with pytest.raises(SystemExit, match="unknown"):
         with bench.ablated(["nope"], "cpu"):
             pass
