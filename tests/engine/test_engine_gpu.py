@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scute import Engine, SamplingParams
 from tests.helpers import GREEDY, METHODS, NEW_TOKENS, Oracle, check, mixed_requests
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
