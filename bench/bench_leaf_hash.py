@@ -4,7 +4,9 @@ threads (`READERS` of them, a run of leaves each: the CPU path), and against has
 threads (what a tree of large leaves costs the host: the cost of the small leaves' calls).
 
 ``--mb`` bytes of random data (84 by default: a LoRA r16 of the Llama-3-8B shape on all seven projections, bf16),
-median of ``--repeats`` runs after a warm-up (which compiles the kernel), the GPU's synchronized.
+median of ``--repeats`` runs after a warm-up (which compiles the kernel), the GPU's synchronized. On a GPU also
+what the kernel costs work running beside it (`beside_steps`: matrix products of a decode step's shape, alone and
+with the kernel on a side stream).
 
 Run: ``PYTHONPATH=. python3 bench/bench_leaf_hash.py [--out leaf_hash.json]`` (on a GPU machine for the kernel's
 row). Prints a table; writes JSON.
@@ -29,6 +31,38 @@ def median_s(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def beside_steps(data: torch.Tensor, leaf: int, repeats: int) -> dict[str, float]:
+    """What the kernel costs work running beside it, as a load's hash runs beside the decode steps: 40 matrix
+    products of a decode step's shape (64 tokens through a 4096 x 28672 bf16 weight, reading the weight: bound by
+    the memory's bandwidth, as a step is), timed on the current stream alone and with the kernel launched on a
+    side stream just before them (seconds, GPU events, median of `repeats`)."""
+    from scute.ops.sha256 import sha256_leaves
+
+    x = torch.randn(64, 4096, device=data.device, dtype=torch.bfloat16)
+    w = torch.randn(4096, 28672, device=data.device, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+
+    def timed(hash_beside: bool) -> float:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if hash_beside:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                sha256_leaves(data, leaf)
+        start.record()
+        for _ in range(40):
+            torch.mm(x, w)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    rows = {}
+    for label, beside in (("40 decode-shaped matmuls alone", False), ("40 decode-shaped matmuls beside it", True)):
+        timed(beside)  # warm-up
+        rows[label] = statistics.median(timed(beside) for _ in range(repeats))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -61,11 +95,12 @@ def main(argv: list[str] | None = None) -> dict:
             torch.cuda.synchronize()
 
         rows[f"GPU kernel, {LEAF >> 10} KB leaves ({torch.cuda.get_device_name()})"] = median_s(kernel, args.repeats)
+        rows.update(beside_steps(on_gpu, LEAF, args.repeats))
     mb = n * LEAF / 1e6
     print(f"{mb:.1f} MB")
     print(f"{'':<52} {'ms':>8} {'GB/s':>8}")
-    for name, s in rows.items():
-        print(f"{name:<52} {1e3 * s:8.2f} {mb / 1e3 / s:8.1f}")
+    for name, s in rows.items():  # GB/s: of the hashed bytes, for the hashes' rows
+        print(f"{name:<52} {1e3 * s:8.2f} " + ("" if name.startswith("40 ") else f"{mb / 1e3 / s:8.1f}"))
     result = dict(mb=mb, leaf=LEAF, readers=READERS, torch=torch.__version__, ms={k: 1e3 * s for k, s in rows.items()})
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

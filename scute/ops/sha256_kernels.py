@@ -97,13 +97,37 @@ def _compress(h0, h1, h2, h3, h4, h5, h6, h7,
 
 
 @triton.jit
-def _word(p, live):
-    """The big-endian uint32 at byte pointers p (any alignment)."""
-    b0 = tl.load(p, mask=live, other=0).to(tl.uint32)
-    b1 = tl.load(p + 1, mask=live, other=0).to(tl.uint32)
-    b2 = tl.load(p + 2, mask=live, other=0).to(tl.uint32)
-    b3 = tl.load(p + 3, mask=live, other=0).to(tl.uint32)
-    return (b0 << 24) | (b1 << 16) | (b2 << 8) | b3
+def _deal(x, BLOCK: tl.constexpr, N: tl.constexpr):
+    """x [BLOCK, N] -> (x[:, 0::2], x[:, 1::2]), each [BLOCK, N // 2] (N = 2: each [BLOCK])."""
+    if N == 2:
+        return tl.split(x)
+    return tl.split(tl.reshape(x, [BLOCK, N // 2, 2]))
+
+
+@triton.jit
+def _words(tile, BLOCK: tl.constexpr):
+    """The 16 big-endian uint32 words of each row of tile (uint8 [BLOCK, 64]: a 64-byte block per lane), as 16
+    tensors [BLOCK]: bytes paired into halfwords, halfwords into words, then the words dealt out (no arithmetic
+    past the pairing: each split moves values between layouts)."""
+    even, odd = _deal(tile.to(tl.uint32), BLOCK, 64)  # bytes 2m and 2m+1
+    hi, lo = _deal((even << 8) | odd, BLOCK, 32)  # halfwords 2w and 2w+1
+    w = (hi << 16) | lo
+    e, o = _deal(w, BLOCK, 16)  # words 2m, 2m+1
+    ee, eo = _deal(e, BLOCK, 8)  # 4q, 4q+2
+    oe, oo = _deal(o, BLOCK, 8)  # 4q+1, 4q+3
+    eee, eeo = _deal(ee, BLOCK, 4)  # 8r, 8r+4
+    eoe, eoo = _deal(eo, BLOCK, 4)  # 8r+2, 8r+6
+    oee, oeo = _deal(oe, BLOCK, 4)  # 8r+1, 8r+5
+    ooe, ooo = _deal(oo, BLOCK, 4)  # 8r+3, 8r+7
+    w0, w8 = _deal(eee, BLOCK, 2)
+    w4, w12 = _deal(eeo, BLOCK, 2)
+    w2, w10 = _deal(eoe, BLOCK, 2)
+    w6, w14 = _deal(eoo, BLOCK, 2)
+    w1, w9 = _deal(oee, BLOCK, 2)
+    w5, w13 = _deal(oeo, BLOCK, 2)
+    w3, w11 = _deal(ooe, BLOCK, 2)
+    w7, w15 = _deal(ooo, BLOCK, 2)
+    return w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15
 
 
 @triton.jit
@@ -118,21 +142,23 @@ def _store(out, lanes, j: tl.constexpr, h, live):
 def sha256_leaves_kernel(src, out, k_ptr, n_leaves, LEAF: tl.constexpr, BLOCK: tl.constexpr):
     """Program: BLOCK leaves of LEAF bytes (a multiple of 64), one per lane. src uint8 [n_leaves·LEAF]; out int32
     [n_leaves, 8], each row the leaf's digest bytes; k_ptr int32 [72]: the 64 round constants, then the 8 initial
-    hash words (their bits)."""
+    hash words (their bits). Each block is loaded as one [BLOCK, 64] tile, each row's bytes side by side (one
+    memory transaction covers consecutive bytes of a leaf, where loads a word per lane would touch BLOCK leaves
+    LEAF bytes apart: the load/store units the steps' kernels beside it use are spared), then dealt into words."""
     lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = lanes < n_leaves
-    base = src + lanes.to(tl.int64) * LEAF
+    rows = src + lanes.to(tl.int64)[:, None] * LEAF + tl.arange(0, 64)[None, :]
     zero = tl.zeros([BLOCK], dtype=tl.uint32)
     h0, h1, h2, h3 = zero + _k(k_ptr, 64), zero + _k(k_ptr, 65), zero + _k(k_ptr, 66), zero + _k(k_ptr, 67)
     h4, h5, h6, h7 = zero + _k(k_ptr, 68), zero + _k(k_ptr, 69), zero + _k(k_ptr, 70), zero + _k(k_ptr, 71)
     for block in range(LEAF // 64 + 1):  # the leaf's blocks, then the padding block of a LEAF-byte message
-        p, data = base + block * 64, live & (block < LEAF // 64)
+        data = live & (block < LEAF // 64)
+        tile = tl.load(rows + block * 64, mask=data[:, None], other=0)
+        w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _words(tile, BLOCK)
         pad = (zero + (block == LEAF // 64)).to(tl.uint32)  # 1 in the padding block: a 1 bit, zeros, the length
         h0, h1, h2, h3, h4, h5, h6, h7 = _compress(
-            h0, h1, h2, h3, h4, h5, h6, h7, _word(p, data) | (pad << 31), _word(p + 4, data), _word(p + 8, data),
-            _word(p + 12, data), _word(p + 16, data), _word(p + 20, data), _word(p + 24, data), _word(p + 28, data),
-            _word(p + 32, data), _word(p + 36, data), _word(p + 40, data), _word(p + 44, data), _word(p + 48, data),
-            _word(p + 52, data), _word(p + 56, data), _word(p + 60, data) | (pad * (LEAF * 8)), k_ptr)
+            h0, h1, h2, h3, h4, h5, h6, h7, w0 | (pad << 31), w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12,
+            w13, w14, w15 | (pad * (LEAF * 8)), k_ptr)
     _store(out, lanes, 0, h0, live)
     _store(out, lanes, 1, h1, live)
     _store(out, lanes, 2, h2, live)
