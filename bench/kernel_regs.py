@@ -1,6 +1,7 @@
 """Registers, spills and load widths of the adapter kernels on sm_90 (H100/H200), compiled on a machine without a
 GPU: Triton compiles to PTX, the ptxas bundled with Triton assembles it with ``-v``, and its nvdisasm shows the
-SASS, whose innermost tensor-core loop is counted (instructions per iteration / MMAs among them).
+SASS, whose innermost tensor-core loop is counted (instructions per iteration / MMAs among them). Also the
+adapter files' leaf-hash kernel (`scute.ops.sha256_kernels`: its global loads, vector and scalar).
 
 Why: an SM holds 65536 registers, so a kernel of 4-warp programs at 255 registers runs 2 programs per SM, at 128
 registers 4; at decode every program waits on a chain of dependent loads, and the programs in flight are what
@@ -37,21 +38,22 @@ SHRINK_ARGS = {"x_ptr": "*bf16", "h_ptr": "*fp32", "count_ptr": "*i32", "tab_ptr
                "in_features": "i32", "num_slots": "i32", "h_width": "i32", "k_per_split": "i32"}
 EPILOGUE_ARGS = {"z0_ptr": "*bf16", "z1_ptr": "*bf16", "z2_ptr": "*bf16", "d0_ptr": "*fp32", "d1_ptr": "*fp32",
                  "d2_ptr": "*fp32", "tab_ptr": "*i64", "slots_ptr": "*i32", "num_slots": "i32", "out0": "i32",
-                 "out1": "i32", "out2": "i32", "chunks_per_prog": "i32"}
+                 "out1": "i32", "out2": "i32", "zst0": "i32", "zst1": "i32", "zst2": "i32", "chunks_per_prog": "i32"}
 INPUT_ARGS = {"x_ptr": "*bf16", "xt_ptr": "*bf16", "tab_ptr": "*i64", "slots_ptr": "*i32", "count_ptr": "*i32",
               "num_tokens": "i32", "in_features": "i32", "num_slots": "i32", "tile_min": "i32"}
+SHA256_ARGS = {"src": "*u8", "out": "*i32", "k_ptr": "*i32", "n_leaves": "i32", "phase": "i32"}
 INPUT_TILE_ARGS = {"x_ptr": "*bf16", "xt_ptr": "*bf16", "tab_ptr": "*i64", "sorted_ptr": "*i32",
                    "sorted_slots_ptr": "*i32", "count_ptr": "*i32", "start_ptr": "*i32", "num_tokens": "i32",
                    "in_features": "i32", "num_slots": "i32", "tile_min": "i32"}
 
 
-def compile_stats(fn, args: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 1) -> dict:
+def compile_stats(fn, args: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 1,
+                  unspecialized: tuple[str, ...] = ("chunks_per_prog", "target_items")) -> dict:
     """Compile `fn` for sm_90 as a launch on the bench's shapes would (pointers 16-byte aligned, sizes multiples
-    of 16: Triton specialises both) and return its registers, spill bytes, global load/store widths and which
-    tensor-core instruction its dots use."""
+    of 16: Triton specialises both, but for the `unspecialized` arguments) and return its registers, spill bytes,
+    global load/store widths and which tensor-core instruction its dots use."""
     signature = {**args, **{k: "constexpr" for k in constexprs}}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args)
-             if name not in ("chunks_per_prog", "target_items")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args) if name not in unspecialized}
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     ptx = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -124,6 +126,11 @@ def main() -> None:
         cst = dict(BM=16, BB=32, NBP=2, B_EXACT=exact, PREC="tf32")
         rows.append((f"input tiles BB=32 NBP=2 exact={exact}",
                      compile_stats(kernels.input_tiles_kernel, INPUT_TILE_ARGS, cst, 4)))
+    from scute.ops.sha256_kernels import sha256_leaves_kernel
+
+    rows.append(("sha256 leaves LEAF=8192 BLOCK=32 w=1",
+                 compile_stats(sha256_leaves_kernel, SHA256_ARGS, dict(LEAF=8192, BLOCK=32), 1,
+                               unspecialized=("n_leaves", "phase"))))
     print(f"{'kernel':<40} {'regs':>5} {'spill B':>8} {'progs/SM':>9} {'vec ld':>7} {'scalar ld':>10} {'mma':>9} "
           f"{'loop inst/mma':>14}")
     for name, s in rows:

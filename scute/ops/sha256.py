@@ -54,5 +54,16 @@ def sha256_leaves(data: Tensor, leaf: int) -> Tensor:
     out = torch.empty(n, 8, dtype=torch.int32, device=data.device)
     block = 32
     if n:
-        sha256_leaves_kernel[(-(-n // block),)](data, out, table, n, LEAF=leaf, BLOCK=block, num_warps=1)
+        aligned, phase = _aligned_below(data)
+        sha256_leaves_kernel[(-(-n // block),)](aligned, out, table, n, phase, LEAF=leaf, BLOCK=block, num_warps=1)
     return out.view(torch.uint8)
+
+
+def _aligned_below(data: Tensor) -> tuple[Tensor, int]:
+    """(a view of data's storage from the 16-byte boundary at or below its first byte, the bytes from there to
+    data): the kernel reads 16-byte vectors. A storage that does not begin aligned (not one the caching allocator
+    gave) is copied to one that does."""
+    phase = data.data_ptr() % 16
+    if data.storage_offset() < phase or data.untyped_storage().data_ptr() % 16:
+        return data.clone(), 0
+    return data.as_strided((data.numel() + phase,), (1,), data.storage_offset() - phase), phase

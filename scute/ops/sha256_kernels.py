@@ -98,20 +98,22 @@ def _compress(h0, h1, h2, h3, h4, h5, h6, h7,
 
 @triton.jit
 def _deal(x, BLOCK: tl.constexpr, N: tl.constexpr):
-    """x [BLOCK, N] -> (x[:, 0::2], x[:, 1::2]), each [BLOCK, N // 2] (N = 2: each [BLOCK])."""
-    if N == 2:
-        return tl.split(x)
+    """x [BLOCK, N] (N > 2) -> (x[:, 0::2], x[:, 1::2]), each [BLOCK, N // 2]."""
     return tl.split(tl.reshape(x, [BLOCK, N // 2, 2]))
 
 
 @triton.jit
-def _words(tile, BLOCK: tl.constexpr):
-    """The 16 big-endian uint32 words of each row of tile (uint8 [BLOCK, 64]: a 64-byte block per lane), as 16
-    tensors [BLOCK]: bytes paired into halfwords, halfwords into words, then the words dealt out (no arithmetic
-    past the pairing: each split moves values between layouts)."""
-    even, odd = _deal(tile.to(tl.uint32), BLOCK, 64)  # bytes 2m and 2m+1
-    hi, lo = _deal((even << 8) | odd, BLOCK, 32)  # halfwords 2w and 2w+1
-    w = (hi << 16) | lo
+def _be_words(tile, BLOCK: tl.constexpr, N: tl.constexpr):
+    """uint8 [BLOCK, N] -> its big-endian uint32 words, [BLOCK, N // 4]: bytes paired into halfwords, halfwords
+    into words (each split moves values between layouts; the pairing is the only arithmetic)."""
+    even, odd = _deal(tile.to(tl.uint32), BLOCK, N)  # bytes 2m and 2m+1
+    hi, lo = _deal((even << 8) | odd, BLOCK, N // 2)  # halfwords 2w and 2w+1
+    return (hi << 16) | lo
+
+
+@triton.jit
+def _sixteen_words(w, BLOCK: tl.constexpr):
+    """uint32 [BLOCK, 16] -> its 16 columns, each [BLOCK], in order."""
     e, o = _deal(w, BLOCK, 16)  # words 2m, 2m+1
     ee, eo = _deal(e, BLOCK, 8)  # 4q, 4q+2
     oe, oo = _deal(o, BLOCK, 8)  # 4q+1, 4q+3
@@ -119,15 +121,54 @@ def _words(tile, BLOCK: tl.constexpr):
     eoe, eoo = _deal(eo, BLOCK, 4)  # 8r+2, 8r+6
     oee, oeo = _deal(oe, BLOCK, 4)  # 8r+1, 8r+5
     ooe, ooo = _deal(oo, BLOCK, 4)  # 8r+3, 8r+7
-    w0, w8 = _deal(eee, BLOCK, 2)
-    w4, w12 = _deal(eeo, BLOCK, 2)
-    w2, w10 = _deal(eoe, BLOCK, 2)
-    w6, w14 = _deal(eoo, BLOCK, 2)
-    w1, w9 = _deal(oee, BLOCK, 2)
-    w5, w13 = _deal(oeo, BLOCK, 2)
-    w3, w11 = _deal(ooe, BLOCK, 2)
-    w7, w15 = _deal(ooo, BLOCK, 2)
+    w0, w8 = tl.split(eee)
+    w4, w12 = tl.split(eeo)
+    w2, w10 = tl.split(eoe)
+    w6, w14 = tl.split(eoo)
+    w1, w9 = tl.split(oee)
+    w5, w13 = tl.split(oeo)
+    w3, w11 = tl.split(ooe)
+    w7, w15 = tl.split(ooo)
     return w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15
+
+
+@triton.jit
+def _four_words(w, BLOCK: tl.constexpr):
+    """uint32 [BLOCK, 4] -> its 4 columns, each [BLOCK], in order."""
+    e, o = _deal(w, BLOCK, 4)
+    w0, w2 = tl.split(e)
+    w1, w3 = tl.split(o)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _at(q, x0, x1, x2, x3):
+    """x_q, q in 0..3 (the same for every lane)."""
+    return tl.where(q == 0, x0, tl.where(q == 1, x1, tl.where(q == 2, x2, x3)))
+
+
+@triton.jit
+def _funnel(a, b, s):
+    """The big-endian word that starts s bytes (0..3) into the pair of words a, b: (a << 8s) | (b >> (32 - 8s)),
+    without a shift by 32 where s = 0 (b >> 1 >> 31 is 0)."""
+    return (a << (8 * s)) | ((b >> 1) >> (31 - 8 * s))
+
+
+@triton.jit
+def _message(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, x16, x17, x18, x19, phase):
+    """The 16 words of a 64-byte block that starts `phase` bytes (0..15) into the 80 bytes of the big-endian
+    words x0..x19."""
+    q, s = (phase // 4).to(tl.uint32), (phase % 4).to(tl.uint32)
+    u0, u1, u2, u3 = _at(q, x0, x1, x2, x3), _at(q, x1, x2, x3, x4), _at(q, x2, x3, x4, x5), _at(q, x3, x4, x5, x6)
+    u4, u5, u6, u7 = _at(q, x4, x5, x6, x7), _at(q, x5, x6, x7, x8), _at(q, x6, x7, x8, x9), _at(q, x7, x8, x9, x10)
+    u8, u9 = _at(q, x8, x9, x10, x11), _at(q, x9, x10, x11, x12)
+    u10, u11 = _at(q, x10, x11, x12, x13), _at(q, x11, x12, x13, x14)
+    u12, u13 = _at(q, x12, x13, x14, x15), _at(q, x13, x14, x15, x16)
+    u14, u15, u16 = _at(q, x14, x15, x16, x17), _at(q, x15, x16, x17, x18), _at(q, x16, x17, x18, x19)
+    return (_funnel(u0, u1, s), _funnel(u1, u2, s), _funnel(u2, u3, s), _funnel(u3, u4, s), _funnel(u4, u5, s),
+            _funnel(u5, u6, s), _funnel(u6, u7, s), _funnel(u7, u8, s), _funnel(u8, u9, s), _funnel(u9, u10, s),
+            _funnel(u10, u11, s), _funnel(u11, u12, s), _funnel(u12, u13, s), _funnel(u13, u14, s),
+            _funnel(u14, u15, s), _funnel(u15, u16, s))
 
 
 @triton.jit
@@ -137,24 +178,34 @@ def _store(out, lanes, j: tl.constexpr, h, live):
     tl.store(out + lanes * 8 + j, swapped.to(tl.int32, bitcast=True), mask=live)
 
 
-# a load's leaf count and where its leaves start (any byte): never a recompile, one compile for every file
-@triton.jit(do_not_specialize=["src", "n_leaves"])
-def sha256_leaves_kernel(src, out, k_ptr, n_leaves, LEAF: tl.constexpr, BLOCK: tl.constexpr):
-    """Program: BLOCK leaves of LEAF bytes (a multiple of 64), one per lane. src uint8 [n_leaves·LEAF]; out int32
-    [n_leaves, 8], each row the leaf's digest bytes; k_ptr int32 [72]: the 64 round constants, then the 8 initial
-    hash words (their bits). Each block is loaded as one [BLOCK, 64] tile, each row's bytes side by side (one
-    memory transaction covers consecutive bytes of a leaf, where loads a word per lane would touch BLOCK leaves
-    LEAF bytes apart: the load/store units the steps' kernels beside it use are spared), then dealt into words."""
+# a load's leaf count and the phase of its leaves' start (any byte): never a recompile, one compile for every file
+@triton.jit(do_not_specialize=["n_leaves", "phase"])
+def sha256_leaves_kernel(src, out, k_ptr, n_leaves, phase, LEAF: tl.constexpr, BLOCK: tl.constexpr):
+    """Program: BLOCK leaves of LEAF bytes (a multiple of 64), one per lane. src uint8, 16-byte aligned: the leaves
+    are its bytes phase.. (0 <= phase < 16) up to phase + n_leaves·LEAF; out int32 [n_leaves, 8], each row the
+    leaf's digest bytes; k_ptr int32 [72]: the 64 round constants, then the 8 initial hash words (their bits).
+    Each 64-byte block of a lane's leaf is read as 16-byte vectors from the aligned bytes around it (a [BLOCK, 64]
+    tile, and where phase > 0 the next 16 bytes: 5 loads a lane, where a byte at a time, 64 loads, each touching
+    BLOCK leaves LEAF bytes apart, would keep the load units the steps' kernels beside it busy), whose words are
+    dealt out and shifted by the phase. The aligned 16 bytes around the leaves' first and last byte are read
+    whole (inside the allocation, whose blocks are aligned and sized in multiples of 16 bytes); the bytes outside
+    the leaves are shifted out."""
     lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = lanes < n_leaves
-    rows = src + lanes.to(tl.int64)[:, None] * LEAF + tl.arange(0, 64)[None, :]
+    rows = src + lanes.to(tl.int64)[:, None] * LEAF
+    head, tail = tl.arange(0, 64)[None, :], tl.arange(0, 16)[None, :]
+    has_tail = ((lanes * 0 + phase) > 0)[:, None]  # a mask per row (the interpreter takes no scalar one)
     zero = tl.zeros([BLOCK], dtype=tl.uint32)
     h0, h1, h2, h3 = zero + _k(k_ptr, 64), zero + _k(k_ptr, 65), zero + _k(k_ptr, 66), zero + _k(k_ptr, 67)
     h4, h5, h6, h7 = zero + _k(k_ptr, 68), zero + _k(k_ptr, 69), zero + _k(k_ptr, 70), zero + _k(k_ptr, 71)
     for block in range(LEAF // 64 + 1):  # the leaf's blocks, then the padding block of a LEAF-byte message
-        data = live & (block < LEAF // 64)
-        tile = tl.load(rows + block * 64, mask=data[:, None], other=0)
-        w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _words(tile, BLOCK)
+        data = (live & (block < LEAF // 64))[:, None]
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _sixteen_words(
+            _be_words(tl.load(rows + block * 64 + head, mask=data, other=0), BLOCK, 64), BLOCK)
+        x16, x17, x18, x19 = _four_words(  # all 16: a mask per row loads a vector (those past the phase unused)
+            _be_words(tl.load(rows + block * 64 + 64 + tail, mask=data & has_tail, other=0), BLOCK, 16), BLOCK)
+        w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _message(
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, x16, x17, x18, x19, phase)
         pad = (zero + (block == LEAF // 64)).to(tl.uint32)  # 1 in the padding block: a 1 bit, zeros, the length
         h0, h1, h2, h3, h4, h5, h6, h7 = _compress(
             h0, h1, h2, h3, h4, h5, h6, h7, w0 | (pad << 31), w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12,

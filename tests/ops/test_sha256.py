@@ -26,9 +26,9 @@ def test_leaves_match_hashlib_at_any_offset(monkeypatch, leaf, n):
     from scute.ops import sha256_kernels
 
     g = torch.Generator().manual_seed(leaf + n)
-    data = torch.randint(0, 256, (leaf * n + 7,), dtype=torch.uint8, generator=g)
+    data = torch.randint(0, 256, (leaf * n + 16,), dtype=torch.uint8, generator=g)
     data[:leaf] = 0  # a leaf of zeros: the padding is the standard's, not a function of the bytes
-    for start in (0, 3):
+    for start in (0, 3, 8, 14):  # the leaves' start 16-byte aligned, or any byte past it
         seen = spy_launches(monkeypatch, sha256_kernels, "sha256_leaves_kernel")
         got = sha.sha256_leaves(data.to(DEVICE)[start:start + leaf * n], leaf)
         assert seen and got.shape == (n, 32) and got.dtype == torch.uint8
@@ -36,6 +36,21 @@ def test_leaves_match_hashlib_at_any_offset(monkeypatch, leaf, n):
                         for i in range(n))
         assert got.cpu().numpy().tobytes() == want
         assert sha.sha256_leaves_ref(data[start:start + leaf * n], leaf) == want
+
+
+def test_leaves_at_the_end_of_their_storage_and_in_one_that_begins_unaligned(monkeypatch):
+    """The kernel reads the aligned 16 bytes around the leaves' last byte: leaves that end their storage hash as
+    hashlib does; a storage that does not begin 16-byte aligned (no room below the leaves) is hashed from a copy."""
+    from scute.ops import sha256_kernels
+
+    g = torch.Generator().manual_seed(5)
+    data = torch.randint(0, 256, (3 * 64 + 8,), dtype=torch.uint8, generator=g).to(DEVICE)
+    assert sha.sha256_leaves(data[8:], 64).cpu().numpy().tobytes() == sha.sha256_leaves_ref(data[8:].cpu(), 64)
+    raw = bytearray(torch.randint(0, 256, (3 * 64 + 5,), dtype=torch.uint8, generator=g).numpy().tobytes())
+    unaligned = torch.frombuffer(raw, dtype=torch.uint8, offset=3, count=3 * 64)
+    seen = spy_launches(monkeypatch, sha256_kernels, "sha256_leaves_kernel")
+    got = sha.sha256_leaves(unaligned.to(DEVICE), 64)
+    assert seen and got.cpu().numpy().tobytes() == sha.sha256_leaves_ref(unaligned, 64)
 
 
 def test_no_leaves_and_the_cpu_path_without_the_interpreter(monkeypatch):
