@@ -1,7 +1,7 @@
-"""Registers, spills and load widths of the adapter kernels on sm_90 (H100/H200), compiled on a machine without a
-GPU: Triton compiles to PTX, the ptxas bundled with Triton assembles it with ``-v``, and its nvdisasm shows the
-SASS, whose innermost tensor-core loop is counted (instructions per iteration / MMAs among them). Also the
-adapter files' leaf-hash kernel (`scute.ops.sha256_kernels`: its global loads, vector and scalar).
+"""Registers, spills, shared memory and load widths of the adapter kernels on sm_90 (H100/H200), compiled on a
+machine without a GPU: Triton compiles to PTX, the ptxas bundled with Triton assembles it with ``-v``, and its
+nvdisasm shows the SASS, whose innermost tensor-core loop is counted (instructions per iteration / MMAs among
+them). Also the adapter files' leaf-hash kernel (`scute.ops.sha256_kernels`: its global loads, vector and scalar).
 
 Why: an SM holds 65536 registers, so a kernel of 4-warp programs at 255 registers runs 2 programs per SM, at 128
 registers 4; at decode every program waits on a chain of dependent loads, and the programs in flight are what
@@ -55,7 +55,8 @@ def compile_stats(fn, args: dict, constexprs: dict, num_warps: int = 4, num_stag
     signature = {**args, **{k: "constexpr" for k in constexprs}}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args) if name not in unspecialized}
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    ptx = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]
+    compiled = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx = compiled.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
@@ -66,7 +67,7 @@ def compile_stats(fn, args: dict, constexprs: dict, num_warps: int = 4, num_stag
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spill = re.search(r"(\d+) bytes spill stores", log)
     widths = Counter(re.findall(r"\b(ld\.global[\w.:]*|st\.global[\w.:]*)", ptx))
-    return dict(regs=regs, spill_bytes=int(spill.group(1)) if spill else 0,
+    return dict(regs=regs, spill_bytes=int(spill.group(1)) if spill else 0, shared_bytes=compiled.metadata.shared,
                 programs_per_sm=min(65536 // (regs * 32 * num_warps), 32),
                 vector_loads=sum(n for k, n in widths.items() if k.startswith("ld") and ".v" in k),
                 scalar_loads=sum(n for k, n in widths.items() if k.startswith("ld") and ".v" not in k),
@@ -131,12 +132,12 @@ def main() -> None:
     rows.append(("sha256 leaves LEAF=8192 BLOCK=32 w=1",
                  compile_stats(sha256_leaves_kernel, SHA256_ARGS, dict(LEAF=8192, BLOCK=32), 1,
                                unspecialized=("n_leaves", "phase"))))
-    print(f"{'kernel':<40} {'regs':>5} {'spill B':>8} {'progs/SM':>9} {'vec ld':>7} {'scalar ld':>10} {'mma':>9} "
-          f"{'loop inst/mma':>14}")
+    print(f"{'kernel':<40} {'regs':>5} {'spill B':>8} {'shared B':>9} {'progs/SM':>9} {'vec ld':>7} {'scalar ld':>10} "
+          f"{'mma':>9} {'loop inst/mma':>14}")
     for name, s in rows:
         loop = f"{s['loop_insts']}/{s['loop_mma']}" if s["loop_mma"] else "-"
-        print(f"{name:<40} {s['regs']:>5} {s['spill_bytes']:>8} {s['programs_per_sm']:>9} {s['vector_loads']:>7} "
-              f"{s['scalar_loads']:>10} {s['mma']:>9} {loop:>14}")
+        print(f"{name:<40} {s['regs']:>5} {s['spill_bytes']:>8} {s['shared_bytes']:>9} {s['programs_per_sm']:>9} "
+              f"{s['vector_loads']:>7} {s['scalar_loads']:>10} {s['mma']:>9} {loop:>14}")
 
 
 if __name__ == "__main__":

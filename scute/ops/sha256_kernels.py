@@ -112,27 +112,6 @@ def _be_words(tile, BLOCK: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _sixteen_words(w, BLOCK: tl.constexpr):
-    """uint32 [BLOCK, 16] -> its 16 columns, each [BLOCK], in order."""
-    e, o = _deal(w, BLOCK, 16)  # words 2m, 2m+1
-    ee, eo = _deal(e, BLOCK, 8)  # 4q, 4q+2
-    oe, oo = _deal(o, BLOCK, 8)  # 4q+1, 4q+3
-    eee, eeo = _deal(ee, BLOCK, 4)  # 8r, 8r+4
-    eoe, eoo = _deal(eo, BLOCK, 4)  # 8r+2, 8r+6
-    oee, oeo = _deal(oe, BLOCK, 4)  # 8r+1, 8r+5
-    ooe, ooo = _deal(oo, BLOCK, 4)  # 8r+3, 8r+7
-    w0, w8 = tl.split(eee)
-    w4, w12 = tl.split(eeo)
-    w2, w10 = tl.split(eoe)
-    w6, w14 = tl.split(eoo)
-    w1, w9 = tl.split(oee)
-    w5, w13 = tl.split(oeo)
-    w3, w11 = tl.split(ooe)
-    w7, w15 = tl.split(ooo)
-    return w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15
-
-
-@triton.jit
 def _four_words(w, BLOCK: tl.constexpr):
     """uint32 [BLOCK, 4] -> its 4 columns, each [BLOCK], in order."""
     e, o = _deal(w, BLOCK, 4)
@@ -184,26 +163,30 @@ def sha256_leaves_kernel(src, out, k_ptr, n_leaves, phase, LEAF: tl.constexpr, B
     """Program: BLOCK leaves of LEAF bytes (a multiple of 64), one per lane. src uint8, 16-byte aligned: the leaves
     are its bytes phase.. (0 <= phase < 16) up to phase + n_leaves·LEAF; out int32 [n_leaves, 8], each row the
     leaf's digest bytes; k_ptr int32 [72]: the 64 round constants, then the 8 initial hash words (their bits).
-    Each 64-byte block of a lane's leaf is read as 16-byte vectors from the aligned bytes around it (a [BLOCK, 64]
-    tile, and where phase > 0 the next 16 bytes: 5 loads a lane, where a byte at a time, 64 loads, each touching
-    BLOCK leaves LEAF bytes apart, would keep the load units the steps' kernels beside it busy), whose words are
-    dealt out and shifted by the phase. The aligned 16 bytes around the leaves' first and last byte are read
+    Each 64-byte block of a lane's leaf is read as 16-byte vectors from the aligned bytes around it (four, and
+    where phase > 0 the next: 5 loads a lane, where a byte at a time, 64 loads, each touching BLOCK leaves LEAF
+    bytes apart, would keep the load units the steps' kernels beside it busy), each [BLOCK, 16] tile held a lane
+    to a thread (no shared memory, which a kernel beside it may want whole), its words dealt out and shifted by
+    the phase. The aligned 16 bytes around the leaves' first and last byte are read
     whole (inside the allocation, whose blocks are aligned and sized in multiples of 16 bytes); the bytes outside
     the leaves are shifted out."""
     lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = lanes < n_leaves
     rows = src + lanes.to(tl.int64)[:, None] * LEAF
-    head, tail = tl.arange(0, 64)[None, :], tl.arange(0, 16)[None, :]
+    vector = tl.arange(0, 16)[None, :]
     has_tail = ((lanes * 0 + phase) > 0)[:, None]  # a mask per row (the interpreter takes no scalar one)
     zero = tl.zeros([BLOCK], dtype=tl.uint32)
     h0, h1, h2, h3 = zero + _k(k_ptr, 64), zero + _k(k_ptr, 65), zero + _k(k_ptr, 66), zero + _k(k_ptr, 67)
     h4, h5, h6, h7 = zero + _k(k_ptr, 68), zero + _k(k_ptr, 69), zero + _k(k_ptr, 70), zero + _k(k_ptr, 71)
     for block in range(LEAF // 64 + 1):  # the leaf's blocks, then the padding block of a LEAF-byte message
         data = (live & (block < LEAF // 64))[:, None]
-        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _sixteen_words(
-            _be_words(tl.load(rows + block * 64 + head, mask=data, other=0), BLOCK, 64), BLOCK)
+        at = rows + block * 64 + vector  # [BLOCK, 16] tiles: a lane's 16 bytes in one thread, no shared memory
+        x0, x1, x2, x3 = _four_words(_be_words(tl.load(at, mask=data, other=0), BLOCK, 16), BLOCK)
+        x4, x5, x6, x7 = _four_words(_be_words(tl.load(at + 16, mask=data, other=0), BLOCK, 16), BLOCK)
+        x8, x9, x10, x11 = _four_words(_be_words(tl.load(at + 32, mask=data, other=0), BLOCK, 16), BLOCK)
+        x12, x13, x14, x15 = _four_words(_be_words(tl.load(at + 48, mask=data, other=0), BLOCK, 16), BLOCK)
         x16, x17, x18, x19 = _four_words(  # all 16: a mask per row loads a vector (those past the phase unused)
-            _be_words(tl.load(rows + block * 64 + 64 + tail, mask=data & has_tail, other=0), BLOCK, 16), BLOCK)
+            _be_words(tl.load(at + 64, mask=data & has_tail, other=0), BLOCK, 16), BLOCK)
         w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _message(
             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, x16, x17, x18, x19, phase)
         pad = (zero + (block == LEAF // 64)).to(tl.uint32)  # 1 in the padding block: a 1 bit, zeros, the length
