@@ -23,7 +23,10 @@ for a quick look). Per method, two tables of medians over ``--repeats``:
 Run on a GPU: ``PYTHONPATH=. python3 bench/profile_load.py --methods lora``. The host's part of each phase
 (its Python, with the slot pools the GPU path has) on a CPU, with a narrower model of the same 32 layers and
 projections: ``SCUTE_TRITON_CPU=1 TRITON_INTERPRET=1 PYTHONPATH=. python3 bench/profile_load.py --device cpu
---hidden 256`` (the pools exist once a step has run on the adapter, in the interpreter: a few seconds).
+--hidden 256`` (the pools exist once a step has run on the adapter, in the interpreter: a few seconds); with
+``--served`` the CPU takes the GPU's path for a LoRA file in the serving dtype (its own copy, folded in place,
+its slot rows prepared while it lands), whose Python is the GPU path's but for the read into pinned memory, the
+transfer and the hash kernel.
 """
 
 from __future__ import annotations
@@ -201,9 +204,15 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--hidden", type=int, default=None, help="a narrower model: this hidden size, the 8B shape's "
                    "ratios (MLP 3.5x, heads of 64, 4 query heads per KV head), a 1000-token vocabulary")
+    p.add_argument("--served", action="store_true", help="on the CPU: load as a GPU's loader does, a LoRA file in "
+                   "the serving dtype served as its own copy (the loader's matrix dtype the files' bf16)")
     p.add_argument("--root", default="/tmp/scute-bench-adapter-load")
     args = p.parse_args(argv)
     from scute import Engine
+    from scute.engine.adapter_loader import AdapterLoader
+
+    if args.served:  # bench-only: the engine on the CPU serves its adapters as converted
+        AdapterLoader.matrix_dtype = property(lambda loader: torch.bfloat16)
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -185,8 +185,8 @@ def convert_checkpoint(
     (name -> a linear layer with `weight` [out, in] and `bias`). A method registered with ``on_device=True``
     converts where the base weights are (its slots are then there: W0 is never copied off its device), the
     others on the CPU. `dense`, `interned`, `pause`, `dtype`, `options`: see `load_adapter`. The slots of a
-    plain LoRA file in the serving `dtype` on a GPU are made before their values are there: ``ckpt.land()`` queues
-    them, ``ckpt.verify()`` checks them (`start_load`)."""
+    plain LoRA file in the serving `dtype` are made before their values are there: ``ckpt.land()`` puts them
+    there (queued, on a GPU), ``ckpt.verify()`` checks them (`start_load`)."""
     interned = {} if interned is None else interned
     method = checkpoint_method(ckpt, options)
     device = weights_device(modules) if method.on_device else torch.device("cpu")
@@ -195,10 +195,9 @@ def convert_checkpoint(
     acc = acc_dtype(next((m.weight.dtype for m in modules.values()), torch.float32))
     whole = method.whole if not dense and not options else None  # all layers at once, where it takes the adapter
     span = None if ckpt.layout is None else ckpt.layout.span
-    # a file in the serving dtype, on a GPU: `whole` gets it as read, in a copy of its own there whose values land
-    # later (`AdapterCheckpoint.arriving`), and may fold into it
-    served = whole is not None and device.type == "cuda" and span is not None and span[0] == dtype \
-        and ckpt.layout.floating_only
+    # a file in the serving dtype: `whole` gets it as read, in a copy of its own where the base weights are, whose
+    # values land later (`AdapterCheckpoint.arriving`), and may fold into it
+    served = whole is not None and span is not None and span[0] == dtype and ckpt.layout.floating_only
     tensors_here = ckpt.arriving(device, pause) if served else ckpt.tensors_on(device, acc, pause)  # checked finite
     expected = targeted_modules(ckpt.config, tuple(modules))
     order = {n: i for i, n in enumerate(modules)}  # model order: the first problem first
@@ -351,7 +350,7 @@ def _correct_bias(slots: Slots, b0: Tensor | None, bias: Tensor | None) -> Slots
 @dataclass(eq=False)
 class AdapterLoad:
     """An adapter converted by `start_load`: its folded slots (``layers``), whose values may not be in place yet
-    (``arriving``: a plain LoRA file in the serving dtype on a GPU, served as the file's own device copy; its
+    (``arriving``: a plain LoRA file in the serving dtype, served as the file's own copy where W0 is; its
     slots' shapes, dtypes and addresses are final). `finish` puts them there, checks them and gives the
     `Adapter`."""
 
@@ -410,7 +409,7 @@ def load_adapter(
     while the step loop has its turn: `scute.engine.adapter_loader.Turns`).
     `dtype`: the dtype the caller serves the matrices in (the engine's on a GPU). Slots are converted in the
     accumulation dtype (float32 for a bf16 model) and folded there, and the caller casts them; a whole-adapter
-    converter given a file in `dtype` on a GPU may instead give its layers already folded in it, where the values
+    converter given a file in `dtype` may instead give its layers already folded in it, where the values
     are those the cast would give (LoRA: ``B ← s·B`` is one rounding of the float32 product either way), saving
     the float32 copies.
     `options`: the method's own load options (Poly's ``task_id``: one adapter per task); a name the method does

@@ -334,17 +334,14 @@ def bf16_lora(path, config: str = "patterns_rslora") -> None:
 def test_plain_lora_in_the_serving_dtype_is_folded_in_place_to_the_cast_of_the_float32_fold(tmp_path):
     """Given its bf16 tensors before their values (`AdapterCheckpoint.arriving`, here on the CPU), `convert_plain_lora`
     makes the slots at once and folds B ← s·B where the tensors are once they land: the values that folding in
-    float32 and casting to bf16 give, bit for bit; A is the file's tensor itself. On the CPU (the tensors may be
-    the file's own buffer) `convert_checkpoint` never lands a file that way: its slots are the float32 ones."""
+    float32 and casting to bf16 give, bit for bit; A is the file's tensor itself. `start_load` given the serving
+    dtype takes that path on the CPU too, to the same values."""
     from scute.adapters.methods.lora import convert_plain_lora
 
     bf16_lora(tmp_path)
     model = tiny_model()
     modules = conversion.linear_modules(model)
     want = {n: sl.folded() for n, sl in converted(tmp_path, model, dense=True).items()}
-    assert converted(tmp_path, model, dtype=torch.bfloat16).keys() == want.keys()
-    assert all(sl.A.dtype == torch.float32 and sl.scale != 1.0
-               for sl in converted(tmp_path, model, dtype=torch.bfloat16).values())
     ckpt = read_checkpoint(tmp_path)
     arriving = ckpt.arriving(torch.device("cpu"))
     layers = {n: {"lora_A.weight": arriving[f"base_model.model.{n}.lora_A.weight"],
@@ -362,6 +359,11 @@ def test_plain_lora_in_the_serving_dtype_is_folded_in_place_to_the_cast_of_the_f
         rounded += not torch.equal(sl.B.float(), want[name].B)  # the fold rounded: the test can tell
     assert rounded > 0
     assert all(sl is fast[n] for n, sl in fold_layers(fast).items())  # folded already: kept as it is
+    load = conversion.start_load(tmp_path, model, dtype=torch.bfloat16)
+    assert load.arriving  # the file's own copy where W0 is, folded in place once its values land
+    served = load.finish().layers
+    assert served.keys() == fast.keys()
+    assert all(torch.equal(sl.A, fast[n].A) and torch.equal(sl.B, fast[n].B) for n, sl in served.items())
     # tensors in another dtype than the serving one and the converter's: the per-layer path casts them
     other = ckpt_module.Landing(torch.float16, torch.empty(0))
     assert convert_plain_lora(ckpt.config, layers, modules, other, lambda: None) is None and not other.after
@@ -411,16 +413,19 @@ def test_a_read_that_fails_on_the_reader_threads_fails_the_load(lora_dir, monkey
         load_adapter(lora_dir, tiny_model())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_plain_lora_from_a_bf16_file_on_a_gpu_is_served_as_the_files_views():
-    """On a GPU, a bf16 LoRA loaded for a bf16 model with the serving dtype is its file's span on the device, B
-    folded there: the same tensors, bit for bit, as the float32 conversion cast to bf16 (what the engine's loader
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_plain_lora_from_a_bf16_file_is_served_as_the_files_views(device):
+    """A bf16 LoRA loaded for a bf16 model with the serving dtype is its file's span where the model is, B folded
+    there: the same tensors, bit for bit, as the float32 conversion cast to bf16 (what the engine's loader
     serves otherwise), and the device copy is the adapter itself."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as path:
         bf16_lora(path)
-        model = tiny_model(dtype=torch.bfloat16).cuda()
+        model = tiny_model(dtype=torch.bfloat16).to(device)
         fast = load_adapter(path, model, dtype=torch.bfloat16)
         slow = load_adapter(path, model).to(torch.bfloat16, vector_dtype=torch.float32)
     assert fast.layers.keys() == slow.layers.keys()
@@ -429,14 +434,15 @@ def test_plain_lora_from_a_bf16_file_on_a_gpu_is_served_as_the_files_views():
         assert all(torch.equal(x, slow.layers[name].tensors()[k]) and x.dtype == torch.bfloat16
                    for k, x in sl.tensors().items()), name
     assert len({x.untyped_storage().data_ptr() for sl in fast.layers.values() for x in sl.tensors().values()}) == 1
-    assert fast.to(torch.bfloat16, torch.device("cuda"), vector_dtype=torch.float32) is fast
+    assert fast.to(torch.bfloat16, torch.device(device), vector_dtype=torch.float32) is fast
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, None], ids=["served-as-read", "float32"])
-def test_a_non_finite_file_on_a_gpu_fails_its_load_alone(tmp_path, dtype):
-    """On a GPU (the file's span checked there, as read), a NaN in a bf16 LoRA's file fails `load_adapter`, naming
-    the tensor; in the engine the bad adapter's request fails with that error and the clean one's completes."""
+def test_a_non_finite_file_fails_its_load_alone(tmp_path, dtype, device):
+    """A NaN in a bf16 LoRA's file (its span checked where the model is, as read or cast) fails `load_adapter`,
+    naming the tensor; in the engine the bad adapter's request fails with that error and the clean one's
+    completes."""
     from scute import Engine, SamplingParams
 
     good, bad = tmp_path / "good", tmp_path / "bad"
@@ -446,11 +452,11 @@ def test_a_non_finite_file_on_a_gpu_fails_its_load_alone(tmp_path, dtype):
     tensors = {k: x.clone() for k, x in read_checkpoint(bad).tensors.items()}
     tensors[key].view(-1)[5] = float("nan")
     save_file(tensors, str(bad / WEIGHTS))
-    model = tiny_model(dtype=torch.bfloat16).cuda()
+    model = tiny_model(dtype=torch.bfloat16).to(device)
     load_adapter(good, model, dtype=dtype)
     with pytest.raises(AdapterError, match=f"tensor '{re.escape(key)}' has NaN or Inf"):
         load_adapter(bad, model, dtype=dtype)
-    engine = Engine(model, device="cuda", dtype="bfloat16", max_model_len=64)
+    engine = Engine(model, device=device, dtype="bfloat16", max_model_len=64)
     outs = engine.generate([[1, 2, 3]] * 2, SamplingParams(max_tokens=2), [str(bad), str(good)], use_tqdm=False)
     assert "NaN or Inf" in outs[0].error and outs[1].error is None
     assert engine.adapters.loader.wait_idle(60)  # its CPU-tier copy's job ended before the next test's engine
