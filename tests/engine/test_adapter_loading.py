@@ -90,6 +90,29 @@ def test_mixed_batch_by_path_matches_the_oracle(oracle, gate, monkeypatch):
                 assert torch.equal(loaded.layers[name].tensors()[key], x), (method, name, key)
 
 
+def test_a_lora_served_as_its_files_own_copy_keeps_the_oracles_tokens(oracle, monkeypatch):
+    """The GPU loader's path for a plain LoRA file in the serving dtype (`AdapterManager._job`'s arriving branch:
+    the file's own copy, its rows in the slot pools prepared before its values land, folded in place once they
+    have), taken on the CPU by giving the loader the serving dtype as a GPU's has: the Oracle's tokens, in a batch
+    with the other methods, and the LoRA's slots are views of one buffer, the file's copy."""
+    from scute.adapters.checkpoint import AdapterCheckpoint
+    from scute.engine.adapter_loader import AdapterLoader
+
+    monkeypatch.setattr(AdapterLoader, "matrix_dtype", property(lambda loader: loader.dtype))
+    arrived, arriving = [], AdapterCheckpoint.arriving
+    monkeypatch.setattr(AdapterCheckpoint, "arriving",
+                        lambda ckpt, *a, **k: (arrived.append(os.path.abspath(ckpt.path)), arriving(ckpt, *a, **k))[1])
+    prompts, adapters = mixed_requests()
+    engine = oracle.engine()
+    outputs = engine.generate(prompts, GREEDY, [None if a is None else oracle.paths[a] for a in adapters],
+                              use_tqdm=False)
+    check(oracle, outputs, prompts, adapters)
+    # LoRA's files take that path (DoRA's, a LoRA checkpoint too, lands at once for its per-layer converter)
+    assert sorted(arrived) == sorted(os.path.abspath(oracle.paths[m]) for m in ("lora", "dora"))
+    lora = engine.adapters.lookup(oracle.paths["lora"])
+    assert len({x.untyped_storage().data_ptr() for sl in lora.layers.values() for x in sl.tensors().values()}) == 1
+
+
 def test_steps_run_while_an_adapter_loads(oracle, gate):
     """While DoRA's read is held, requests on loaded adapters and the base model produce a token every step and
     the DoRA request waits; once released it completes with the Oracle's tokens."""
