@@ -277,10 +277,12 @@ def quiet_phase(clock: Clock, steps: int) -> dict:
                 quiet_collections=trace.collections)
 
 
-def slow_steps(steps: list[tuple], med: float, phase: str) -> tuple[list, list, dict]:
-    """The (row, phases) of `steps` over `SLOW` quiet medians (`med`), the others, and for each traced name in the
-    slow ones: their count, its median ms there and in the others (printed)."""
-    slow, others = [(s, ph) for s, ph in steps if s[0] > SLOW * med], [(s, ph) for s, ph in steps if s[0] <= SLOW * med]
+def slow_steps(steps: list[tuple], med: float, phase: str, at: int = 0) -> tuple[list, list, dict]:
+    """The (row, phases) of `steps` over `SLOW` quiet medians (`med`) of the rows' field `at` (0: the wall time; 3:
+    the GPU's busy time), the others, and for each traced name in the slow ones: their count, its median ms there
+    and in the others (printed)."""
+    slow = [(s, ph) for s, ph in steps if s[at] > SLOW * med]
+    others = [(s, ph) for s, ph in steps if s[at] <= SLOW * med]
     overlapped = {n: [ph[n] for _, ph in slow if n in ph] for n in {n for _, ph in slow for n in ph}}
     typical = {n: statistics.median(ph.get(n, 0.0) for _, ph in others) for n in overlapped} if others else {}
     for name, ms in sorted(overlapped.items(), key=lambda kv: -len(kv[1])):
@@ -449,6 +451,10 @@ def summary(rounds: list[dict]) -> dict:
     slow, others, slow_phases = slow_steps(steps, med, "loading")
     quiet_steps = [(s, ph) for x in rounds for s, ph in zip(x["quiet"], x["quiet_phases"])]
     quiet_slow, _, quiet_slow_phases = slow_steps(quiet_steps, med, "quiet")
+    gpu_slow_phases = {}
+    if all(s[3] is not None for s in quiet + loading):  # which of the loader's phases the GPU's slow steps overlap
+        busy = statistics.median(s[3] for s in quiet)
+        gpu_slow_phases = slow_steps(steps, busy, f"loading (GPU busy over {SLOW} quiet medians)", at=3)[2]
     gpu = {}
     for label, group in (("slow", slow), ("other", others), ("quiet", [(s, {}) for s in quiet])):
         rows = [s for s, _ in group if s[2] is not None]
@@ -483,6 +489,7 @@ def summary(rounds: list[dict]) -> dict:
         load_latency_median_ms=1e3 * statistics.median(latency), load_latency_max_ms=1e3 * max(latency),
         full_collections=len(full := [t for x in rounds for t in x["full_collections_ms"]]),
         full_collection_max_ms=max(full, default=0.0), slow_steps=len(slow), gpu=gpu, slow_step_phases=slow_phases,
+        gpu_slow_step_phases=gpu_slow_phases,
         slow_quiet_steps=len(quiet_slow), slow_quiet_step_phases=quiet_slow_phases,
         rounds=[{k: [[round(1e3 * s[0], 3), s[1], *(None if t is None else round(t, 3) for t in s[2:4]), s[4]]
                      for s in v] if k in ("quiet", "steps") else

@@ -29,7 +29,7 @@
 #   loadphases bench/profile_load.py --methods lora: a LoRA load's phases, synchronized one by one and as the loader
 #            runs them, and the loader's longest stretches between pause points (profile_load.log)
 #   background bench/bench_background_loads.py: the decode step while cold adapters load (background_loads.json)
-#   ablate   bench/bench_background_loads.py once per $ABLATE_VARIANTS (default: "none priority hash host-copy";
+#   ablate   bench/bench_background_loads.py once per $ABLATE_VARIANTS (default: "none readers4 readers8 priority";
 #            a variant is an --ablate value, "none" for none, or readers<N>: --readers N), alternating for
 #            $ABLATE_ROUNDS rounds (default 1), on one machine: what each part of a load's work costs the steps
 #            (background_<variant>_<round>.json, one line each; a run takes 80-120 s: four fit one call)
@@ -98,7 +98,7 @@ for step in $steps; do
                 grep -E 'round [0-9]|GPU in the|"(quiet_median_ms|loading_p99_ms|p99_over_quiet_fit|load_latency_median_ms)"' \
                   "$OUT/background.log"; grep -A12 "longest stretches" "$OUT/background.log" | head -13 ;;
     ablate) for round in $(seq "${ABLATE_ROUNDS:-1}"); do
-              for v in ${ABLATE_VARIANTS:-none priority hash host-copy}; do
+              for v in ${ABLATE_VARIANTS:-none readers4 readers8 priority}; do
                 a=(--ablate "$v"); [ "$v" = none ] && a=(); [[ "$v" = readers* ]] && a=(--readers "${v#readers}")
                 timeout 200 python3 bench/bench_background_loads.py "${a[@]}" \
                   --out "$OUT/background_${v}_$round.json" > "$OUT/background_${v}_$round.log" 2>&1
