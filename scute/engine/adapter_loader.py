@@ -65,6 +65,7 @@ class Load:
     pending: PendingAdapter | None = None
     waiters: set[Request] = field(default_factory=set)
     future: Future | None = None  # None: queued
+    asked: float = field(default_factory=time.perf_counter)  # when a request first asked for it
 
 
 @dataclass(eq=False)

@@ -25,8 +25,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import os
+import time
 import warnings
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
@@ -89,6 +90,9 @@ class AdapterManager:
         # bumped whenever a request not ready may have become so (a load or a placement ended, a load failed): a
         # request `ready` refused needs asking again only after that (`Scheduler`)
         self.version = 0
+        self.stats = {"device_evictions": 0, "cpu_evictions": 0}  # adapters let go of, by tier
+        self._asked: dict[str, float] = {}  # identity of a staged or placing adapter -> when its load was asked for
+        self._load_seconds: deque[float] = deque(maxlen=4096)  # asked -> placed, since `take_load_seconds`
 
     def _prepare(self, adapter: Adapter, pause: Callable[[], None]) -> dict:
         """What the loader does for an adapter it stages, after the copy: the kernel variants its placement needs
@@ -170,6 +174,7 @@ class AdapterManager:
             self._by_path[key] = adapter
             while len(self._by_path) > self.max_cpu_adapters:
                 self.loader.drop(self._by_path.popitem(last=False)[1])  # its host memory freed off this thread
+                self.stats["cpu_evictions"] += 1
         return adapter
 
     # ------------------------------------------------------------------ loads (the scheduler and the engine)
@@ -220,6 +225,7 @@ class AdapterManager:
         for ident, (_, waiters) in list(self._staged.items()):
             if not any(r.status is RequestStatus.WAITING for r in waiters):
                 del self._staged[ident]
+                self._asked.pop(ident, None)
         while self._queue and len(self._started) + len(self._staged) < MAX_PREFETCH:
             _, _, key = heapq.heappop(self._queue)
             load = self._loads.get(key)
@@ -294,6 +300,7 @@ class AdapterManager:
                     self._host_copy(load.pending.key, adapter)
             if adapter.identity not in self._slot_of:  # else the copy is not needed: the slot still holds it
                 self._staged.setdefault(adapter.identity, (staged, set()))[1].update(load.waiters)
+                self._asked.setdefault(adapter.identity, load.asked)
         done = []
         for req, error in failed:
             if req.status is RequestStatus.WAITING:
@@ -322,7 +329,27 @@ class AdapterManager:
             self._placing.discard(adapter.identity)
             self.release(adapter)
             self.version += 1
+            if (asked := self._asked.pop(adapter.identity, None)) is not None:
+                self._load_seconds.append(time.perf_counter() - asked)
         return True
+
+    def take_load_seconds(self) -> list[float]:
+        """The seconds from a request asking for an adapter not in a device slot to the end of its placement (its
+        read and conversion if the CPU tier lacked it, its copy to the device, the placement), of each placement
+        ended since the last call (the most recent 4096)."""
+        out = list(self._load_seconds)
+        self._load_seconds.clear()
+        return out
+
+    @property
+    def loads_in_progress(self) -> int:
+        """Adapters asked for and not yet placed: queued or on the loader, staged, or being placed."""
+        return len(self._loads) + len(self._staged) + len(self._placing)
+
+    @property
+    def cpu_adapters(self) -> int:
+        """Adapters the CPU tier holds: named, and cached by folder."""
+        return len(self.named) + len(self._by_path)
 
     # ------------------------------------------------------------------ device slots
     def can_activate(self, adapter: Adapter | None) -> bool:
@@ -383,6 +410,7 @@ class AdapterManager:
         slot = self._slot_of.pop(evicted)
         heapq.heappush(self._free_slots, slot)
         self.memory.drop(evicted)
+        self.stats["device_evictions"] += 1
         return slot
 
     def _group_floor(self, shared: dict[tuple, int]) -> int:

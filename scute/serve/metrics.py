@@ -34,6 +34,17 @@ class Metrics:
                                     "(shared tensors once; the budget is adapter_memory_bytes).", labels, registry=r)
         self.adapter_loads = Counter("scute:adapter_loads", "Runtime adapter loads by result.",
                                      [*labels, "result"], registry=r)
+        self.adapter_load_seconds = Histogram(
+            "scute:adapter_load_seconds", "Time from a request asking for an adapter not in a device slot to the end "
+            "of its placement (read and conversion if not in the CPU tier, copy to the device, placement).", labels,
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.adapters_loading = Gauge("scute:adapters_loading", "Adapters asked for and not yet placed.", labels,
+                                      registry=r)
+        self.adapters_cpu = Gauge("scute:adapters_cpu", "Adapters the CPU tier holds (named, and cached by folder).",
+                                  labels, registry=r)
+        self.adapter_evictions = Counter("scute:adapter_evictions", "Adapters let go of by a tier (device slots, "
+                                         "CPU).", [*labels, "tier"], registry=r)
+        self._evictions_seen = {"device_evictions": 0, "cpu_evictions": 0}
         self.model_name = model_name
 
     def observe_step(self, engine, outputs) -> None:
@@ -54,9 +65,17 @@ class Metrics:
         self.running.labels(self.model_name).set(len(scheduler.running))
         self.waiting.labels(self.model_name).set(len(scheduler.waiting))
         self.kv_usage.labels(self.model_name).set(1.0 - blocks.num_free_blocks / max(blocks.num_blocks, 1))
-        memory = engine.adapters.memory
-        self.adapters_resident.labels(self.model_name).set(len(memory.held.members))
-        self.adapter_memory.labels(self.model_name).set(memory.used())
+        m, adapters = self.model_name, engine.adapters
+        self.adapters_resident.labels(m).set(len(adapters.memory.held.members))
+        self.adapter_memory.labels(m).set(adapters.memory.used())
+        self.adapters_loading.labels(m).set(adapters.loads_in_progress)
+        self.adapters_cpu.labels(m).set(adapters.cpu_adapters)
+        for seconds in adapters.take_load_seconds():
+            self.adapter_load_seconds.labels(m).observe(seconds)
+        for key, seen in self._evictions_seen.items():
+            if (now := adapters.stats[key]) > seen:
+                self.adapter_evictions.labels(m, key.split("_")[0]).inc(now - seen)
+                self._evictions_seen[key] = now
 
     def observe_latency(self, output_tokens: int, arrival: float, first_token: float | None, end: float) -> None:
         """The latencies of a request its client saw to the end."""

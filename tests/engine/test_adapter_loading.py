@@ -238,6 +238,13 @@ def test_eviction_and_reload_keep_tokens(oracle, gate, monkeypatch):
         check(oracle, outputs, prompts, adapters)
     assert len(set(placed)) == len(METHODS) and len(placed) > len(METHODS) + 2  # placed again after eviction
     assert len(gate.loader_reads()) > len(METHODS) and len(gate.reads) == len(gate.loader_reads())  # re-read
+    # what a server reports of it (`scute.serve.metrics`): each placement's time from its request's ask, the
+    # evictions of both tiers, nothing loading at the end, the CPU tier at its bound
+    manager = engine.adapters
+    seconds = manager.take_load_seconds()
+    assert len(seconds) == len(placed) and all(s > 0 for s in seconds) and manager.take_load_seconds() == []
+    assert manager.stats["device_evictions"] >= len(placed) - 2 and manager.stats["cpu_evictions"] > 0
+    assert manager.loads_in_progress == 0 and manager.cpu_adapters == 2
     # the two adapters in the slots are served from them, the others from none (`slot_of`)
     slots = [engine.adapters.slot_of(engine.adapters.get_by_path(oracle.paths[m])) for m in METHODS]
     assert sorted(s for s in slots if s is not None) == [0, 1] and slots.count(None) == len(METHODS) - 2

@@ -227,6 +227,9 @@ def test_runtime_adapters_and_their_path_rules(server, reference, served):
         text = h.get("/metrics").text
         assert 'scute:adapter_loads_total{model_name="tiny",result="ok"}' in text
         assert metric(text, "scute:adapters_resident") >= 1 and metric(text, "scute:adapter_memory_used_bytes") > 0
+        # "late" was placed for its request: its time from the ask to the end of its placement is observed
+        assert metric_value(text, 'scute:adapter_load_seconds_count{model_name="tiny"}') >= 1
+        assert metric(text, "scute:adapters_loading") == 0 and metric(text, "scute:adapters_cpu") >= 1
 
 
 def test_64_concurrent_streams(server, reference, served):
