@@ -45,6 +45,9 @@ class Metrics:
         self.adapter_evictions = Counter("scute:adapter_evictions", "Adapters let go of by a tier (device slots, "
                                          "CPU).", [*labels, "tier"], registry=r)
         self._evictions_seen = {"device_evictions": 0, "cpu_evictions": 0}
+        self.adapter_load_seconds.labels(model_name)  # the adapters' series from the start, at zero
+        for tier in ("device", "cpu"):
+            self.adapter_evictions.labels(model_name, tier)
         self.model_name = model_name
 
     def observe_step(self, engine, outputs) -> None:

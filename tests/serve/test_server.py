@@ -230,6 +230,7 @@ def test_runtime_adapters_and_their_path_rules(server, reference, served):
         # "late" was placed for its request: its time from the ask to the end of its placement is observed
         assert metric_value(text, 'scute:adapter_load_seconds_count{model_name="tiny"}') >= 1
         assert metric(text, "scute:adapters_loading") == 0 and metric(text, "scute:adapters_cpu") >= 1
+        assert 'scute:adapter_evictions_total{model_name="tiny",tier="device"}' in text  # at zero until one is
 
 
 def test_64_concurrent_streams(server, reference, served):
