@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
 @contextlib.contextmanager
 def ablated(names: list[str], device: str):
     """Within it, the parts of a load's work `names` says are changed (`ABLATIONS`); put back on exit."""
-    from scute.adapters import safetensors_file as checkpoint
+    from scute.adapters import safetensors_file
     from scute.adapters.safetensors_file import SpanLeaves
     from scute.engine.adapter_manager import AdapterManager
 
@@ -344,16 +344,16 @@ def ablated(names: list[str], device: str):
         raise SystemExit(f"--ablate: unknown {sorted(unknown)}; known: {sorted(ABLATIONS)}")
     if "priority" in names and device != "cuda":
         raise SystemExit("--ablate priority needs CUDA (stream priorities)")
-    saved = checkpoint.sha256_leaves, AdapterManager._host_copy, checkpoint.LEAF, SpanLeaves.hash
+    saved = safetensors_file.sha256_leaves, AdapterManager._host_copy, safetensors_file.LEAF, SpanLeaves.hash
 
     def stand_in(data, leaf):
         return data.view(-1, leaf)[:, :32].contiguous()
 
     def on_readers(leaves, span):  # the file's own leaves, from its buffer once read, a run per reader thread
         if leaves._hashed is None:
-            lo, k, n = leaves.first * leaves.leaf, leaves.count, min(checkpoint.READERS, leaves.count)
+            lo, k, n = leaves.first * leaves.leaf, leaves.count, min(safetensors_file.READERS, leaves.count)
             runs = [leaves.buffer[lo + i * k // n * leaves.leaf:lo + (i + 1) * k // n * leaves.leaf] for i in range(n)]
-            leaves._hashed = [checkpoint._readers().submit(checkpoint.sha256_leaves_ref, run, leaves.leaf)
+            leaves._hashed = [safetensors_file._readers().submit(safetensors_file.sha256_leaves_ref, run, leaves.leaf)
                               for run in runs]
 
     def no_host_copy(manager, key, adapter):
@@ -362,9 +362,9 @@ def ablated(names: list[str], device: str):
 
     with contextlib.ExitStack() as stack:
         if "hash" in names:
-            checkpoint.sha256_leaves = stand_in
+            safetensors_file.sha256_leaves = stand_in
         if "cpu-hash" in names:
-            checkpoint.LEAF, SpanLeaves.hash = checkpoint.CHUNK, on_readers
+            safetensors_file.LEAF, SpanLeaves.hash = safetensors_file.CHUNK, on_readers
         if "host-copy" in names:
             AdapterManager._host_copy = no_host_copy
         if "priority" in names:
@@ -372,7 +372,7 @@ def ablated(names: list[str], device: str):
         try:
             yield
         finally:
-            checkpoint.sha256_leaves, AdapterManager._host_copy, checkpoint.LEAF, SpanLeaves.hash = saved
+            safetensors_file.sha256_leaves, AdapterManager._host_copy, safetensors_file.LEAF, SpanLeaves.hash = saved
 
 
 def run(args) -> dict:

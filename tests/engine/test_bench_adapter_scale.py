@@ -80,25 +80,25 @@ def test_background_loads_bench_ablations_apply_and_are_put_back():
     import pytest
     import torch
 
-    from scute.adapters import safetensors_file as checkpoint
+    from scute.adapters import safetensors_file
     from scute.engine.adapter_manager import AdapterManager
 
     bench = bench_module("bench_background_loads")
-    saved = checkpoint.sha256_leaves, AdapterManager._host_copy
+    saved = safetensors_file.sha256_leaves, AdapterManager._host_copy
     with bench.ablated(["hash", "host-copy"], "cpu"):
-        assert checkpoint.sha256_leaves is not saved[0] and AdapterManager._host_copy is not saved[1]
+        assert safetensors_file.sha256_leaves is not saved[0] and AdapterManager._host_copy is not saved[1]
         leaves = torch.arange(4 * 64, dtype=torch.int64).to(torch.uint8)
-        digests = checkpoint.sha256_leaves(leaves, 64)  # the stand-in still tells leaves apart
+        digests = safetensors_file.sha256_leaves(leaves, 64)  # the stand-in still tells leaves apart
         assert digests.shape == (4, 32) and len({bytes(d.tolist()) for d in digests}) == 4
-    assert (checkpoint.sha256_leaves, AdapterManager._host_copy) == saved
-    hash_, leaf = checkpoint.SpanLeaves.hash, checkpoint.LEAF
+    assert (safetensors_file.sha256_leaves, AdapterManager._host_copy) == saved
+    hash_, leaf = safetensors_file.SpanLeaves.hash, safetensors_file.LEAF
     with bench.ablated(["cpu-hash"], "cpu"):
-        assert checkpoint.LEAF == checkpoint.CHUNK
+        assert safetensors_file.LEAF == safetensors_file.CHUNK
         buffer = torch.randint(0, 256, (8 * 64,), dtype=torch.uint8)
-        leaves = checkpoint.SpanLeaves(buffer, 64, 1, 5, 64)  # leaves 1..5 of the file, on the reader threads
+        leaves = safetensors_file.SpanLeaves(buffer, 64, 1, 5, 64)  # leaves 1..5 of the file, on the reader threads
         leaves.hash(None)
-        assert leaves.result() == checkpoint.sha256_leaves_ref(buffer[64:6 * 64], 64)
-    assert (checkpoint.SpanLeaves.hash, checkpoint.LEAF) == (hash_, leaf)
+        assert leaves.result() == safetensors_file.sha256_leaves_ref(buffer[64:6 * 64], 64)
+    assert (safetensors_file.SpanLeaves.hash, safetensors_file.LEAF) == (hash_, leaf)
     with pytest.raises(SystemExit, match="unknown"):
         with bench.ablated(["nope"], "cpu"):
             pass
