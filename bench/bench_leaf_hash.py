@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     pool = ThreadPoolExecutor(READERS)
 
     def on_threads(leaf: int) -> None:
-        k = min(READERS, n * LEAF // leaf)
+        k = max(1, min(READERS, n * LEAF // leaf))  # a buffer under one leaf: one run
         runs = [(i * n // k * LEAF, (i + 1) * n // k * LEAF) for i in range(k)]
         list(pool.map(lambda r: sha256_leaves_ref(data[r[0]:r[1]], leaf), runs))
 
