@@ -2,7 +2,9 @@
 
 One daemon thread takes jobs from its own queue, one at a time in the order given, and settles each job's
 `concurrent.futures.Future`; the engine thread looks at the futures between steps (`AdapterManager.poll`) and
-never waits for one while anything can run. On CUDA a job runs with a side stream of the loader's as its current
+never waits for one while anything can run. A synchronous load (`Engine.load_adapter`, from any thread) is a job
+too, waited for (`call`): the staging buffers, the side stream and the memo of shared device matrices are the
+loader thread's alone. On CUDA a job runs with a side stream of the loader's as its current
 stream, so its copies (the adapter's tensors to the device, the base W0 a converter reads back) never queue
 behind a step; `move` records an event behind the copies and waits for it, and the engine's stream waits for it
 too before it reads the tensors (`Staged.use`), which also records them on that stream so that their memory is
@@ -247,6 +249,13 @@ class AdapterLoader:
             atexit.register(_finish_at_exit, weakref.ref(self))
         self._jobs.put((future, fn, args))
         return future
+
+    def call(self, fn: Callable, *args) -> object:
+        """``fn(*args)`` on the loader thread, after the jobs given before, waited for: its result, or its error
+        raised here. Called inside a job (on the loader thread itself), it runs there at once."""
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        return self.submit(fn, *args).result()
 
     def drop(self, *objects: object) -> None:
         """Let go of `objects` on the loader thread, at a pause point (while the step loop waits for the GPU): an

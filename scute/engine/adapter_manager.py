@@ -16,12 +16,13 @@ loads start in the arrival order of the earliest request waiting for each, at mo
 staged at once. `ready` gives a staged adapter a slot and begins its placement, which the engine advances while
 the device runs the step in flight (`place`, `Placer`); `acquire` pins a placed adapter for a request. The
 engine takes the loader's results between steps (`poll`): a failed load finishes the requests waiting for it,
-alone, with the message the synchronous load raises. Only `load_named` (and `get_by_path`) read on the caller's
-thread, and raise to it.
+alone, with the message the synchronous load raises. `load_named` (and `get_by_path`) wait for their load, a job
+of the loader's like the others, and raise its error to the caller.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import os
@@ -113,7 +114,13 @@ class AdapterManager:
         return self._load(path, name, **options)[0]
 
     def _load(self, path: str | os.PathLike, name: str | None = None, **options) -> tuple[Adapter, Adapter | None]:
-        """(the CPU tier's adapter, its device copy or None): `AdapterLoader.host_and_device`."""
+        """(the CPU tier's adapter, its device copy or None): `AdapterLoader.host_and_device`, run as a job of the
+        loader's and waited for here (its error raised here). The loader's staging buffers, stream and memo of
+        shared matrices are its own: a load on the caller's thread (a server's runtime load, on a worker thread)
+        beside a background load would copy through the same staging buffers at once."""
+        return self.loader.call(functools.partial(self._load_job, path, name, **options))
+
+    def _load_job(self, path: str | os.PathLike, name: str | None, **options) -> tuple[Adapter, Adapter | None]:
         return self.loader.host_and_device(self._convert(path, name, **options), self._moved)
 
     def _convert(self, path: str | os.PathLike, name: str | None = None, **options) -> Adapter:

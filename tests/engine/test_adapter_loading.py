@@ -21,7 +21,7 @@ from scute.engine import adapter_placer
 from scute.engine.adapter_loader import Turns
 from scute.engine.adapter_manager import MAX_PREFETCH
 from scute.engine.request import RequestStatus
-from tests.helpers import GREEDY, METHODS, PROMPTS, Oracle, bad_adapters, check, mixed_requests
+from tests.helpers import GREEDY, METHODS, PROMPTS, Oracle, bad_adapters, check, mixed_requests, tiny_model
 
 LOADER = "scute-adapter-loader"
 
@@ -111,6 +111,30 @@ def test_a_lora_served_as_its_files_own_copy_keeps_the_oracles_tokens(oracle, mo
     assert sorted(arrived) == sorted(os.path.abspath(oracle.paths[m]) for m in ("lora", "dora"))
     lora = engine.adapters.lookup(oracle.paths["lora"])
     assert len({x.untyped_storage().data_ptr() for sl in lora.layers.values() for x in sl.tensors().values()}) == 1
+
+
+def test_synchronous_loads_run_on_the_loader_and_raise_to_the_caller(oracle, gate, tmp_path):
+    """`Engine.load_adapter` and `get_by_path` wait for a job of the loader's (whose staging buffers and memo of
+    shared matrices a load on another thread would share), from any thread: the reads are the loader's, the
+    adapters those a conversion gives, a bad folder's error raised where the call was made."""
+    import shutil
+
+    engine = oracle.engine()
+    got = {}
+    worker = threading.Thread(target=lambda: got.update(ia3=engine.load_adapter("x", oracle.paths["ia3"])))
+    worker.start()  # as a server's runtime load runs, on a worker thread
+    got["vera"] = engine.adapters.get_by_path(oracle.paths["vera"])
+    worker.join(30)
+    assert sorted(path for path, _ in gate.reads) == sorted(os.path.abspath(oracle.paths[m]) for m in ("ia3", "vera"))
+    assert len(gate.loader_reads()) == 2  # none on the caller's thread
+    for method, adapter in got.items():
+        assert adapter.identity == conversion.load_adapter(oracle.paths[method], tiny_model()).identity
+    broken = tmp_path / "broken"
+    shutil.copytree(oracle.paths["lora"], broken)
+    (broken / "adapter_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="peft_type"):
+        engine.load_adapter("broken", broken)
+    assert "broken" not in engine.adapters.named
 
 
 def test_steps_run_while_an_adapter_loads(oracle, gate):
