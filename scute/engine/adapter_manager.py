@@ -350,8 +350,11 @@ class AdapterManager:
 
     @property
     def loads_in_progress(self) -> int:
-        """Adapters asked for and not yet placed: queued or on the loader, staged, or being placed."""
-        return len(self._loads) + len(self._staged) + len(self._placing)
+        """Adapters asked for and not yet placed: on the loader, queued for a request still waiting, staged, or
+        being placed."""
+        queued = sum(load.future is not None or any(r.status is RequestStatus.WAITING for r in load.waiters)
+                     for load in self._loads.values())
+        return queued + len(self._staged) + len(self._placing)
 
     @property
     def cpu_adapters(self) -> int:

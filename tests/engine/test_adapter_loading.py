@@ -325,9 +325,11 @@ def test_prefetch_on_arrival_in_order_and_bounded(oracle, gate, monkeypatch):
     engine.step()
     assert [r.request_id for r in engine.scheduler.running] == ["base0", "base1"]
     assert len(submitted) == MAX_PREFETCH < len(METHODS)
+    assert engine.adapters.loads_in_progress == len(METHODS)  # given to the loader or queued: all asked for
     gate.release.set()
     final = run(engine)
     assert gate.loader_reads() == [os.path.abspath(oracle.paths[m]) for m in METHODS]
+    assert engine.adapters.loads_in_progress == 0
     check(oracle, [final[m] for m in METHODS], [PROMPTS[3]] * len(METHODS), METHODS)
     assert final["base0"].outputs[0].token_ids == oracle.reference(None, PROMPTS[0], 12)
 
