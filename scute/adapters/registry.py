@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 Converter = Callable[["LayerCheckpoint"], "Slots"]
 # (config, each adapted layer's tensors by module name in model order, in the converter dtype, the base layers by
 # name, a `Landing` where the tensors are a file in the serving dtype (`Landing.dtype`) (as read: views of a copy
-# of their own where the base weights are, whose values land later: it may write into them in work given to `Landing.then`)
-# else None, `Pause`) -> every layer's slots, or None where the adapter is not one it converts (then the per-layer
+# of their own where the base weights are, whose values land later: it may write into them in work given to
+# `Landing.then`) else None, `Pause`) -> every layer's slots, or None where the adapter is not one it converts (then the per-layer
 # converter runs)
 WholeConverter = Callable[..., "dict[str, Slots] | None"]
 
