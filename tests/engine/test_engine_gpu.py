@@ -157,3 +157,22 @@ def test_a_new_methods_kernels_compile_on_the_loader(tmp_path, method):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     loader, step_loop, *kernels = proc.stdout.split("COMPILES")[-1].split()
     assert int(loader) > 0 and int(step_loop) == 0, (loader, step_loop, kernels)
+
+
+def test_named_loads_from_another_thread_beside_background_loads_keep_tokens(oracle):
+    """Named loads from a worker thread (as a server's runtime loads run) while the engine loads the same
+    adapters by path in the background: both go through the loader (its staging buffers and stream are its own),
+    and requests by name and by path get PEFT's tokens."""
+    import threading
+
+    prompts, adapters = mixed_requests()
+    engine = oracle.engine(device="cuda")
+    names = {m: f"named-{m}" for m in METHODS}
+    worker = threading.Thread(target=lambda: [engine.load_adapter(names[m], oracle.paths[m]) for m in METHODS])
+    worker.start()
+    by_path = engine.generate(prompts, GREEDY, specs(oracle, adapters), use_tqdm=False)
+    worker.join(120)
+    assert not worker.is_alive()
+    check(oracle, by_path, prompts, adapters)
+    by_name = engine.generate(prompts, GREEDY, [None if a is None else names[a] for a in adapters], use_tqdm=False)
+    check(oracle, by_name, prompts, adapters)
