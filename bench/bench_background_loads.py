@@ -44,6 +44,7 @@ import argparse
 import contextlib
 import gc
 import importlib
+import json
 import os
 import statistics
 import sys
@@ -292,6 +293,41 @@ def slow_steps(steps: list[tuple], med: float, phase: str, at: int = 0) -> tuple
                           for n, ms in overlapped.items()}
 
 
+def phases_of(path: str) -> dict:
+    """A saved result's loading steps read one by one (its `rounds`, ms): those whose GPU busy time ran over `SLOW`
+    quiet medians of it against the others, how many of each overlapped each phase of the loader's, and the
+    medians of their launch and of the step loop's work after its wait (`_outputs` and the untraced rest); and the
+    wall time of the steps that follow a step whose wall ran over `SLOW` quiet medians (printed)."""
+    with open(path) as f:
+        rounds = json.load(f)["rounds"]
+    quiet = [s for r in rounds for s in r["quiet"]]
+    if any(s[3] is None for r in rounds for s in r["quiet"] + r["steps"]):
+        raise SystemExit(f"{path}: a run without GPU times (on the CPU)")
+    busy, wall = statistics.median(s[3] for s in quiet), statistics.median(s[0] for s in quiet)
+    steps = [(s, ph) for r in rounds for s, ph in zip(r["steps"], r["phases"])]
+    groups = {"GPU-slow": [(s, ph) for s, ph in steps if s[3] > SLOW * busy],
+              "other": [(s, ph) for s, ph in steps if s[3] <= SLOW * busy]}
+    own = {*STEP_PARTS, "untraced", "step loop CPU", "step loop off CPU", "longest loader stretch"}
+    names = sorted({n for _, ph in steps for n, ms in ph.items() if ms > 0 and n not in own})
+    out = {"quiet_busy_median_ms": busy, "quiet_wall_median_ms": wall}
+    print(f"quiet steps: GPU busy median {busy:.2f} ms, wall median {wall:.2f} ms; loading steps:")
+    for label, group in groups.items():
+        row = dict(steps=len(group), overlapped={n: sum(ph.get(n, 0) > 0 for _, ph in group) for n in names},
+                   launch_median_ms=statistics.median(ph.get("launch", 0.0) for _, ph in group),
+                   after_wait_median_ms=statistics.median(ph.get("_outputs", 0.0) + ph.get("untraced", 0.0)
+                                                          for _, ph in group))
+        out[label] = row
+        print(f"  {label} ({row['steps']}): launch {row['launch_median_ms']:.2f} ms, after the wait "
+              f"{row['after_wait_median_ms']:.2f} ms; overlapped " + ", ".join(
+                  f"{n} {k}" for n, k in sorted(row["overlapped"].items(), key=lambda kv: -kv[1]) if k))
+    after = [r["steps"][i + 1][0] for r in rounds for i, s in enumerate(r["steps"][:-1]) if s[0] > SLOW * wall]
+    out["after_slow_wall_median_ms"] = statistics.median(after) if after else None
+    if after:
+        print(f"  the {len(after)} steps after a step whose wall ran over {SLOW} quiet medians: wall median "
+              f"{out['after_slow_wall_median_ms']:.2f} ms")
+    return out
+
+
 def relative(steps: list[tuple], fit: tuple[float, float]) -> list[float]:
     """Each step's wall time over the quiet steps' fit at its KV tokens."""
     slope, intercept = fit
@@ -324,7 +360,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"{k}: {v}" for k, v in ABLATIONS.items()))
     p.add_argument("--root", default="/tmp/scute-bench-background")
     p.add_argument("--out", default="background_loads.json")
+    p.add_argument("--phases-of", metavar="RESULT", help="no run: read a saved result's steps (`phases_of`)")
     args = p.parse_args(argv)
+    if args.phases_of:
+        return phases_of(args.phases_of)
     if args.readers is not None:  # before the first read makes the readers' pool
         from scute.adapters import safetensors_file
 
@@ -349,12 +388,10 @@ def ablated(names: list[str], device: str):
     def stand_in(data, leaf):
         return data.view(-1, leaf)[:, :32].contiguous()
 
-    def on_readers(leaves, span):  # the file's own leaves, from its buffer once read, a run per reader thread
+    def on_readers(leaves, span):  # the file's own leaves, from its buffer once read
         if leaves._hashed is None:
-            lo, k, n = leaves.first * leaves.leaf, leaves.count, min(safetensors_file.READERS, leaves.count)
-            runs = [leaves.buffer[lo + i * k // n * leaves.leaf:lo + (i + 1) * k // n * leaves.leaf] for i in range(n)]
-            leaves._hashed = [safetensors_file._readers().submit(safetensors_file.sha256_leaves_ref, run, leaves.leaf)
-                              for run in runs]
+            lo = leaves.first * leaves.leaf
+            leaves.hash_on_readers(leaves.buffer[lo:lo + leaves.count * leaves.leaf])
 
     def no_host_copy(manager, key, adapter):
         if manager._by_path.get(key) is adapter:

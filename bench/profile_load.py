@@ -208,11 +208,21 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
                    "the serving dtype served as its own copy (the loader's matrix dtype the files' bf16)")
     p.add_argument("--root", default="/tmp/scute-bench-adapter-load")
     args = p.parse_args(argv)
-    from scute import Engine
     from scute.engine.adapter_loader import AdapterLoader
 
+    served = vars(AdapterLoader)["matrix_dtype"]  # the property itself, put back after
     if args.served:  # bench-only: the engine on the CPU serves its adapters as converted
         AdapterLoader.matrix_dtype = property(lambda loader: torch.bfloat16)
+    try:
+        return run(args)
+    finally:
+        AdapterLoader.matrix_dtype = served
+
+
+def run(args) -> dict[str, dict[str, dict[str, float]]]:
+    """The tables and stretches of `main` (the loader's matrix dtype as it set it)."""
+    from scute import Engine
+
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -79,7 +79,11 @@ class SpanLeaves:
             self._stream = torch.cuda.current_stream(leaves.device)
             self._hashed = sha256_leaves(leaves, leaf)
             return
-        n = min(READERS, self.count)
+        self.hash_on_readers(leaves)
+
+    def hash_on_readers(self, leaves: Tensor) -> None:
+        """Hash `leaves` (the span's whole leaves, on the CPU) with hashlib on the reader threads, a run each."""
+        leaf, n = self.leaf, min(READERS, self.count)
         self._hashed = [_readers().submit(sha256_leaves_ref, leaves[k * self.count // n * leaf:
                                                                     (k + 1) * self.count // n * leaf], leaf)
                         for k in range(n)]

@@ -91,7 +91,7 @@ class AdapterManager:
         # bumped whenever a request not ready may have become so (a load or a placement ended, a load failed): a
         # request `ready` refused needs asking again only after that (`Scheduler`)
         self.version = 0
-        self.stats = {"device_evictions": 0, "cpu_evictions": 0}  # adapters let go of, by tier
+        self.evictions = {"device": 0, "cpu": 0}  # adapters let go of, by tier
         self._asked: dict[str, float] = {}  # identity of a staged or placing adapter -> when its load was asked for
         self._load_seconds: deque[float] = deque(maxlen=4096)  # asked -> placed, since `take_load_seconds`
 
@@ -121,11 +121,10 @@ class AdapterManager:
         return self.loader.call(functools.partial(self._load_job, path, name, **options))
 
     def _load_job(self, path: str | os.PathLike, name: str | None, **options) -> tuple[Adapter, Adapter | None]:
-        return self.loader.host_and_device(self._convert(path, name, **options), self._moved)
-
-    def _convert(self, path: str | os.PathLike, name: str | None = None, **options) -> Adapter:
-        """A folder read, validated and converted (on the GPU for the methods that convert where W0 is)."""
-        return self._checked(self._start_load(path, name, **options).finish())
+        """`_load` on the loader: the folder read, validated and converted (on the GPU for the methods that
+        convert where W0 is), then as the CPU tier keeps it and its device copy."""
+        converted = self._checked(self._start_load(path, name, **options).finish())
+        return self.loader.host_and_device(converted, self._moved)
 
     def _start_load(self, path: str | os.PathLike, name: str | None = None, **options) -> AdapterLoad:
         """`start_load` of a folder (its values may still be landing), its rank checked."""
@@ -181,7 +180,7 @@ class AdapterManager:
             self._by_path[key] = adapter
             while len(self._by_path) > self.max_cpu_adapters:
                 self.loader.drop(self._by_path.popitem(last=False)[1])  # its host memory freed off this thread
-                self.stats["cpu_evictions"] += 1
+                self.evictions["cpu"] += 1
         return adapter
 
     # ------------------------------------------------------------------ loads (the scheduler and the engine)
@@ -420,7 +419,7 @@ class AdapterManager:
         slot = self._slot_of.pop(evicted)
         heapq.heappush(self._free_slots, slot)
         self.memory.drop(evicted)
-        self.stats["device_evictions"] += 1
+        self.evictions["device"] += 1
         return slot
 
     def _group_floor(self, shared: dict[tuple, int]) -> int:

@@ -44,9 +44,9 @@ class Metrics:
                                   labels, registry=r)
         self.adapter_evictions = Counter("scute:adapter_evictions", "Adapters let go of by a tier (device slots, "
                                          "CPU).", [*labels, "tier"], registry=r)
-        self._evictions_seen = {"device_evictions": 0, "cpu_evictions": 0}
+        self._evictions_seen = {"device": 0, "cpu": 0}  # the engine's counts already added to the counter
         self.adapter_load_seconds.labels(model_name)  # the adapters' series from the start, at zero
-        for tier in ("device", "cpu"):
+        for tier in self._evictions_seen:
             self.adapter_evictions.labels(model_name, tier)
         self.model_name = model_name
 
@@ -75,10 +75,10 @@ class Metrics:
         self.adapters_cpu.labels(m).set(adapters.cpu_adapters)
         for seconds in adapters.take_load_seconds():
             self.adapter_load_seconds.labels(m).observe(seconds)
-        for key, seen in self._evictions_seen.items():
-            if (now := adapters.stats[key]) > seen:
-                self.adapter_evictions.labels(m, key.split("_")[0]).inc(now - seen)
-                self._evictions_seen[key] = now
+        for tier, seen in self._evictions_seen.items():
+            if (now := adapters.evictions[tier]) > seen:
+                self.adapter_evictions.labels(m, tier).inc(now - seen)
+                self._evictions_seen[tier] = now
 
     def observe_latency(self, output_tokens: int, arrival: float, first_token: float | None, end: float) -> None:
         """The latencies of a request its client saw to the end."""

@@ -31,6 +31,24 @@ def test_background_loads_bench_places_every_cold_adapter(tmp_path):
     assert "slow_quiet_step_phases" in saved
 
 
+def test_background_loads_bench_reads_a_saved_runs_steps(tmp_path):
+    """`--phases-of`: a saved result's GPU-slow loading steps against the others, the phases each overlapped, their
+    launch and work after the wait, and the walls of the steps after a slow one."""
+    quiet = [[8.0, 1, 0.0, 9.0, 0]] * 3
+    steps = [[8.0, 1, 0.0, 9.0, 0], [12.0, 1, 0.0, 11.0, 0], [6.0, 1, 0.0, 9.0, 0], [8.0, 1, 0.0, 9.0, 0]]
+    phases = [{"launch": 1.0, "_outputs": 0.5, "untraced": 0.5, "pack": 2.0},
+              {"launch": 3.0, "_outputs": 1.0, "untraced": 2.0, "start_load": 4.0, "wait": 3.0},
+              {"launch": 1.0, "_outputs": 0.5, "untraced": 0.5}, {"launch": 1.0, "_outputs": 0.5, "untraced": 0.5}]
+    path = tmp_path / "bg.json"
+    path.write_text(json.dumps({"rounds": [{"quiet": quiet, "steps": steps, "phases": phases}]}))
+    out = bench_module("bench_background_loads").main(["--phases-of", str(path)])
+    assert out["GPU-slow"]["steps"] == 1 and out["other"]["steps"] == 3
+    assert out["GPU-slow"]["overlapped"] == {"pack": 0, "start_load": 1}
+    assert out["other"]["overlapped"] == {"pack": 1, "start_load": 0}
+    assert out["GPU-slow"]["launch_median_ms"] == 3.0 and out["GPU-slow"]["after_wait_median_ms"] == 3.0
+    assert out["after_slow_wall_median_ms"] == 6.0
+
+
 def test_turns_bench_times_the_host_work_beside_the_loads(tmp_path):
     from scute.engine.adapter_loader import AdapterLoader, Turns
 

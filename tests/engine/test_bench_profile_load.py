@@ -13,9 +13,9 @@ def test_profile_load_times_each_part_and_puts_them_back(tmp_path, capsys):
     from scute.engine.adapter_loader import AdapterLoader, Turns
 
     def parts():
-        return (Turns.pause, AdapterLoader.submit, conversion.read_checkpoint, conversion.convert_checkpoint, conversion.fold_layers, Digest.hexdigest,
-                AdapterLoader.device_copy, *(vars(AdapterCheckpoint)[p] for p in ("tensors_on", "arriving", "land",
-                                                                                   "verify", "buffer")))
+        return (Turns.pause, AdapterLoader.submit, vars(AdapterLoader)["matrix_dtype"], conversion.read_checkpoint,
+                conversion.convert_checkpoint, conversion.fold_layers, Digest.hexdigest, AdapterLoader.device_copy,
+                *(vars(AdapterCheckpoint)[p] for p in ("tensors_on", "arriving", "land", "verify", "buffer")))
 
     before = parts()
     result = bench_module("profile_load").main(["--device", "cpu", "--layers", "2", "--hidden", "64", "--repeats",
@@ -34,4 +34,9 @@ def test_profile_load_times_each_part_and_puts_them_back(tmp_path, capsys):
                                                                      reverse=True)
     assert all(st["count"] > 0 and st["wall_max_ms"] >= st["wall_median_ms"] > 0 and st["cpu_max_ms"] >= 0
                for st in stretches.values())
+    assert parts() == before
+    # --served: the GPU's path for a LoRA file in the serving dtype (its views before its values, landed later)
+    served = bench_module("profile_load").main(["--device", "cpu", "--layers", "2", "--hidden", "64", "--repeats",
+                                                "1", "--root", str(tmp_path), "--served"])["as_run"]["lora"]
+    assert served["arriving"] > 0 and served["land"] > 0 and served["checked"] == 0 and run["arriving"] == 0
     assert parts() == before
