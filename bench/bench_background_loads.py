@@ -34,6 +34,7 @@ waits for the step loop's turn), ``--slice`` `Turns.slice_s` (0: it waits at eve
 then hold nothing: what collections cost the steps). ``--ablate`` changes parts of a load's work (`ABLATIONS`,
 comma-separated; bench-only stand-ins, not options of the engine) to tell what each costs the steps: run it beside
 a run without, on one machine (``bash bench/run_gpu.sh ablate``); ``--readers`` the threads that read a file.
+``--phases-of RESULT`` runs nothing: it reads a saved result step by step (`phases_of`).
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/bench_background_loads.py --out background_loads.json``.
 """
