@@ -103,7 +103,7 @@ def random_llama(config: dict, device: str = "cuda", dtype: torch.dtype = torch.
 
     torch.manual_seed(0)
     with torch.device(device):
-        return LlamaForCausalLM._from_config(LlamaConfig(**config), torch_dtype=dtype).eval()
+        return LlamaForCausalLM._from_config(LlamaConfig(**config), dtype=dtype).eval()
 
 
 def kv_bytes_per_token(cfg, itemsize: int = 2) -> int:
@@ -214,7 +214,7 @@ def peft_baseline(model_cfg, paths: list[str], batch: int, prompt_len: int, new_
     from transformers import LlamaForCausalLM
 
     with torch.device("cuda"):
-        base = LlamaForCausalLM._from_config(model_cfg, torch_dtype=torch.bfloat16).eval()
+        base = LlamaForCausalLM._from_config(model_cfg, dtype=torch.bfloat16).eval()
     model = PeftModel.from_pretrained(base, paths[0], adapter_name="a0", low_cpu_mem_usage=True)
     names = ["a0"]
     for i, path in enumerate(paths[1:batch], start=1):
@@ -244,7 +244,7 @@ def static_baseline(model_cfg, batches: list[int], prompt_len: int, new_tokens: 
     from transformers import LlamaForCausalLM
 
     with torch.device("cuda"):
-        model = LlamaForCausalLM._from_config(model_cfg, torch_dtype=torch.bfloat16).eval()
+        model = LlamaForCausalLM._from_config(model_cfg, dtype=torch.bfloat16).eval()
     rows = []
     for batch in batches:
         ids = torch.randint(0, model_cfg.vocab_size, (batch, prompt_len), device="cuda")
@@ -297,7 +297,7 @@ def main() -> None:
     baseline_cfg = LlamaConfig(**{**LLAMA3_8B, "num_hidden_layers": args.layers})  # the engine sets cfg's attention
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = LlamaForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16).eval()
+        model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval()
     cases, batches = args.cases.split(","), [int(b) for b in args.batches.split(",")]
     paths = {}
     t = time.perf_counter()

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = LlamaConfig(**{**TINY, "num_hidden_layers": args.layers})
     torch.manual_seed(0)
     with torch.device(args.device):
-        model = LlamaForCausalLM._from_config(cfg, torch_dtype=torch.float32).eval()
+        model = LlamaForCausalLM._from_config(cfg, dtype=torch.float32).eval()
     paths = B.make_adapters(model, args.method, 4, os.path.join(args.root, args.method))
     engine = Engine(model, device=args.device, dtype="float32", max_adapters=args.slots, enforce_eager=True)
     adapters = [engine.adapters.loader.to_device(engine.adapters.get_by_path(p), engine.adapters._moved)

@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = LlamaConfig(**(TINY if args.tiny else {**B.LLAMA3_8B, "num_hidden_layers": args.layers}))
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(cfg, torch_dtype=dtype).eval()
+        model = LlamaForCausalLM._from_config(cfg, dtype=dtype).eval()
     counts = [int(n) for n in args.adapters.split(",")]
     result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", layers=cfg.num_hidden_layers,
                   prompt=args.prompt, new_tokens=args.new_tokens, popularity=args.popularity, slo=args.slo,

@@ -76,7 +76,7 @@ def main() -> None:
     cfg = LlamaConfig(**{**B.LLAMA3_8B, "num_hidden_layers": args.layers})
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = LlamaForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16).eval()
+        model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval()
     paths = {m: B.make_adapters(model, m, 64 if m == "lora" else 13, args.root) for m in B.MIX}
     engine = Engine(model, device="cuda", dtype="bfloat16", max_adapters=64, max_num_seqs=64, max_model_len=512,
                     max_adapter_rank=256, max_cpu_adapters=128, kv_cache_memory_bytes=2 << 30)

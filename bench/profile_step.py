@@ -67,7 +67,7 @@ def main() -> None:
     cfg = LlamaConfig(**{**B.LLAMA3_8B, "num_hidden_layers": args.layers})
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = LlamaForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16).eval()
+        model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval()
     paths = B.make_adapters(model, "lora", args.adapters, args.root) if args.adapters else []
     engine = Engine(model, device="cuda", dtype="bfloat16", max_adapters=max(1, args.adapters),
                     max_num_seqs=args.batch, max_model_len=512, enforce_eager=True,
