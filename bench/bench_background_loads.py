@@ -21,7 +21,8 @@ collections of the garbage collector (any generation) ran during them and how lo
 (schedule, launch, the wait for the GPU, placements, the tokens' landing and the outputs; `Trace`: the functions
 of `TRACED` wrapped while both phases run; ``untraced``: the step's time in none of its own parts), beside those
 parts' median in the phase's other steps, the step loop's CPU time in the step and the time it was neither on a
-CPU nor waiting for the GPU (waiting for the interpreter lock, mostly), and the longest of the loader's stretches
+CPU nor waiting for the GPU, split into its time waiting for a core and blocked (on the interpreter lock, mostly),
+with the loader's and the reader threads' CPU time in the step (`schedstat.py`), and the longest of the loader's stretches
 between its pause points that overlapped it (`stretches.py`: a step loop's turn that begins inside one shares the
 interpreter lock until it ends), with the longest kinds of stretch over the loading phases; on CUDA, for the slow
 steps, the other loading steps and the quiet ones, how long the GPU sat idle before each step's launch and
@@ -57,6 +58,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_engine as B  # noqa: E402
 from bench_request_rate import TINY, percentile  # noqa: E402
+from schedstat import ThreadTimes  # noqa: E402
 from stretches import Stretches  # noqa: E402
 from stretches import summary as stretch_summary  # noqa: E402
 
@@ -70,6 +72,9 @@ ABLATIONS = {
                  "would be asked for (read again when asked)",
     "priority": "the engine and its steps on a CUDA stream of the highest priority (the loader's at the default)",
 }
+THREADS = ThreadTimes()
+THREAD_TIMES = ("step loop CPU", "step loop off CPU", "step loop run queue", "step loop blocked", "loader CPU",
+                "loader run queue", "readers CPU", "readers run queue")  # per step (`step_phases`)
 SLOW = 1.15  # a loading step over this many quiet medians (the bar on the p99) is slow: what it overlapped is reported
 
 
@@ -252,21 +257,32 @@ def loading_phase(engine, clock: Clock, cold: list[str], args) -> dict:
                 collections=trace.collections, stretches=trace.stretches.records)
 
 
-def timed_step(clock: Clock, trace: Trace, spans: list[tuple[float, float, float]]) -> int:
-    """`clock.step()`, with the step's start, end and the step loop's CPU seconds in it but in its wait for the
-    GPU (`InFlight.wait`, which may spin: not the step loop's work) appended to `spans`."""
+def timed_step(clock: Clock, trace: Trace, spans: list[tuple]) -> int:
+    """`clock.step()`, with the step's start, end, the step loop's CPU seconds in it but in its wait for the GPU
+    (`InFlight.wait`, which may spin: not the step loop's work) and the threads' scheduler times in it
+    (`ThreadTimes.delta`) appended to `spans`."""
+    before = THREADS.sample()
     start, cpu, wait_cpu = time.perf_counter(), time.thread_time(), trace.cpu.get("wait", 0.0)
     index = clock.step()
-    spans.append((start, time.perf_counter(), time.thread_time() - cpu - (trace.cpu.get("wait", 0.0) - wait_cpu)))
+    end, cpu = time.perf_counter(), time.thread_time() - cpu - (trace.cpu.get("wait", 0.0) - wait_cpu)
+    spans.append((start, end, cpu, THREADS.delta(before, THREADS.sample())))
     return index
 
 
-def step_phases(trace: Trace, start: float, end: float, cpu: float) -> dict[str, float]:
-    """`Trace.overlaps` of a step, with the step loop's CPU ms in it (``step loop CPU``) and the ms it was neither
-    on a CPU nor waiting for the GPU (``step loop off CPU``: waiting for the interpreter lock, or for a core)."""
+def step_phases(trace: Trace, start: float, end: float, cpu: float, threads: dict[str, float]) -> dict[str, float]:
+    """`Trace.overlaps` of a step, with the step loop's CPU ms in it (``step loop CPU``), the ms it was neither on
+    a CPU nor waiting for the GPU (``step loop off CPU``), and of that its ms on a run queue, waiting for a core
+    (``step loop run queue``: too many threads runnable) and the rest (``step loop blocked``: waiting for a lock,
+    the interpreter lock mostly); the loader's and the reader threads' ms on a CPU and on a run queue in the step
+    (``loader CPU``, ``readers run queue``, ...: `schedstat.ThreadTimes`; none where Linux does not report
+    them)."""
     phases = trace.overlaps(start, end)
     wall = 1e3 * (end - start)
-    return {**phases, "step loop CPU": 1e3 * cpu, "step loop off CPU": wall - 1e3 * cpu - phases.get("wait", 0.0)}
+    off = wall - 1e3 * cpu - phases.get("wait", 0.0)
+    out = {**phases, "step loop CPU": 1e3 * cpu, "step loop off CPU": off}
+    if "step loop run queue" in threads:
+        out["step loop blocked"] = max(0.0, off - threads["step loop run queue"])
+    return {**out, **{k: ms for k, ms in threads.items() if k != "step loop CPU"}}  # the CPU less the wait's above
 
 
 def quiet_phase(clock: Clock, steps: int) -> dict:
@@ -287,7 +303,11 @@ def slow_steps(steps: list[tuple], med: float, phase: str, at: int = 0) -> tuple
     others = [(s, ph) for s, ph in steps if s[at] <= SLOW * med]
     overlapped = {n: [ph[n] for _, ph in slow if n in ph] for n in {n for _, ph in slow for n in ph}}
     typical = {n: statistics.median(ph.get(n, 0.0) for _, ph in others) for n in overlapped} if others else {}
-    for name, ms in sorted(overlapped.items(), key=lambda kv: -len(kv[1])):
+    own = [n for n in (*STEP_PARTS, "untraced", "longest loader stretch", *THREAD_TIMES) if n in overlapped]
+    if own:  # in every step: their medians
+        print(f"  the {len(slow)} slow {phase} steps' own parts and threads, median ms (in the others): " + ", ".join(
+            f"{n} {statistics.median(overlapped[n]):.2f} ({typical.get(n, 0.0):.2f})" for n in own))
+    for name, ms in sorted(((n, ms) for n, ms in overlapped.items() if n not in own), key=lambda kv: -len(kv[1])):
         print(f"  {name} overlapped {len(ms)} of the {len(slow)} slow {phase} steps (median "
               f"{statistics.median(ms):.1f} ms; {typical.get(name, 0.0):.1f} ms in the other {phase} steps)")
     return slow, others, {n: dict(steps=len(ms), median_ms=statistics.median(ms), other_steps_median_ms=typical.get(n))
@@ -297,8 +317,9 @@ def slow_steps(steps: list[tuple], med: float, phase: str, at: int = 0) -> tuple
 def phases_of(path: str) -> dict:
     """A saved result's loading steps read one by one (its `rounds`, ms): those whose GPU busy time ran over `SLOW`
     quiet medians of it against the others, how many of each overlapped each phase of the loader's, and the
-    medians of their launch and of the step loop's work after its wait (`_outputs` and the untraced rest); and the
-    wall time of the steps that follow a step whose wall ran over `SLOW` quiet medians (printed)."""
+    medians of their launch, of the step loop's work after its wait (`_outputs` and the untraced rest) and of the
+    threads' times in them (`THREAD_TIMES`, where the run has them); and the wall time of the steps that follow a
+    step whose wall ran over `SLOW` quiet medians (printed)."""
     with open(path) as f:
         rounds = json.load(f)["rounds"]
     quiet = [s for r in rounds for s in r["quiet"]]
@@ -308,7 +329,7 @@ def phases_of(path: str) -> dict:
     steps = [(s, ph) for r in rounds for s, ph in zip(r["steps"], r["phases"])]
     groups = {"GPU-slow": [(s, ph) for s, ph in steps if s[3] > SLOW * busy],
               "other": [(s, ph) for s, ph in steps if s[3] <= SLOW * busy]}
-    own = {*STEP_PARTS, "untraced", "step loop CPU", "step loop off CPU", "longest loader stretch"}
+    own = {*STEP_PARTS, "untraced", "longest loader stretch", *THREAD_TIMES}
     names = sorted({n for _, ph in steps for n, ms in ph.items() if ms > 0 and n not in own})
     out = {"quiet_busy_median_ms": busy, "quiet_wall_median_ms": wall}
     print(f"quiet steps: GPU busy median {busy:.2f} ms, wall median {wall:.2f} ms; loading steps:")
@@ -317,10 +338,14 @@ def phases_of(path: str) -> dict:
                    launch_median_ms=statistics.median(ph.get("launch", 0.0) for _, ph in group),
                    after_wait_median_ms=statistics.median(ph.get("_outputs", 0.0) + ph.get("untraced", 0.0)
                                                           for _, ph in group))
+        row["threads_median_ms"] = {n: statistics.median(ph[n] for _, ph in group if n in ph)
+                                    for n in THREAD_TIMES if group and any(n in ph for _, ph in group)}
         out[label] = row
         print(f"  {label} ({row['steps']}): launch {row['launch_median_ms']:.2f} ms, after the wait "
               f"{row['after_wait_median_ms']:.2f} ms; overlapped " + ", ".join(
                   f"{n} {k}" for n, k in sorted(row["overlapped"].items(), key=lambda kv: -kv[1]) if k))
+        if row["threads_median_ms"]:
+            print("    medians: " + ", ".join(f"{n} {ms:.2f} ms" for n, ms in row["threads_median_ms"].items()))
     after = [r["steps"][i + 1][0] for r in rounds for i, s in enumerate(r["steps"][:-1]) if s[0] > SLOW * wall]
     out["after_slow_wall_median_ms"] = statistics.median(after) if after else None
     if after:

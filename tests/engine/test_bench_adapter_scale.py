@@ -28,6 +28,10 @@ def test_background_loads_bench_places_every_cold_adapter(tmp_path):
     # so were the quiet steps' own parts (the step loop's: no loader phase among them)
     assert all(len(r["quiet_phases"]) == 5 and all("schedule" in o for o in r["quiet_phases"]) for r in saved["rounds"])
     assert not any("convert_checkpoint" in o for r in saved["rounds"] for o in r["quiet_phases"])
+    # each step's thread times (Linux's schedstat): the step loop's split, the loader's CPU while it loads
+    steps = [o for r in saved["rounds"] for o in r["phases"] + r["quiet_phases"]]
+    assert all(o["step loop run queue"] >= 0 and o["step loop blocked"] >= 0 for o in steps)
+    assert sum(o.get("loader CPU", 0) for r in saved["rounds"] for o in r["phases"]) > 0
     assert "slow_quiet_step_phases" in saved
 
 
@@ -36,9 +40,10 @@ def test_background_loads_bench_reads_a_saved_runs_steps(tmp_path):
     launch and work after the wait, and the walls of the steps after a slow one."""
     quiet = [[8.0, 1, 0.0, 9.0, 0]] * 3
     steps = [[8.0, 1, 0.0, 9.0, 0], [12.0, 1, 0.0, 11.0, 0], [6.0, 1, 0.0, 9.0, 0], [8.0, 1, 0.0, 9.0, 0]]
-    phases = [{"launch": 1.0, "_outputs": 0.5, "untraced": 0.5, "pack": 2.0},
-              {"launch": 3.0, "_outputs": 1.0, "untraced": 2.0, "start_load": 4.0, "wait": 3.0},
-              {"launch": 1.0, "_outputs": 0.5, "untraced": 0.5}, {"launch": 1.0, "_outputs": 0.5, "untraced": 0.5}]
+    phases = [{"launch": 1.0, "_outputs": 0.5, "untraced": 0.5, "pack": 2.0, "readers CPU": 0.0},
+              {"launch": 3.0, "_outputs": 1.0, "untraced": 2.0, "start_load": 4.0, "wait": 3.0, "readers CPU": 9.0},
+              {"launch": 1.0, "_outputs": 0.5, "untraced": 0.5, "readers CPU": 1.0},
+              {"launch": 1.0, "_outputs": 0.5, "untraced": 0.5, "readers CPU": 2.0}]
     path = tmp_path / "bg.json"
     path.write_text(json.dumps({"rounds": [{"quiet": quiet, "steps": steps, "phases": phases}]}))
     out = bench_module("bench_background_loads").main(["--phases-of", str(path)])
@@ -47,6 +52,8 @@ def test_background_loads_bench_reads_a_saved_runs_steps(tmp_path):
     assert out["other"]["overlapped"] == {"pack": 1, "start_load": 0}
     assert out["GPU-slow"]["launch_median_ms"] == 3.0 and out["GPU-slow"]["after_wait_median_ms"] == 3.0
     assert out["after_slow_wall_median_ms"] == 6.0
+    assert out["GPU-slow"]["threads_median_ms"] == {"readers CPU": 9.0}  # thread times: medians, not overlaps
+    assert out["other"]["threads_median_ms"] == {"readers CPU": 1.0}
 
 
 def test_turns_bench_times_the_host_work_beside_the_loads(tmp_path):
