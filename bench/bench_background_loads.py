@@ -22,11 +22,11 @@ collections of the garbage collector (any generation) ran during them and how lo
 of `TRACED` wrapped while both phases run; ``untraced``: the step's time in none of its own parts), beside those
 parts' median in the phase's other steps, the step loop's CPU time in the step and the time it was neither on a
 CPU nor waiting for the GPU, split into its time waiting for a core and blocked (on the interpreter lock, mostly),
-with the loader's and the reader threads' CPU time in the step (`schedstat.py`), and the longest of the loader's stretches
-between its pause points that overlapped it (`stretches.py`: a step loop's turn that begins inside one shares the
-interpreter lock until it ends), with the longest kinds of stretch over the loading phases; on CUDA, for the slow
-steps, the other loading steps and the quiet ones, how long the GPU sat idle before each step's launch and
-how long it ran the step (`Clock`: slower GPU work, or a host that launched late). The ratios: p99 over
+with the loader's and the reader threads' CPU time in the step (`schedstat.py`), and the longest of the loader's
+stretches between its pause points that overlapped it (`stretches.py`: a step loop's turn that begins inside one
+shares the interpreter lock until it ends), with the longest kinds of stretch over the loading phases; on CUDA,
+for the slow steps, the other loading steps and the quiet ones, how long the GPU sat idle before each step's
+launch and how long it ran the step (`Clock`: slower GPU work, or a host that launched late). The ratios: p99 over
 the quiet median, and (the figure) p99 of each loading step's time over the quiet steps' linear fit in their KV
 tokens at its own (the context grows as the phases run, and a decode step with it). ``--switch-interval`` sets
 `AdapterLoader.switch_interval` (``default`` keeps it), ``--max-pause`` `Turns.max_pause` (0: the loader never
