@@ -71,6 +71,8 @@ ABLATIONS = {
     "host-copy": "the CPU tier keeps no copy of an adapter converted on the GPU: its entry is dropped where the copy "
                  "would be asked for (read again when asked)",
     "priority": "the engine and its steps on a CUDA stream of the highest priority (the loader's at the default)",
+    "ungated-readers": "the reader threads read a file whatever the step loop does, a run in one read call each (no "
+                       "`Turns.gate` between parts)",
 }
 THREADS = ThreadTimes()
 THREAD_TIMES = ("step loop CPU", "step loop off CPU", "step loop run queue", "step loop blocked", "loader CPU",
@@ -403,13 +405,15 @@ def ablated(names: list[str], device: str):
     """Within it, the parts of a load's work `names` says are changed (`ABLATIONS`); put back on exit."""
     from scute.adapters import safetensors_file
     from scute.adapters.safetensors_file import SpanLeaves
+    from scute.engine.adapter_loader import Turns
     from scute.engine.adapter_manager import AdapterManager
 
     if unknown := set(names) - set(ABLATIONS):
         raise SystemExit(f"--ablate: unknown {sorted(unknown)}; known: {sorted(ABLATIONS)}")
     if "priority" in names and device != "cuda":
         raise SystemExit("--ablate priority needs CUDA (stream priorities)")
-    saved = safetensors_file.sha256_leaves, AdapterManager._host_copy, safetensors_file.LEAF, SpanLeaves.hash
+    saved = (safetensors_file.sha256_leaves, AdapterManager._host_copy, safetensors_file.LEAF, SpanLeaves.hash,
+             Turns.gate)
 
     def stand_in(data, leaf):
         return data.view(-1, leaf)[:, :32].contiguous()
@@ -430,12 +434,15 @@ def ablated(names: list[str], device: str):
             safetensors_file.LEAF, SpanLeaves.hash = safetensors_file.CHUNK, on_readers
         if "host-copy" in names:
             AdapterManager._host_copy = no_host_copy
+        if "ungated-readers" in names:
+            Turns.gate = None  # the loads' `read_gate`: none
         if "priority" in names:
             stack.enter_context(torch.cuda.stream(torch.cuda.Stream(priority=-100)))
         try:
             yield
         finally:
-            safetensors_file.sha256_leaves, AdapterManager._host_copy, safetensors_file.LEAF, SpanLeaves.hash = saved
+            (safetensors_file.sha256_leaves, AdapterManager._host_copy, safetensors_file.LEAF, SpanLeaves.hash,
+             Turns.gate) = saved
 
 
 def run(args) -> dict:

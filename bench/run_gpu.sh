@@ -29,7 +29,7 @@
 #   loadphases bench/profile_load.py --methods lora: a LoRA load's phases, synchronized one by one and as the loader
 #            runs them, and the loader's longest stretches between pause points (profile_load.log)
 #   background bench/bench_background_loads.py: the decode step while cold adapters load (background_loads.json)
-#   ablate   bench/bench_background_loads.py once per $ABLATE_VARIANTS (default: "none readers4 readers8 priority";
+#   ablate   bench/bench_background_loads.py once per $ABLATE_VARIANTS (default: "none ungated-readers readers4 priority";
 #            a variant is an --ablate value, "none" for none, or readers<N>: --readers N), alternating for
 #            $ABLATE_ROUNDS rounds (default 1), on one machine: what each part of a load's work costs the steps
 #            (background_<variant>_<round>.json, one line each; a run takes 80-120 s: four fit one call)
@@ -98,7 +98,7 @@ for step in $steps; do
                 grep -E 'round [0-9]|GPU in the|"(quiet_median_ms|loading_p99_ms|p99_over_quiet_fit|load_latency_median_ms)"' \
                   "$OUT/background.log"; grep -A12 "longest stretches" "$OUT/background.log" | head -13 ;;
     ablate) for round in $(seq "${ABLATE_ROUNDS:-1}"); do
-              for v in ${ABLATE_VARIANTS:-none readers4 readers8 priority}; do
+              for v in ${ABLATE_VARIANTS:-none ungated-readers readers4 priority}; do
                 a=(--ablate "$v"); [ "$v" = none ] && a=(); [[ "$v" = readers* ]] && a=(--readers "${v#readers}")
                 timeout 200 python3 bench/bench_background_loads.py "${a[@]}" \
                   --out "$OUT/background_${v}_$round.json" > "$OUT/background_${v}_$round.log" 2>&1
@@ -113,6 +113,9 @@ print(f"{sys.argv[2]:<20} quiet median {r['quiet_median_ms']:.2f}  loading p99 {
       f"p99/fit {r['p99_over_quiet_fit']:.3f}  slow {r['slow_steps']}/{r['loading_steps']}  GPU busy slow/other "
       f"{g.get('slow', {}).get('busy_median_ms', 0):.2f}/{g.get('other', {}).get('busy_median_ms', 0):.2f} ms  "
       f"latency {r['load_latency_median_ms']:.0f} ms")
+t = r.get("gpu_slow_step_phases", {})  # the GPU-slow steps' thread times, median (in the other loading steps)
+print(" " * 21 + "  ".join(f"{n} {t[n]['median_ms']:.2f} ({t[n]['other_steps_median_ms'] or 0:.2f})" for n in (
+    "step loop CPU", "step loop run queue", "step loop blocked", "loader CPU", "readers CPU") if n in t))
 PY
               done
             done ;;

@@ -200,13 +200,14 @@ def files_signature(path: str | os.PathLike) -> tuple:
 
 
 def read_checkpoint(path: str | os.PathLike, allow_pickle: bool = False, pin_memory: bool = False,
-                    ) -> AdapterCheckpoint:
+                    gate: Callable[[], None] | None = None) -> AdapterCheckpoint:
     """Read a PEFT adapter folder. Pickled ``adapter_model.bin`` files are refused unless `allow_pickle`
     (then loaded with ``torch.load(weights_only=True)``). `pin_memory`: read the weights into pinned memory
     (for a CUDA target: `AdapterCheckpoint.tensors_on` then copies them without staging; keep neither the
     checkpoint nor views of its buffer, so that the memory is reused for the next file). Returns once a
     safetensors file's header is read: the rest is read on the reader threads while the caller works on the
-    layout (`AdapterCheckpoint.arriving`); `AdapterCheckpoint.buffer` waits for it, and raises its error."""
+    layout (`AdapterCheckpoint.arriving`); `AdapterCheckpoint.buffer` waits for it, and raises its error.
+    `gate`: called by the reader threads between parts of the file (`read_safetensors`)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise AdapterError(f"adapter {path}: no such folder (expected a PEFT folder with {CONFIG})")
@@ -224,7 +225,7 @@ def read_checkpoint(path: str | os.PathLike, allow_pickle: bool = False, pin_mem
     digest = Digest(cfg_bytes)
     st_file, bin_file = os.path.join(path, SAFETENSORS), os.path.join(path, PICKLE)
     if os.path.isfile(st_file):
-        data, layout, reading = _load_safetensors(path, st_file, digest, pin_memory)
+        data, layout, reading = _load_safetensors(path, st_file, digest, pin_memory, gate)
         return AdapterCheckpoint(path, config, digest, data, layout, reading=reading)
     elif os.path.isfile(bin_file):
         if not allow_pickle:
@@ -243,10 +244,10 @@ def read_checkpoint(path: str | os.PathLike, allow_pickle: bool = False, pin_mem
 
 
 def _load_safetensors(path: str, file: str, digest: Digest, pin_memory: bool,
-                      ) -> tuple[Tensor, Layout, list[Future]]:
+                      gate: Callable[[], None] | None) -> tuple[Tensor, Layout, list[Future]]:
     """The file's buffer, its header, and the reads of the rest still running (`read_safetensors`)."""
     try:
-        return read_safetensors(file, pin_memory, digest)
+        return read_safetensors(file, pin_memory, digest, gate)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise _corrupt(path, file, e) from e
 

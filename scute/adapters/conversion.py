@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -423,14 +423,16 @@ def load_adapter(
 def start_load(
     path: str | os.PathLike, model: nn.Module | ModelLayers, name: str | None = None, allow_pickle: bool = False,
     dense: bool = False, interned: Interned | None = None, pause: Pause = no_pause, dtype: torch.dtype | None = None,
-    **options: object,
+    read_gate: Callable[[], None] | None = None, **options: object,
 ) -> AdapterLoad:
     """`load_adapter` up to its slots: the file's values may not be on the device yet (`AdapterLoad.arriving`),
     so that a caller can work on the slots (the engine's loader: their rows in the slot pools) while the GPU
-    copies them; `AdapterLoad.finish` gives the adapter. Arguments as for `load_adapter`."""
+    copies them; `AdapterLoad.finish` gives the adapter. `read_gate`: called by the threads that read the file
+    between its parts (`read_checkpoint`); the other arguments as for `load_adapter`."""
     layers = model if isinstance(model, ModelLayers) else ModelLayers.of(model)
     modules = layers.linears
-    ckpt = read_checkpoint(path, allow_pickle=allow_pickle, pin_memory=weights_device(modules).type == "cuda")
+    ckpt = read_checkpoint(path, allow_pickle=allow_pickle, pin_memory=weights_device(modules).type == "cuda",
+                           gate=read_gate)
     pause()
     if ckpt.config.get("fan_in_fan_out") or any(is_targeted(ckpt.config, n) for n in layers.conv1d):
         raise ckpt.error(

@@ -106,6 +106,8 @@ LEAF = 8 << 10
 # hashing their leaves outside the span while the conversion goes on (`bench/bench_adapter_load.py`:
 # ``read_checkpoint_s``, the read and hash of a file).
 CHUNK = 4 << 20
+# Bytes a reader thread reads between two calls of a gate (`read_safetensors`): a few hundred µs of its read.
+PART = 1 << 20
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
@@ -119,7 +121,8 @@ def _readers() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(READERS, thread_name_prefix="scute-read")
 
 
-def read_safetensors(file: str, pin_memory: bool, digest: Digest) -> tuple[Tensor, Layout, list[Future]]:
+def read_safetensors(file: str, pin_memory: bool, digest: Digest,
+                     gate: Callable[[], None] | None = None) -> tuple[Tensor, Layout, list[Future]]:
     """The safetensors file in one buffer, its header read (an 8-byte little-endian length n, then n bytes: parsed,
     `layout_of`) and the rest being read: the futures of those reads (none where it is all read). The leaves of the
     hash tree (`LEAF` bytes read into pinned memory, else `CHUNK`) are added to `digest` in order: those inside the
@@ -127,8 +130,10 @@ def read_safetensors(file: str, pin_memory: bool, digest: Digest) -> tuple[Tenso
     file of a few chunks and more is read by up to `READERS` threads side by side, a task each over a run of the
     chunks: it reads them (one read call for all, as the file allows), says so, then hashes its leaves outside the
     span (the buffer is not written again) while the caller goes on. A task per thread, not per chunk: each task,
-    each read call and each hash takes the interpreter lock when it ends, which the step loop then waits for. The
-    file is closed once every read has ended."""
+    each read call and each hash takes the interpreter lock when it ends, which the step loop then waits for.
+    `gate`: a task reads its run `PART` bytes at a time instead, calling it before each (the engine's loader
+    passes `Turns.gate`: the reads, which take cores and memory bandwidth from the step loop's host work, wait
+    while the step loop holds its turn). The file is closed once every read has ended."""
     fd = os.open(file, os.O_RDONLY)
     left, handed = 0, False  # the reader tasks still reading, once the file is handed to them (the last closes it)
     try:
@@ -180,7 +185,11 @@ def read_safetensors(file: str, pin_memory: bool, digest: Digest) -> tuple[Tenso
             error = None
             lo, hi = runs[k][0], min(runs[k][-1] + chunk, size)
             try:
-                read(max(lo, head), hi)
+                step = hi if gate is None else PART  # the run in one read call, or a part at a time behind the gate
+                for a in range(max(lo, head), hi, step):
+                    if gate is not None:
+                        gate()
+                    read(a, min(a + step, hi))
             except BaseException as e:  # noqa: BLE001 - raised where the read is waited for
                 error = e
             with lock:

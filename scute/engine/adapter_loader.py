@@ -181,6 +181,14 @@ class Turns:
                 self._free.clear()
                 self._waited = time.perf_counter() - start
 
+    def gate(self) -> None:
+        """Where another thread's work that runs little Python but takes cores and memory bandwidth from the step
+        loop's host work (the reader threads' reads of a file, `scute.adapters.safetensors_file.read_safetensors`)
+        goes on: at once outside the step loop's turn, else once the step loop waits (for the GPU) or leaves its
+        turn, or after `max_pause`. Any thread but the step loop's."""
+        if not self._free.is_set():
+            self._free.wait(self.max_pause)
+
     def pause(self) -> None:
         """A pause point of the loader's work: waits while the step loop holds its turn, once its slice is spent;
         runs `idle` where the step loop does not hold it (the engine's garbage collections due: those of the

@@ -128,9 +128,9 @@ class AdapterManager:
 
     def _start_load(self, path: str | os.PathLike, name: str | None = None, **options) -> AdapterLoad:
         """`start_load` of a folder (its values may still be landing), its rank checked."""
-        path, pause = os.fspath(path), self.loader.turns.pause
-        load = start_load(path, self.model_layers, name, interned=self._interned, pause=pause,
-                          dtype=self.loader.matrix_dtype, **options)
+        path, turns = os.fspath(path), self.loader.turns
+        load = start_load(path, self.model_layers, name, interned=self._interned, pause=turns.pause,
+                          dtype=self.loader.matrix_dtype, read_gate=turns.gate, **options)
         rank = max((s.rank for s in load.layers.values()), default=0)
         if rank > self.max_adapter_rank:
             raise AdapterError(f"adapter {path} ({load.checkpoint.peft_type}) has rank {rank}, above "

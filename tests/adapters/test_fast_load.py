@@ -8,6 +8,7 @@ import hashlib
 import os
 import re
 import threading
+import time
 from concurrent.futures import wait
 
 import pytest
@@ -47,6 +48,32 @@ def test_reader_matches_safetensors_and_views_one_buffer(lora_dir, monkeypatch):
     save_file({k: v + (k.endswith("q_proj.lora_B.weight") and k.startswith("base_model.model.model.layers.0."))
                for k, v in want.items()}, os.path.join(lora_dir, WEIGHTS))
     assert read_checkpoint(lora_dir).identity != ckpt.identity
+
+
+def test_reader_threads_read_their_parts_behind_a_gate(lora_dir, monkeypatch):
+    """With a gate, each reader thread calls it before each `PART` bytes it reads (the engine's `Turns.gate`: no
+    read while the step loop holds its turn); reads held at the gate wait there, and the bytes are the file's."""
+    monkeypatch.setattr(safetensors_file, "CHUNK", 1024)  # a file of 8 KB: 9 chunks, 3 runs, 256-byte parts
+    monkeypatch.setattr(safetensors_file, "LEAF", 256)
+    monkeypatch.setattr(safetensors_file, "PART", 256)
+    monkeypatch.setattr(safetensors_file, "READERS", 3)
+    want = read_checkpoint(lora_dir)
+    open_gate, calls, lock = threading.Event(), [], threading.Lock()
+
+    def gate() -> None:
+        with lock:
+            calls.append(threading.current_thread().name)
+        open_gate.wait(30)
+
+    ckpt = read_checkpoint(lora_dir, gate=gate)
+    time.sleep(0.2)
+    assert ckpt.reading and not ckpt.is_read  # held at the gate
+    assert 1 <= len(calls) <= 3 and all(name.startswith("scute-read") for name in calls)
+    open_gate.set()
+    size = os.path.getsize(os.path.join(lora_dir, WEIGHTS))
+    assert torch.equal(ckpt.buffer, want.buffer) and ckpt.identity == want.identity
+    head = 8 + int.from_bytes(want.buffer[:8].numpy().tobytes(), "little")
+    assert len(calls) >= (size - head) // 256  # a call per part (a run's first part starts at a chunk's start)
 
 
 def hash_tree(folder, leaf: int) -> str:

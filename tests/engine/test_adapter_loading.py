@@ -36,6 +36,7 @@ class Gate:
         self.blocked: set[str] = set()
         self.started, self.release = threading.Event(), threading.Event()
         self.reads: list[tuple[str, str]] = []  # (folder, thread name) of every read
+        self.read_gates: list = []  # the gate each read's reader threads were given
 
     def loader_reads(self) -> list[str]:
         return [path for path, thread in self.reads if thread == LOADER]
@@ -48,6 +49,7 @@ def gate(monkeypatch):
     def gated_read(path, *args, **kwargs):
         path = os.path.abspath(os.fspath(path))
         g.reads.append((path, threading.current_thread().name))
+        g.read_gates.append(kwargs.get("gate"))
         if path in g.blocked:
             g.started.set()
             assert g.release.wait(10), "the test never released the read"
@@ -127,6 +129,7 @@ def test_synchronous_loads_run_on_the_loader_and_raise_to_the_caller(oracle, gat
     worker.join(30)
     assert sorted(path for path, _ in gate.reads) == sorted(os.path.abspath(oracle.paths[m]) for m in ("ia3", "vera"))
     assert len(gate.loader_reads()) == 2  # none on the caller's thread
+    assert gate.read_gates == [engine.adapters.loader.turns.gate] * 2  # their reads keep off the step loop's turn
     for method, adapter in got.items():
         here = conversion.load_adapter(oracle.paths[method], tiny_model())
         assert adapter.identity == here.identity and adapter.layers.keys() == here.layers.keys()
@@ -383,6 +386,33 @@ def test_frozen_cycles_are_collected_at_exit(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "cycle collected" in done.stdout
     assert "leaked" not in done.stderr
+
+
+def test_the_gate_holds_other_threads_while_the_step_loop_holds_its_turn():
+    """`Turns.gate` (where the reader threads read a file's next part): at once outside the step loop's turn; inside
+    it, until the step loop waits for the GPU; at most `max_pause` if it never does."""
+    turns, passed = Turns(), []
+    turns.max_pause = 30.0
+    turns.gate()  # no turn held: at once
+
+    def reader() -> None:
+        turns.gate()
+        passed.append(time.perf_counter())
+
+    with turns.step_loop():
+        thread = threading.Thread(target=reader)
+        thread.start()
+        time.sleep(0.2)
+        assert passed == []  # held
+        with turns.waiting():
+            thread.join(5)
+        assert len(passed) == 1
+        turns.max_pause = 0.05
+        start = time.perf_counter()
+        thread = threading.Thread(target=reader)
+        thread.start()
+        thread.join(5)
+        assert len(passed) == 2 and 0.04 <= passed[1] - start < 5  # its bound
 
 
 def test_a_held_turn_lets_the_loader_run_its_slice_then_waits():

@@ -124,6 +124,12 @@ def test_background_loads_bench_ablations_apply_and_are_put_back():
         leaves.hash(None)
         assert leaves.result() == safetensors_file.sha256_leaves_ref(buffer[64:6 * 64], 64)
     assert (safetensors_file.SpanLeaves.hash, safetensors_file.LEAF) == (hash_, leaf)
+    from scute.engine.adapter_loader import Turns
+
+    gate = Turns.gate
+    with bench.ablated(["ungated-readers"], "cpu"):
+        assert Turns().gate is None  # the loads' reads get no gate
+    assert Turns.gate is gate
     with pytest.raises(SystemExit, match="unknown"):
         with bench.ablated(["nope"], "cpu"):
             pass
