@@ -44,12 +44,16 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 MIX = ("lora", "dora", "ia3", "vera", "oft")
 
 
-def peft_config(method: str):
+def peft_config(method: str, rank: int | None = None):
+    """The bench's PEFT config of `method`; `rank`: a LoRA's or DoRA's other than 16 (alpha twice it)."""
     from peft import IA3Config, LoraConfig, OFTConfig, VeraConfig
 
+    if rank is not None and method not in ("lora", "dora"):
+        raise ValueError(f"a rank is for lora or dora, not {method}")
+    r = rank or 16
     return {
-        "lora": lambda: LoraConfig(r=16, lora_alpha=32, target_modules=ALL_LINEAR),
-        "dora": lambda: LoraConfig(r=16, lora_alpha=32, use_dora=True, target_modules=ALL_LINEAR),
+        "lora": lambda: LoraConfig(r=r, lora_alpha=2 * r, target_modules=ALL_LINEAR),
+        "dora": lambda: LoraConfig(r=r, lora_alpha=2 * r, use_dora=True, target_modules=ALL_LINEAR),
         "ia3": lambda: IA3Config(target_modules=ALL_LINEAR, feedforward_modules=["down_proj"]),
         "vera": lambda: VeraConfig(r=256, target_modules=ALL_LINEAR),
         "oft": lambda: OFTConfig(r=0, oft_block_size=32, target_modules=ALL_LINEAR),
@@ -70,21 +74,22 @@ def randomized(name: str, x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     return (0.01 * noise).to(x.dtype)
 
 
-def make_adapters(model, method: str, count: int, root: str, seed: int = 0) -> list[str]:
+def make_adapters(model, method: str, count: int, root: str, seed: int = 0, rank: int | None = None) -> list[str]:
     """`count` adapter folders of `method` for `model`: one PEFT save, then copies with fresh random tensors
-    (adapter i's drawn with seed ``1000 * MIX.index(method) + seed + i``)."""
+    (adapter i's drawn with seed ``1000 * MIX.index(method) + seed + i``); `rank` as for `peft_config`."""
     from peft import get_peft_model
     from safetensors.torch import load_file, save_file
 
-    first = os.path.join(root, f"{method}-0")
-    peft_model = get_peft_model(model, peft_config(method))
+    kind = method if rank is None else f"{method}-r{rank}"
+    first = os.path.join(root, f"{kind}-0")
+    peft_model = get_peft_model(model, peft_config(method, rank))
     peft_model.save_pretrained(first)
     peft_model.unload()  # the base model back, unchanged
     tensors = load_file(os.path.join(first, "adapter_model.safetensors"))
     paths = []
     for i in range(count):
         g = torch.Generator().manual_seed(1000 * MIX.index(method) + seed + i)
-        folder = os.path.join(root, f"{method}-{i}")
+        folder = os.path.join(root, f"{kind}-{i}")
         os.makedirs(folder, exist_ok=True)
         if i:
             with open(os.path.join(first, "adapter_config.json")) as src, \

@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--slots", type=int, default=64)
     p.add_argument("--method", default="lora", help="the adapters' method (lora, dora, ia3, vera, oft)")
+    p.add_argument("--rank", type=int, default=None, help="a LoRA's or DoRA's rank other than 16 (one not a "
+                   "multiple of 8 has its B padded, by the loader as it prepares the rows)")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--root", default="/tmp/scute-bench-place-adapter")
     p.add_argument("--out", default="place_adapter.json")
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     with torch.device(args.device):
         model = LlamaForCausalLM._from_config(cfg, dtype=torch.float32).eval()
-    paths = B.make_adapters(model, args.method, 4, os.path.join(args.root, args.method))
+    paths = B.make_adapters(model, args.method, 4, os.path.join(args.root, args.method), rank=args.rank)
     engine = Engine(model, device=args.device, dtype="float32", max_adapters=args.slots, enforce_eager=True)
     adapters = [engine.adapters.loader.to_device(engine.adapters.get_by_path(p), engine.adapters._moved)
                 for p in paths]
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     pools = {id(x.pool) for x in linears.values() if x.pool is not None}
     pools |= {id(x.group.pool) for x in linears.values() if x.group is not None and x.group.pool is not None}
     units = list(layer_pools(linears))
-    prepared = [prepare_adapter(units, a) for a in adapters]
+    prepared = [prepare_adapter(units, a, then=lambda fn: fn()) for a in adapters]  # as the loader stages them
 
     def placements(ready: bool) -> float:
         times = []
@@ -92,8 +94,9 @@ def main(argv: list[str] | None = None) -> dict:
     thread.join()
     sys.setswitchinterval(interval)
     result = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
-                  command=" ".join(sys.argv), method=args.method, layers=args.layers, pools=len(pools), slots=args.slots,
-                  prepared_pools=len(prepared[0]), switch_interval=AdapterLoader.switch_interval, ms=rows)
+                  command=" ".join(sys.argv), method=args.method, rank=args.rank, layers=args.layers,
+                  pools=len(pools), slots=args.slots, prepared_pools=len(prepared[0]),
+                  switch_interval=AdapterLoader.switch_interval, ms=rows)
     print(f"{len(pools)} pools, {args.slots} slots; ms per placement (median of {args.repeats})")
     print(f"{'':24s} {'rows built':>10s} {'prepared':>10s}")
     for name, row in rows.items():

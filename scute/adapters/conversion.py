@@ -365,6 +365,15 @@ class AdapterLoad:
         GPU while the caller goes on (on the slot pools' rows); `finish` waits for the check."""
         self.checkpoint.land()
 
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run `fn` (work that reads the slots' values: a copy of them) once the values are in place: at once if
+        they are (or were never arriving), else after they land (`Landing.then`)."""
+        landing = self.checkpoint.landing
+        if landing is None:
+            fn()
+        else:
+            landing.then(fn)
+
     def landing(self, pause: Pause) -> Pause:
         """`pause`, which lands the values (`land`) at the first pause point after the file's read has ended (before
         it waits there, or after, if the read ended meanwhile): work on the slots that reads no value (their rows

@@ -43,6 +43,7 @@ from scute.adapters.adapter import Pause, SharedMemo, copy_to, no_pause, paused
 from scute.adapters.safetensors_file import LEAF
 from scute.engine.cuda_graph import CAPTURE_GUARD
 from scute.engine.request import Request
+from scute.ops.pool_rows import Then, copies_of
 from scute.ops.sha256 import sha256_leaves
 
 
@@ -77,7 +78,8 @@ class Staged:
     adapter: Adapter
     event: torch.cuda.Event | None  # behind the copies (CUDA), None on the CPU
     prepared: dict = field(default_factory=dict)  # its rows in the slot pools, computed here (`prepare_adapter`)
-    buffers: list[Tensor] = field(default_factory=list)  # a tensor of each of its buffers (`buffers_of`)
+    buffers: list[Tensor] = field(default_factory=list)  # a tensor of each of its buffers (`buffers_of`) and of
+    # each copy its rows point to (`copies_of`)
 
     def use(self) -> Adapter:
         """The adapter, safe to read on the current stream (call on the thread that runs the steps)."""
@@ -87,6 +89,10 @@ class Staged:
             for x in self.buffers:
                 x.record_stream(stream)
         return self.adapter
+
+
+def _now(fn: Callable[[], None]) -> None:
+    fn()
 
 
 def buffers_of(adapter: Adapter, pause: Pause = no_pause) -> list[Tensor]:
@@ -211,10 +217,10 @@ class AdapterLoader:
     switch_interval: float | None = 2e-4  # seconds, while a job runs (module docstring); None: left as it is
 
     def __init__(self, device: torch.device, dtype: torch.dtype | None = None,
-                 prepare: Callable[[Adapter, Pause], dict] | None = None) -> None:
+                 prepare: Callable[[Adapter, Pause, Then], dict] | None = None) -> None:
         """`dtype`: the device slots' matrices (vectors stay float32); `prepare`: an adapter's rows in the slot
         pools, computed as it is staged so that its placement on the step loop only applies them (called with
-        the adapter and `Turns.pause`)."""
+        the adapter, `Turns.pause` and what runs work on its values once they are in place: `stage`)."""
         self.device, self.dtype, self.prepare = device, dtype, prepare
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -316,12 +322,14 @@ class AdapterLoader:
         return self.stage(self.to_device(adapter, memo))
 
     def stage(self, moved: Adapter, finish: Callable[[], Adapter] | None = None,
-              pause: Pause | None = None) -> Staged:
+              pause: Pause | None = None, then: Then = _now) -> Staged:
         """An adapter on the device, once the work queued for it on this thread's stream is done, with its rows
-        in the slot pools (`prepare`). `finish`: the rows are prepared from `moved` before its values are there
-        (`scute.adapters.AdapterLoad.arriving`), and the adapter staged is what `finish` then returns (the same
-        slots, its values in place). `pause`: the preparation's pause points (default `Turns.pause`)."""
-        prepared = {} if self.prepare is None else self.prepare(moved, pause or self.turns.pause)
+        in the slot pools (`prepare`, with the copies they need made: a B padded to a rank multiple of 8). `finish`:
+        the rows are prepared from `moved` before its values are there (`scute.adapters.AdapterLoad.arriving`),
+        and the adapter staged is what `finish` then returns (the same slots, its values in place); `then` runs
+        work that reads the values once they are (`AdapterLoad.then`; default: at once). `pause`: the
+        preparation's pause points (default `Turns.pause`)."""
+        prepared = {} if self.prepare is None else self.prepare(moved, pause or self.turns.pause, then)
         if finish is not None:
             moved = finish()
         if self.device.type != "cuda":
@@ -329,7 +337,7 @@ class AdapterLoader:
         event = torch.cuda.Event()
         event.record()  # on the loader's side stream, the current one of this thread
         event.synchronize()
-        return Staged(moved, event, prepared, buffers_of(moved, self.turns.pause))
+        return Staged(moved, event, prepared, buffers_of(moved, self.turns.pause) + copies_of(prepared))
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until every job given so far has finished (tests; shutdown); False on timeout."""

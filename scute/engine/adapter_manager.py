@@ -47,6 +47,7 @@ from scute.engine.request import Request, RequestStatus
 from scute.model.hf import layer_pools, prepare_adapter
 from scute.model.linear import ScuteLinear
 from scute.model.warmup import warm_kernels
+from scute.ops.pool_rows import Then
 
 MAX_PREFETCH = 4  # adapter loads in progress or staged on the device (waiting for a slot), at most
 
@@ -95,9 +96,10 @@ class AdapterManager:
         self._asked: dict[str, float] = {}  # identity of a staged or placing adapter -> when its load was asked for
         self._load_seconds: deque[float] = deque(maxlen=4096)  # asked -> placed, since `take_load_seconds`
 
-    def _prepare(self, adapter: Adapter, pause: Callable[[], None]) -> dict:
+    def _prepare(self, adapter: Adapter, pause: Callable[[], None], then: Then) -> dict:
         """What the loader does for an adapter it stages, after the copy: the kernel variants its placement needs
-        compiled (`warm_kernels`), its rows in the slot pools (`prepare_adapter`). A warm-up out of device memory
+        compiled (`warm_kernels`), its rows in the slot pools (`prepare_adapter`; `then` as there). A warm-up out of
+        device memory
         (its calls hold one step's activations beside the step loop's) fails nothing: the kernels then compile
         where the steps first need them."""
         try:
@@ -105,7 +107,7 @@ class AdapterManager:
         except torch.OutOfMemoryError:
             warnings.warn("scute: no device memory to compile an adapter's kernels on the adapter loader; they "
                           "compile on the first steps that need them (stalling those steps)", stacklevel=1)
-        return prepare_adapter(self._units, adapter, pause)
+        return prepare_adapter(self._units, adapter, pause, then)
 
     # ------------------------------------------------------------------ CPU tier
     def load(self, path: str | os.PathLike, name: str | None = None, **options: object) -> Adapter:
@@ -254,7 +256,7 @@ class AdapterManager:
         if load.arriving:  # its slots are the file's own device copy: their rows are prepared while the read
             # ends and the values land (`AdapterLoad.landing`: queued at the first pause point after the read)
             staged = self.loader.stage(load.adapter(""), lambda: self._checked(load.finish()),
-                                       load.landing(self.loader.turns.pause))
+                                       load.landing(self.loader.turns.pause), load.then)
             return staged.adapter, staged
         adapter = self._checked(load.finish())
         moved = self.loader.device_copy(adapter, self._moved)

@@ -11,7 +11,7 @@ from scute.adapters.adapter import Pause, no_pause, paused
 from scute.model.linear import LinearGroup, ScuteLinear
 from scute.ops.launch import LaunchResources
 from scute.ops.pool import Placement, SlotPool
-from scute.ops.pool_rows import PreparedColumn, prepare_column
+from scute.ops.pool_rows import PreparedColumn, Then, prepare_column
 
 # vLLM's packed_modules_mapping: sibling projections that read one input, served by one op call.
 PACKED_MODULES_MAPPING = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -82,16 +82,16 @@ def _apply(placement: Placement) -> None:
         vars(linear)["version"] += 1  # past `nn.Module.__setattr__`, as `ScuteLinear.assign` sets it
 
 
-def prepare_adapter(units: Sequence[tuple], adapter: Adapter,
-                    pause: Pause = no_pause) -> dict[SlotPool, PreparedColumn]:
+def prepare_adapter(units: Sequence[tuple], adapter: Adapter, pause: Pause = no_pause,
+                    then: Then | None = None) -> dict[SlotPool, PreparedColumn]:
     """`adapter`'s rows in the pools that exist now, computed from the adapter alone (`prepare_column`; the
     adapter loader's thread calls it as it stages a copy, so that the placement on the step loop only applies
-    them; `pause` before each pool). `units`: the model's `layer_pools`, walked once by the caller. Pools built or
-    replaced later are placed as usual."""
+    them; `pause` before each pool; `then`: as for `prepare_column`). `units`: the model's `layer_pools`, walked
+    once by the caller. Pools built or replaced later are placed as usual."""
     prepared = {}
 
     def add(pool: SlotPool | None, column: list) -> None:
-        if pool is not None and (ready := prepare_column(pool, column)) is not None:
+        if pool is not None and (ready := prepare_column(pool, column, then)) is not None:
             prepared[pool] = ready
 
     for linear, group, names in paused(units, pause):

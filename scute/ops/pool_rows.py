@@ -11,6 +11,7 @@ group's low-rank fields are at its representative's rows), so a placement then o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -31,6 +32,7 @@ _VECTORS = (("o", F_O, HAS_O), ("o2", F_O2, HAS_O2), ("c", F_C, HAS_C), ("v", F_
             ("t", F_T, HAS_T))
 
 Dev = Callable[[Tensor, str], Tensor]  # the pool's copy of a tensor as kind 'vec', 'mat' or 'matB' (`SlotPool._dev`)
+Then = Callable[[Callable[[], None]], None]  # runs work that reads tensors' values once they are in place
 
 
 class PreparedColumn(NamedTuple):
@@ -110,24 +112,53 @@ class _NotServed(Exception):
     pass
 
 
-def prepare_column(pool, column: Sequence[Slots | None]) -> PreparedColumn | None:
+def prepare_column(pool, column: Sequence[Slots | None], then: Then | None = None) -> PreparedColumn | None:
     """`column`'s rows in `pool`, computed from the column alone (no state of the pool but its device, dtype and
     size is read: any thread may call it): as its own group, or for slots of shared matrices (VeRA's) as a member
     of the group of slots holding the same ones (whose representative has A in the same projections: HAS_LR as
-    its own); None where a tensor is not as the pool serves it (its copy is the pool's to make)."""
+    its own); None where a tensor is not as the pool serves it (its copy is the pool's to make). With `then`, a B
+    that is as served but for its rank, not a multiple of 8, gets its padded copy here (`padded_like`), kept with
+    the rows, its values copied by work given to `then` (the caller's values may not have landed yet)."""
     if len(column) != pool.num_proj:
         return None
     facts = slot_facts(column)
     keep: dict[tuple, tuple[Tensor, Tensor]] = {}
 
     def dev(x: Tensor, kind: str) -> Tensor:
-        if not served(x, kind, pool.device, pool.dtype):
+        key = storage_key(x, kind)
+        if key in keep:
+            return keep[key][1]
+        if served(x, kind, pool.device, pool.dtype):
+            y = x
+        elif then is not None and kind == "matB" and x.device == pool.device and x.dtype == pool.dtype:
+            y = padded_like(x)
+        else:
             raise _NotServed
-        keep[storage_key(x, kind)] = (x, x)
-        return x
+        keep[key] = (x, y)
+        return y
 
     try:
         rows, width = column_rows(column, column, facts.share_key is None, dev)
     except _NotServed:
         return None
+    for x, y in keep.values():
+        if y is not x:  # the padded copies' values, once the rows are known to be the column's
+            then(functools.partial(_copy_into, y, x))
     return PreparedColumn(pool, tuple(map(id, column)), rows, width, keep, facts)
+
+
+@torch.inference_mode(False)  # a pool's copy, kept by it: a normal tensor (`SlotPool`)
+def padded_like(b: Tensor) -> Tensor:
+    """The buffer of B [out, r] as a pool serves it when r is not a multiple of 8: [out, r rounded up to 8], zeros
+    (the kernels read each row's rank values as 16-byte vectors; past r they must read zeros); `_copy_into` fills
+    it."""
+    return b.new_zeros(b.shape[0], b.shape[1] + -b.shape[1] % 8)
+
+
+def _copy_into(padded: Tensor, b: Tensor) -> None:
+    padded[:, : b.shape[1]].copy_(b)
+
+
+def copies_of(prepared: dict[object, PreparedColumn]) -> list[Tensor]:
+    """The copies prepared columns made (`padded_like`), besides the tensors they serve as they are."""
+    return [y for col in prepared.values() for x, y in col.keep.values() if y is not x]

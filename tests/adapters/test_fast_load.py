@@ -388,6 +388,13 @@ def test_plain_lora_in_the_serving_dtype_is_folded_in_place_to_the_cast_of_the_f
     assert all(sl is fast[n] for n, sl in fold_layers(fast).items())  # folded already: kept as it is
     load = conversion.start_load(tmp_path, model, dtype=torch.bfloat16)
     assert load.arriving  # the file's own copy where W0 is, folded in place once its values land
+    name = next(iter(load.layers))
+    seen = []  # work on the values given to `then`: after they land and fold, or at once once they have
+    load.then(lambda: seen.append(load.layers[name].B.clone()))
+    assert seen == []
+    load.land()
+    load.then(lambda: seen.append(load.layers[name].B.clone()))
+    assert len(seen) == 2 and all(torch.equal(b, fast[name].B) for b in seen)
     served = load.finish().layers
     assert served.keys() == fast.keys()
     assert all(torch.equal(sl.A, fast[n].A) and torch.equal(sl.B, fast[n].B) for n, sl in served.items())

@@ -594,7 +594,8 @@ def test_stage_prepares_rows_before_the_values_land_and_stages_what_finish_gives
 
     order = []
     early, done = (Adapter(n, "p", "LORA", {}, ident, {}) for n, ident in (("early", ""), ("done", "id")))
-    loader = AdapterLoader(torch.device("cpu"), prepare=lambda a, pause: order.append(("prepare", a)) or {"rows": 1})
+    loader = AdapterLoader(torch.device("cpu"),
+                           prepare=lambda a, pause, then: order.append(("prepare", a)) or {"rows": 1})
 
     def finish():
         order.append(("finish", None))
@@ -603,6 +604,13 @@ def test_stage_prepares_rows_before_the_values_land_and_stages_what_finish_gives
     staged = loader.stage(early, finish)
     assert order == [("prepare", early), ("finish", None)]
     assert staged.adapter is done and staged.prepared == {"rows": 1}
+    thens = []  # what runs work on the values: the caller's, else work run at once
+    loader.prepare = lambda a, pause, then: thens.append(then) or {}
+    loader.stage(early, finish, then=print)
+    loader.stage(early)
+    ran = []
+    thens[1](lambda: ran.append(1))
+    assert thens[0] is print and ran == [1]
 
 
 def test_a_job_given_during_the_step_loops_turn_begins_when_it_waits():

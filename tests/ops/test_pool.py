@@ -354,6 +354,41 @@ def test_rows_prepared_off_the_step_loop_place_as_the_slots_do(monkeypatch):
         assert _decoded(pool) == _decoded(fresh) and pool.facts == fresh.facts and pool.signature == fresh.signature
 
 
+def test_a_b_whose_rank_is_not_a_multiple_of_8_is_padded_as_its_rows_are_prepared():
+    """`prepare_column` given `then` (the adapter loader's: run once the values have landed): a B of rank 4 gets
+    its padded copy there (zeros past its rank), its values copied by the work given to `then`, not before (here
+    B is written between the two); placing the prepared rows then builds nothing and gives the table a fresh
+    build gives. Without `then` such a column is the pool's to copy on the step loop (None)."""
+    from scute.ops.pool import Placement
+    from scute.ops.pool_rows import copies_of, prepare_column
+
+    g = torch.Generator().manual_seed(7)
+    pool = SlotPool(8, (6, 6), 3, "cpu", torch.float32)
+    slots = [[None] * 3 for _ in range(2)]
+    pool.update(slots)
+    column = [Slots(8, 6, A=torch.randn(4, 8, generator=g), B=torch.zeros(6, 4), v=torch.rand(6, generator=g)),
+              _served(8, g)]
+    assert prepare_column(pool, column) is None
+    later = []
+    ready = prepare_column(pool, column, later.append)
+    (padded,) = copies_of({pool: ready})
+    assert padded.shape == (6, 8) and len(later) == 1 and not padded.any()
+    column[0].B.copy_(torch.randn(6, 4, generator=g))  # the values land
+    later[0]()
+    assert torch.equal(padded[:, :4], column[0].B) and not padded[:, 4:].any()
+    for p in range(2):
+        slots[p][1] = column[p]
+    placement, built = Placement({pool: ready}), []
+    fill = pool._fill_column
+    pool._fill_column = lambda *a: built.append(1) or fill(*a)
+    pool.update_slot(slots, 1, placement)
+    placement.writes.flush()
+    assert built == []  # the rows as prepared, the padded copy among the pool's
+    fresh = SlotPool(8, (6, 6), 3, "cpu", torch.float32)
+    fresh.update(slots)
+    assert _decoded(pool) == _decoded(fresh) and pool.facts == fresh.facts
+
+
 def test_placements_with_prepared_rows_equal_a_rebuild():
     """Random placements (LoRA, VeRA of three pairs, IA3-like, empty; projections adapted or not) each with the rows
     `prepare_column` computed ahead: the table, facts and shared buffers equal a fresh build of the same slots at
