@@ -19,6 +19,8 @@ Python still take the lock in turns, each at half speed; so while the step loop 
 work of a decode step launched behind the one in flight, whose outputs the requests wait for), the loader stops at
 its next pause point (`Turns.pause`: between two layers it converts, moves or prepares), until the step loop
 waits for the GPU or ends its turn; a step loop that did not wait `Turns.slice_s` gives it that long into the turn.
+The threads that read a file for a load run little Python but take cores and memory bandwidth from the step
+loop's host work: they read a part of it at a time, each once the step loop is off its turn (`Turns.gate`).
 """
 
 from __future__ import annotations
@@ -153,7 +155,8 @@ class Turns:
     much of every step, where a wait at every pause point would make a load of a few hundred pause points last as
     many steps. One that waits for the GPU gives the loader its wait, and shares the host work that bounds the
     step once the GPU is done with the loader only up to the loader's next pause point. Outside a turn, and on
-    the step loop's own thread, `pause` returns at once."""
+    the step loop's own thread, `pause` returns at once. `gate` holds other threads (the readers of a file) while
+    the step loop holds its turn, without a slice."""
 
     max_pause: float = 0.05  # seconds; 0: the loader never pauses
     slice_s: float = 5e-4  # seconds the loader runs into a turn after a shorter wait, at most one pause point more
