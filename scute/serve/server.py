@@ -62,6 +62,13 @@ def parse_adapters(items: list[str]) -> dict[str, str]:
     return adapters
 
 
+def served_line(model: str, adapters: list[str], most: int = 8) -> str:
+    """The base model's and the adapters' names for the start-up line, the adapters' cut after `most`."""
+    if len(adapters) <= most:
+        return ", ".join([model, *adapters])
+    return ", ".join([model, *adapters[:most]]) + f" and {len(adapters) - most} more adapters (GET /v1/models)"
+
+
 def make_state(engine, model: str, adapters: dict[str, str], served_model_name: str | None = None,
                api_key: str | None = None, runtime_adapter_dir: str | None = None):
     """The server's state over a built `Engine`: loads `adapters` (name -> PEFT folder) and starts the engine
@@ -70,8 +77,10 @@ def make_state(engine, model: str, adapters: dict[str, str], served_model_name: 
     from scute.serve.async_engine import AsyncEngine
     from scute.serve.metrics import Metrics
 
+    from tqdm.auto import tqdm
+
     name = served_model_name or model
-    for adapter, path in adapters.items():
+    for adapter, path in tqdm(adapters.items(), desc="Loading adapters", unit="adapter", disable=len(adapters) < 2):
         engine.load_adapter(adapter, path)
     metrics = Metrics(name)
     async_engine = AsyncEngine(engine, on_step=metrics.observe_step)
@@ -102,7 +111,7 @@ def serve_main(argv: list[str]) -> int:
         return 1
     app = build_app(state)
     url = f"http://{args.host}:{args.port}/v1"
-    print(f"scute serve: {url} serving {', '.join([state.served_model_name, *adapters]) }", flush=True)
+    print(f"scute serve: {url} serving {served_line(state.served_model_name, list(adapters))}", flush=True)
     # uvicorn shuts down gracefully on SIGINT or SIGTERM, then raises the signal again under the handler it found:
     # SIGTERM's default would end the process before the engine's shutdown below
     signal.signal(signal.SIGTERM, _exit_on_signal)

@@ -164,6 +164,14 @@ def test_models_lists_the_base_and_every_adapter(server, served):
     assert all(data[m].parent == "tiny" for m in MODELS[1:]) and data["tiny"].parent is None
 
 
+def test_the_start_up_line_names_a_few_adapters_and_counts_the_rest():
+    from scute.serve.server import served_line
+
+    assert served_line("base", ["a", "b"]) == "base, a, b"
+    many = served_line("base", [f"a{i}" for i in range(20)], most=3)
+    assert many.startswith("base, a0, a1, a2 and 17 more adapters") and "a3" not in many
+
+
 def test_auth_and_health(server):
     assert httpx.get(server[0] + "/health").status_code == 200
     r = httpx.post(server[0] + "/v1/completions", json=dict(model="tiny", prompt="a"))
