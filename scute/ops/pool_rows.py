@@ -117,8 +117,9 @@ def prepare_column(pool, column: Sequence[Slots | None], then: Then | None = Non
     size is read: any thread may call it): as its own group, or for slots of shared matrices (VeRA's) as a member
     of the group of slots holding the same ones (whose representative has A in the same projections: HAS_LR as
     its own); None where a tensor is not as the pool serves it (its copy is the pool's to make). With `then`, a B
-    that is as served but for its rank, not a multiple of 8, gets its padded copy here (`padded_like`), kept with
-    the rows, its values copied by work given to `then` (the caller's values may not have landed yet)."""
+    on the pool's device and in its dtype that is not as served (its rank not a multiple of 8, mostly) gets its
+    copy here (`padded_like`), kept with the rows, its values copied by work given to `then` (the caller's values
+    may not have landed yet)."""
     if len(column) != pool.num_proj:
         return None
     facts = slot_facts(column)
