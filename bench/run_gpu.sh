@@ -6,6 +6,8 @@
 #            the adapter files' leaf hash against hashlib
 #   engine   the engine's GPU tests: greedy tokens equal to PEFT's, further methods, attention backends, penalties,
 #            the fast load path (a LoRA served as its file's views, a bad file failing its load alone)
+#   loadtests the adapter loader's tests on the GPU: the reads, their hash and gate, the loader's turns, staging
+#            and prepared rows (an odd-rank B padded on the loader), loads beside steps and from other threads
 #   e2e      bench/bench_engine.py --eager 64: the served step's table (engine_h200.json, e2e.log)
 #   baselines bench/bench_engine.py --cases lora --batches 64 --peft --static: transformers + PEFT and static cache
 #   rate     bench/bench_request_rate.py for each of $RATE_METHODS (default: ia3 vera): N = 64 on 8 layers,
@@ -58,6 +60,10 @@ for step in $steps; do
              tests/ops/test_sha256.py tests/model/test_linear_groups.py > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log" ;;
     engine) timeout 300 python3 -m pytest -q tests/engine/test_engine_gpu.py tests/engine/test_cuda_graph_gpu.py \
              tests/engine/test_penalties.py tests/adapters/test_peft_equality.py tests/adapters/test_fast_load.py tests/model/test_attention.py > "$OUT/engine.log" 2>&1; tail -3 "$OUT/engine.log" ;;
+    loadtests) timeout 400 python3 -m pytest -q -x tests/ops/test_sha256.py tests/adapters/test_fast_load.py \
+             tests/engine/test_adapter_loading.py tests/engine/test_odd_rank_rows.py tests/ops/test_pool.py \
+             tests/engine/test_engine_gpu.py tests/engine/test_cuda_graph_gpu.py > "$OUT/loadtests.log" 2>&1
+             tail -3 "$OUT/loadtests.log" ;;
     e2e) timeout 560 python3 bench/bench_engine.py --eager 64 --out "$OUT/engine_h200.json" > "$OUT/e2e.log" 2>&1
          tail -22 "$OUT/e2e.log" ;;
     baselines) timeout 560 python3 bench/bench_engine.py --cases lora --batches 64 --new-tokens 32 --peft \
