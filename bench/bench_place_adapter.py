@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     from scute import Engine, SamplingParams
     from scute.engine.adapter_loader import AdapterLoader
     from scute.model.hf import layer_pools, place_adapter, prepare_adapter
+    from scute.ops.pool_rows import at_once
 
     cfg = LlamaConfig(**{**TINY, "num_hidden_layers": args.layers})
     torch.manual_seed(0)
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     pools = {id(x.pool) for x in linears.values() if x.pool is not None}
     pools |= {id(x.group.pool) for x in linears.values() if x.group is not None and x.group.pool is not None}
     units = list(layer_pools(linears))
-    prepared = [prepare_adapter(units, a, then=lambda fn: fn()) for a in adapters]  # as the loader stages them
+    prepared = [prepare_adapter(units, a, then=at_once) for a in adapters]  # as the loader stages them
 
     def placements(ready: bool) -> float:
         times = []

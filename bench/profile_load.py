@@ -55,6 +55,7 @@ def phases(engine, path: str, other: str, repeats: int) -> dict[str, float]:
     from scute.adapters import Adapter, read_checkpoint
     from scute.adapters.conversion import convert_checkpoint
     from scute.model.hf import place_adapter, prepare_adapter
+    from scute.ops.pool_rows import at_once
     from scute.ops.slots import fold_layers
 
     manager, device = engine.adapters, engine.adapters.device
@@ -82,7 +83,7 @@ def phases(engine, path: str, other: str, repeats: int) -> dict[str, float]:
         loader = manager.loader
         moved = loader.to_device(adapter, manager._moved)
         lap("device")
-        prepared = prepare_adapter(manager._units, moved, then=lambda fn: fn())  # as the loader stages it
+        prepared = prepare_adapter(manager._units, moved, then=at_once)  # as the loader stages it
         lap("prepare")
         place_adapter(manager.linears, 1, moved, prepared, manager._units)
         lap("place")
@@ -90,7 +91,7 @@ def phases(engine, path: str, other: str, repeats: int) -> dict[str, float]:
         rows.append(times)
     med = {k: statistics.median(r[k] for r in rows[1:]) for k in rows[0]}
     prof = cProfile.Profile()
-    prepared = prepare_adapter(manager._units, moved, then=lambda fn: fn())  # as the loader stages it
+    prepared = prepare_adapter(manager._units, moved, then=at_once)  # as the loader stages it
     prof.enable()
     place_adapter(manager.linears, 1, moved, prepared, manager._units)
     sync(device)

@@ -45,7 +45,7 @@ from scute.adapters.adapter import Pause, SharedMemo, copy_to, no_pause, paused
 from scute.adapters.safetensors_file import LEAF
 from scute.engine.cuda_graph import CAPTURE_GUARD
 from scute.engine.request import Request
-from scute.ops.pool_rows import Then, copies_of
+from scute.ops.pool_rows import Then, at_once, copies_of
 from scute.ops.sha256 import sha256_leaves
 
 
@@ -91,10 +91,6 @@ class Staged:
             for x in self.buffers:
                 x.record_stream(stream)
         return self.adapter
-
-
-def _now(fn: Callable[[], None]) -> None:
-    fn()
 
 
 def buffers_of(adapter: Adapter, pause: Pause = no_pause) -> list[Tensor]:
@@ -325,7 +321,7 @@ class AdapterLoader:
         return self.stage(self.to_device(adapter, memo))
 
     def stage(self, moved: Adapter, finish: Callable[[], Adapter] | None = None,
-              pause: Pause | None = None, then: Then = _now) -> Staged:
+              pause: Pause | None = None, then: Then = at_once) -> Staged:
         """An adapter on the device, once the work queued for it on this thread's stream is done, with its rows
         in the slot pools (`prepare`, with the copies they need made: a B padded to a rank multiple of 8). `finish`:
         the rows are prepared from `moved` before its values are there (`scute.adapters.AdapterLoad.arriving`),

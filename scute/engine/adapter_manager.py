@@ -99,9 +99,8 @@ class AdapterManager:
     def _prepare(self, adapter: Adapter, pause: Callable[[], None], then: Then) -> dict:
         """What the loader does for an adapter it stages, after the copy: the kernel variants its placement needs
         compiled (`warm_kernels`), its rows in the slot pools (`prepare_adapter`; `then` as there). A warm-up out of
-        device memory
-        (its calls hold one step's activations beside the step loop's) fails nothing: the kernels then compile
-        where the steps first need them."""
+        device memory (its calls hold one step's activations beside the step loop's) fails nothing: the kernels
+        then compile where the steps first need them."""
         try:
             warm_kernels(self._units, adapter, self.warm_tokens, self._warmed, pause)
         except torch.OutOfMemoryError:

@@ -35,6 +35,11 @@ Dev = Callable[[Tensor, str], Tensor]  # the pool's copy of a tensor as kind 've
 Then = Callable[[Callable[[], None]], None]  # runs work that reads tensors' values once they are in place
 
 
+def at_once(fn: Callable[[], None]) -> None:
+    """The `Then` of tensors whose values are in place (or queued on the current stream): runs `fn` at once."""
+    fn()
+
+
 class PreparedColumn(NamedTuple):
     """One column's rows computed ahead (`prepare_column`): valid for the pool `pool` and the slots whose ids are
     `ids`, placed as their own group, or, for a column of shared matrices (``facts.share_key`` set: `member`),
