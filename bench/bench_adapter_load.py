@@ -68,15 +68,18 @@ def measure(engine, path: str, resident: list[str], repeats: int) -> dict:
     # each pool's rows are then applied alone, and the graphs captured again)
     mine = len(resident)  # the measured adapter's slot, above theirs
     for slot, other in enumerate(resident):
-        _, staged = manager._job(other)
+        _, staged = manager.loader.call(manager._job, other)
         place_adapter(manager.linears, slot, staged.use(), staged.prepared)
     rows = []
     for i in range(repeats + 1):  # the first is the warm-up
         read_s, _ = timed(lambda: load_file(file), device)
         read_checkpoint_s, _ = timed(lambda: read_checkpoint(path, pin_memory=device.type == "cuda").identity, device)
-        total, (adapter, staged) = timed(lambda: manager._job(path), device)
-        load_s, (_, on_device) = timed(lambda: manager._load(path), device)
-        move_s = timed(lambda: manager.loader.move(adapter, manager._moved), device)[0] if on_device is None else 0.0
+        call = manager.loader.call  # on the loader thread (its side stream, its thread switch interval), as the
+        # engine runs a load
+        total, (adapter, staged) = timed(lambda: call(manager._job, path), device)
+        load_s, (_, on_device) = timed(lambda: call(manager._load, path), device)
+        move_s = timed(lambda: call(manager.loader.move, adapter, manager._moved), device)[0] if on_device is None \
+            else 0.0
         # with the rows the loader prepared as it staged the copy, as the engine places it (`Placer`)
         units = manager._units  # the pools, walked once (as the engine's Placer does)
         place_s, _ = timed(lambda: place_adapter(manager.linears, mine, staged.use(), staged.prepared, units), device)
@@ -103,10 +106,18 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tiny", action="store_true", help="a 2-layer toy model (the CPU test)")
     p.add_argument("--methods", default=",".join(B.MIX))
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--profile", default="", help="a method whose load is profiled (cProfile, top 25 by own time)")
+    p.add_argument("--profile", default="", help="a method whose load is profiled on the loader thread (cProfile, "
+                   "top 40 by own time, 50 by cumulative)")
     p.add_argument("--root", default="/tmp/scute-bench-adapter-load")
     p.add_argument("--out", default="adapter_load.json")
+    p.add_argument("--readers", type=int, default=None, help="threads that read a file (default: the engine's, "
+                   "`safetensors_file.READERS`)")
     args = p.parse_args(argv)
+    from scute.adapters import safetensors_file
+
+    if args.readers is not None:  # before the first read makes the readers' pool
+        safetensors_file._readers.cache_clear()
+        safetensors_file.READERS = args.readers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from scute import Engine
@@ -123,7 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
                     max_adapter_rank=256, max_model_len=64, max_num_seqs=4, kv_cache_memory_bytes=64 << 20)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     result = dict(device=name, torch=torch.__version__, command="PYTHONPATH=. python3 " + " ".join(sys.argv),
-                  layers=cfg.num_hidden_layers, dtype=str(dtype), threads=torch.get_num_threads(), rows=[])
+                  layers=cfg.num_hidden_layers, dtype=str(dtype), threads=torch.get_num_threads(),
+                  readers=safetensors_file.READERS, rows=[])
     import peft
     import safetensors
     import transformers
@@ -141,11 +153,17 @@ def main(argv: list[str] | None = None) -> dict:
             json.dump(result, f, indent=1)
         if method == args.profile:
             prof = cProfile.Profile()
-            prof.enable()
-            engine.adapters._job(paths[method][0])
+
+            def profiled(path: str):  # on the loader thread: cProfile sees the thread that enables it alone
+                prof.enable()
+                try:
+                    return engine.adapters._job(path)
+                finally:
+                    prof.disable()
+
+            engine.adapters.loader.call(profiled, paths[method][0])
             sync(device)
-            prof.disable()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(40)
             pstats.Stats(prof).sort_stats("cumulative").print_stats(50)
     return result
 

@@ -18,7 +18,9 @@ for a quick look). Per method, two tables of medians over ``--repeats``:
   ``read_wait`` (what its parts waited for the file's read, `AdapterCheckpoint.buffer`, within those parts),
   ``verify`` (the wait for that check), ``hash_wait`` (what the load waited for the hash), ``device``
   (`AdapterLoader.device_copy`), ``job`` (the whole, synchronized at its end) and ``place`` (synchronized): the
-  critical path of a load.
+  critical path of a load. The job runs on the loader thread (`AdapterLoader.call`), as the engine runs it;
+* the *timeline* of the run whose job took the median time: each part's first start and last end from the job's
+  start, and when each reader thread's run of the file ended (``--readers``: how many read it).
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/profile_load.py --methods lora``. The host's part of each phase
 (its Python, with the slot pools the GPU path has) on a CPU, with a narrower model of the same 32 layers and
@@ -102,8 +104,11 @@ def phases(engine, path: str, other: str, repeats: int) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def timing_parts(manager, spent: dict[str, float]):
-    """Within it, the wall time of each call of a part of a load is added to ``spent[part]``."""
+def timing_parts(manager, spent: dict[str, float], calls: list | None = None):
+    """Within it, the wall time of each call of a part of a load is added to ``spent[part]``; `calls`, if given,
+    gets (part, start, end) of each call (perf_counter), and ("read k", start, end) of each reader thread's run of
+    the file (from the read's start to its future's end)."""
+    import scute.adapters.checkpoint as checkpoint
     import scute.adapters.conversion as conversion
     from scute.adapters.checkpoint import AdapterCheckpoint
     from scute.adapters.safetensors_file import Digest
@@ -115,6 +120,8 @@ def timing_parts(manager, spent: dict[str, float]):
              (AdapterCheckpoint, "land", "land"), (AdapterCheckpoint, "buffer", "read_wait"),
              (AdapterCheckpoint, "verify", "verify"),
              (Digest, "hexdigest", "hash_wait"), (AdapterLoader, "device_copy", "device")]
+    if calls is not None:
+        parts.append((checkpoint, "read_safetensors", None))  # its reader threads' runs (`reads`)
     saved = [(owner, name, vars(owner)[name] if name in vars(owner) else None) for owner, name, _ in parts]
 
     def timed(fn, part):
@@ -124,13 +131,26 @@ def timing_parts(manager, spent: dict[str, float]):
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent[part] = spent.get(part, 0.0) + time.perf_counter() - t
+                end = time.perf_counter()
+                spent[part] = spent.get(part, 0.0) + end - t
+                if calls is not None:
+                    calls.append((part, t, end))
+        return call
+
+    def reads(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            for k, future in enumerate(out[2]):
+                future.add_done_callback(lambda _, k=k: calls.append((f"read {k}", t, time.perf_counter())))
+            return out
         return call
 
     for owner, name, part in parts:
         attr = vars(owner).get(name)
-        setattr(owner, name, property(timed(attr.fget, part)) if isinstance(attr, property)
-                else timed(getattr(owner, name), part))
+        setattr(owner, name, reads(attr) if part is None else property(timed(attr.fget, part))
+                if isinstance(attr, property) else timed(getattr(owner, name), part))
     try:
         yield
     finally:
@@ -141,26 +161,56 @@ def timing_parts(manager, spent: dict[str, float]):
                 setattr(owner, name, fn)
 
 
-def as_run(engine, path: str, repeats: int) -> tuple[dict[str, float], list]:
+def as_run(engine, path: str, repeats: int) -> tuple[dict[str, float], list, list, int]:
     """`AdapterManager._job` as the loader runs it, its parts timed inside (`timing_parts`), then the placement;
-    and the job's stretches between pause points (`Stretches`, the first job's left out)."""
+    the job's stretches between pause points (`Stretches`, the first job's left out); and the timeline of the
+    run whose job took the median time: (part, start, end) in seconds from the job's start, its reader threads'
+    runs among them, then ``job`` (synchronized) and ``place``; and the number of slot pools whose rows the loader
+    prepared."""
     manager, device = engine.adapters, engine.adapters.device
-    rows = []
+    rows, timelines = [], []
     with Stretches() as stretches:
         first = 0
         for _ in range(repeats + 1):
             spent: dict[str, float] = {}
+            calls: list[tuple[str, float, float]] = []
             sync(device)
-            with timing_parts(manager, spent), stretches.job("_job"):
+            with timing_parts(manager, spent, calls):
                 t = time.perf_counter()
-                _, staged = manager._job(path)
+                _, staged = manager.loader.call(manager._job, path)  # on the loader thread, as the engine runs it
                 sync(device)
                 spent["job"] = time.perf_counter() - t
             first = first or len(stretches.records)
+            pools = len(staged.prepared)  # whose rows the loader prepared (the others': at the placement)
             rows.append(place_timed(manager, staged, spent))
+            calls += [("job", t, t + spent["job"]), ("place", t + spent["job"], t + spent["job"] + spent["place"])]
+            timelines.append(sorted((part, a - t, b - t) for part, a, b in calls))
     names = ["read", "checked", "arriving", "convert", "fold", "prepare", "land", "read_wait", "verify", "hash_wait",
              "device", "job", "place"]
-    return {k: statistics.median(r.get(k, 0.0) for r in rows[1:]) for k in names}, stretches.records[first:]
+    med = {k: statistics.median(r.get(k, 0.0) for r in rows[1:]) for k in names}
+    timed_runs = sorted(range(1, len(rows)), key=lambda i: rows[i]["job"])
+    timeline = timelines[timed_runs[len(timed_runs) // 2]] if timed_runs else []
+    return med, stretches.records[first:], timeline, pools
+
+
+def print_timeline(method: str, timeline: list[tuple[str, float, float]], pools: int) -> None:
+    """The parts of one load by start: the reader threads' runs as one line (first start, each end), the rest a
+    line per call (a part called often, as the ``buffer`` wait is: its calls summed, first start to last end)."""
+    print(f"{method}: the load of the median job, ms from its start (start - end, wall)")
+    print(f"  its rows prepared on the loader for {pools} slot pools")
+    reads = [(a, b) for part, a, b in timeline if part.startswith("read ")]
+    if reads:
+        ends = sorted(b for _, b in reads)
+        print(f"  {'readers':<10} {1e3 * min(a for a, _ in reads):7.2f} - {1e3 * ends[-1]:7.2f}   "
+              f"{len(reads)} runs ending at {', '.join(f'{1e3 * b:.1f}' for b in ends)}")
+    merged: dict[str, list[float]] = {}
+    for part, a, b in timeline:
+        if not part.startswith("read "):
+            m = merged.setdefault(part, [a, b, 0.0, 0])
+            m[0], m[1], m[2], m[3] = min(m[0], a), max(m[1], b), m[2] + b - a, m[3] + 1
+    for part, (a, b, total, n) in sorted(merged.items(), key=lambda kv: kv[1][0]):
+        calls = f"   {n} calls, {1e3 * total:.2f} in them" if n > 1 else ""
+        print(f"  {part:<10} {1e3 * a:7.2f} - {1e3 * b:7.2f}{calls}")
 
 
 def place_timed(manager, staged, spent: dict[str, float]) -> dict[str, float]:
@@ -208,7 +258,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
     p.add_argument("--served", action="store_true", help="on the CPU: load as a GPU's loader does, a LoRA file in "
                    "the serving dtype served as its own copy (the loader's matrix dtype the files' bf16)")
     p.add_argument("--root", default="/tmp/scute-bench-adapter-load")
+    p.add_argument("--readers", type=int, default=None, help="threads that read a file (default: the engine's, "
+                   "`safetensors_file.READERS`)")
     args = p.parse_args(argv)
+    if args.readers is not None:  # before the first read makes the readers' pool
+        from scute.adapters import safetensors_file
+
+        safetensors_file._readers.cache_clear()
+        safetensors_file.READERS = args.readers
     from scute.engine.adapter_loader import AdapterLoader
 
     served = vars(AdapterLoader)["matrix_dtype"]  # the property itself, put back after
@@ -235,11 +292,14 @@ def run(args) -> dict[str, dict[str, dict[str, float]]]:
     run = {m: as_run(engine, paths[m][0], args.repeats) for m in paths}
     print_table("synchronized: each phase alone", synchronized)
     print_table("as run: the parts of one load on the loader, unsynchronized", {m: r[0] for m, r in run.items()})
+    for m, (_, _, timeline, pools) in run.items():
+        print_timeline(m, timeline, pools)
     stretches = {}
-    for m, (_, records) in run.items():
+    for m, (_, records, _, _) in run.items():
         print(f"{m}: the job's longest stretches between pause points (as run)")
         stretches[m] = stretch_summary(records, top=8)
-    return {"synchronized": synchronized, "as_run": {m: r[0] for m, r in run.items()}, "stretches": stretches}
+    return {"synchronized": synchronized, "as_run": {m: r[0] for m, r in run.items()}, "stretches": stretches,
+            "timeline": {m: r[2] for m, r in run.items()}}
 
 
 if __name__ == "__main__":

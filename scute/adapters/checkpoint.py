@@ -13,14 +13,14 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, wait
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 from torch import Tensor
 
-from scute.adapters.safetensors_file import Digest, Layout, read_back, read_safetensors
+from scute.adapters.safetensors_file import Digest, Layout, RunRead, read_back, read_safetensors
 
 LAYER_PREFIX = "base_model.model."
 GLOBAL_PREFIX = "base_model."
@@ -39,8 +39,10 @@ class Landing:
     theirs, and what writes into them once the values are there (`then`; `AdapterCheckpoint.land` runs it)."""
 
     dtype: torch.dtype
-    raw: Tensor  # the span's bytes on the device, filled by `land`
+    raw: Tensor  # the span's bytes on the device, filled by `land` (and `land_arrived`)
     after: list[Callable[[], None]] = field(default_factory=list)
+    copied: set[int] = field(default_factory=set)  # the reads (`AdapterCheckpoint.reading`) whose bytes are in
+    # `raw` already (their copies queued)
 
     def then(self, fn: Callable[[], None]) -> None:
         """Run `fn` (work on the tensors' values: an in-place fold) once the values are there, in the order given."""
@@ -56,7 +58,7 @@ class AdapterCheckpoint:
     digest: Digest  # of the config and weight files: `identity`
     data: Tensor | None = None  # the weights file's buffer (uint8), of a safetensors file: `buffer` once read
     layout: Layout | None = None  # its header
-    reading: list[Future] = field(default_factory=list)  # the reads into `data` still running
+    reading: list[RunRead] = field(default_factory=list)  # the reads into `data` still running
     loaded: dict[str, Tensor] | None = None  # the tensors of a pickled file
     landing: Landing | None = None  # tensors made on a device before their values (`arriving`)
     finite: Tensor | None = None  # whether the values `land` put in place are finite, not yet read (`verify`)
@@ -148,15 +150,36 @@ class AdapterCheckpoint:
         self.landing = Landing(read_dtype, raw)
         return self.layout.views(self.data, raw.view(read_dtype), pause)  # floating: none is a view of `data`
 
+    def land_arrived(self) -> None:
+        """The bytes of the reads that have ended copied to the tensors `arriving` made (non-blocking, on the
+        current stream: a read's transfer runs while the others read), each once; once every read has ended,
+        `land`. Without an `arriving`: nothing."""
+        landing = self.landing
+        if landing is None:
+            return
+        for k, read in enumerate(self.reading):
+            if k not in landing.copied and read.done() and read.exception() is None:
+                self._copy_read(landing, read)
+                landing.copied.add(k)
+        if self.is_read:
+            self.land()
+
     def land(self) -> None:
         """The values of the tensors `arriving` made put in place: the file's span copied there (non-blocking from
-        pinned memory, on the current stream), its check for NaN and Inf queued behind the copy (`verify` reads
-        it), then the work given to `Landing.then` run (queued too, on a GPU). Without an `arriving`: nothing."""
+        pinned memory, on the current stream; the reads `land_arrived` copied, not again), its check for NaN and
+        Inf queued behind the copy (`verify` reads it), then the work given to `Landing.then` run (queued too, on
+        a GPU). Without an `arriving`: nothing."""
         landing, self.landing = self.landing, None
         if landing is None:
             return
         _, lo, hi = self.layout.span
-        landing.raw.copy_(self.buffer[lo:hi], non_blocking=True)
+        left = [read for k, read in enumerate(self.reading) if k not in landing.copied]
+        buffer = self.buffer  # every read ended (or its error raised)
+        if not landing.copied:  # the span in one copy
+            landing.raw.copy_(buffer[lo:hi], non_blocking=True)
+        else:
+            for read in left:
+                self._copy_read(landing, read)
         self.digest.hash_span(landing.raw)
         raw = landing.raw.view(landing.dtype)
         self.finite = _finite_flags([raw]) if raw.is_cuda else torch.tensor(_finite([raw]))
@@ -169,6 +192,13 @@ class AdapterCheckpoint:
         finite, self.finite = self.finite, None
         if finite is not None and not bool((read_back(finite) if finite.is_cuda else finite).all()):
             raise self.error(f"tensor {first_nonfinite(self.tensors)!r} has NaN or Inf values")
+
+    def _copy_read(self, landing: Landing, read: RunRead) -> None:
+        """The bytes `read` put in the buffer that lie in the span copied to their place in `landing.raw`."""
+        _, lo, hi = self.layout.span
+        a, b = max(read.start, lo), min(read.end, hi)
+        if a < b:
+            landing.raw[a - lo:b - lo].copy_(self.data[a:b], non_blocking=True)
 
     def _buffer_on(self, device: torch.device, lo: int = 0, hi: int | None = None) -> Tensor:
         """Bytes `lo:hi` of the weights file's buffer on `device`: a pageable copy for the CPU where the buffer is
@@ -244,7 +274,7 @@ def read_checkpoint(path: str | os.PathLike, allow_pickle: bool = False, pin_mem
 
 
 def _load_safetensors(path: str, file: str, digest: Digest, pin_memory: bool,
-                      gate: Callable[[], None] | None) -> tuple[Tensor, Layout, list[Future]]:
+                      gate: Callable[[], None] | None) -> tuple[Tensor, Layout, list[RunRead]]:
     """The file's buffer, its header, and the reads of the rest still running (`read_safetensors`)."""
     try:
         return read_safetensors(file, pin_memory, digest, gate)

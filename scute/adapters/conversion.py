@@ -375,18 +375,15 @@ class AdapterLoad:
             landing.then(fn)
 
     def landing(self, pause: Pause) -> Pause:
-        """`pause`, which lands the values (`land`) at the first pause point after the file's read has ended (before
-        it waits there, or after, if the read ended meanwhile): work on the slots that reads no value (their rows
-        in the slot pools) then goes on through the read's end and the transfer, instead of waiting for the read
-        before it starts; `finish` lands them if no pause point came after the read."""
-        def land_if_read() -> None:
-            if self.checkpoint.landing is not None and self.checkpoint.is_read:
-                self.land()
-
+        """`pause`, which at each pause point (before it waits there, and after) copies the values the file's read
+        has put in memory since the last one to their place and, at the first after the read has ended, lands the
+        rest (`AdapterCheckpoint.land_arrived`): work on the slots that reads no value (their rows in the slot
+        pools) goes on through the read and the transfers, which run beside it, instead of waiting for the read
+        before it starts; `finish` lands what no pause point did."""
         def paused() -> None:
-            land_if_read()
+            self.checkpoint.land_arrived()
             pause()
-            land_if_read()
+            self.checkpoint.land_arrived()
         return paused
 
     def adapter(self, identity: str) -> Adapter:

@@ -121,10 +121,20 @@ def _readers() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(READERS, thread_name_prefix="scute-read")
 
 
+class RunRead(Future):
+    """The read of bytes `start`..`end` of a file by a reader thread (`read_safetensors`): done once they are in
+    the buffer."""
+
+    def __init__(self, start: int, end: int) -> None:
+        super().__init__()
+        self.start, self.end = start, end
+
+
 def read_safetensors(file: str, pin_memory: bool, digest: Digest,
-                     gate: Callable[[], None] | None = None) -> tuple[Tensor, Layout, list[Future]]:
+                     gate: Callable[[], None] | None = None) -> tuple[Tensor, Layout, list[RunRead]]:
     """The safetensors file in one buffer, its header read (an 8-byte little-endian length n, then n bytes: parsed,
-    `layout_of`) and the rest being read: the futures of those reads (none where it is all read). The leaves of the
+    `layout_of`) and the rest being read: the futures of those reads, which cover the file from the header's end
+    on (none where it is all read). The leaves of the
     hash tree (`LEAF` bytes read into pinned memory, else `CHUNK`) are added to `digest` in order: those inside the
     span as `digest.span` (`SpanLeaves`: hashed where the caller copies the span), the others hashed once read. A
     file of a few chunks and more is read by up to `READERS` threads side by side, a task each over a run of the
@@ -178,7 +188,8 @@ def read_safetensors(file: str, pin_memory: bool, digest: Digest,
             return buffer, layout, []
         n = min(READERS, len(starts))
         runs = [starts[k * len(starts) // n:(k + 1) * len(starts) // n] for k in range(n)]
-        reads, lock = [Future() for _ in runs], threading.Lock()
+        reads = [RunRead(max(run[0], head), min(run[-1] + chunk, size)) for run in runs]
+        lock = threading.Lock()
 
         def task(k: int) -> list[bytes]:
             nonlocal left
@@ -186,7 +197,7 @@ def read_safetensors(file: str, pin_memory: bool, digest: Digest,
             lo, hi = runs[k][0], min(runs[k][-1] + chunk, size)
             try:
                 step = hi if gate is None else PART  # the run in one read call, or a part at a time behind the gate
-                for a in range(max(lo, head), hi, step):
+                for a in range(reads[k].start, hi, step):
                     if gate is not None:
                         gate()
                     read(a, min(a + step, hi))

@@ -328,15 +328,19 @@ class AdapterLoader:
         and the adapter staged is what `finish` then returns (the same slots, its values in place); `then` runs
         work that reads the values once they are (`AdapterLoad.then`; default: at once). `pause`: the
         preparation's pause points (default `Turns.pause`)."""
-        prepared = {} if self.prepare is None else self.prepare(moved, pause or self.turns.pause, then)
+        pause = pause or self.turns.pause
+        prepared = {} if self.prepare is None else self.prepare(moved, pause, then)
+        cuda = self.device.type == "cuda"
+        buffers = buffers_of(moved, pause) if cuda else []  # before `finish`: its slots are these, and the walk
+        # runs while the values land, not after
         if finish is not None:
             moved = finish()
-        if self.device.type != "cuda":
+        if not cuda:
             return Staged(moved, None, prepared)
         event = torch.cuda.Event()
         event.record()  # on the loader's side stream, the current one of this thread
         event.synchronize()
-        return Staged(moved, event, prepared, buffers_of(moved, self.turns.pause) + copies_of(prepared))
+        return Staged(moved, event, prepared, buffers + copies_of(prepared))
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until every job given so far has finished (tests; shutdown); False on timeout."""

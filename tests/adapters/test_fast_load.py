@@ -551,3 +551,57 @@ def test_a_load_lands_at_its_first_pause_point_after_the_read(tmp_path, monkeypa
     read_to_the_end(again)
     conversion.AdapterLoad(again, "a", "", {}, True).landing(lambda: landed.append(again.landing is None))()
     assert landed[-1] is True  # the read had ended: landed before the wait
+
+
+def test_a_loads_reads_land_one_by_one_at_its_pause_points(tmp_path, monkeypatch):
+    """`AdapterLoad.landing`: each pause point copies the bytes of the reads that ended since the last one to
+    the `arriving` tensors (their transfers run while the rest is read), each read once, the others' bytes not
+    yet; the first pause point after the last read lands the rest (the check, the hash, the work given to
+    `then`): the values and the identity are the file's."""
+    monkeypatch.setattr(safetensors_file, "CHUNK", 1024)  # 12 KB of tensors: 3 runs of 4 chunks
+    monkeypatch.setattr(safetensors_file, "LEAF", 256)
+    monkeypatch.setattr(safetensors_file, "READERS", 3)
+    tensors = {f"t{k}": torch.randn(32, 64).bfloat16() for k in range(3)}
+    saved(tmp_path, tensors)
+    data = torch.frombuffer(bytearray((tmp_path / WEIGHTS).read_bytes()), dtype=torch.uint8)
+    allowed, cond, preadv = set(), threading.Condition(), os.preadv
+
+    def gated(fd, bufs, pos):  # a run's read waits until its start is allowed (the header's reads go on)
+        with cond:
+            if pos not in (0, 8) and not cond.wait_for(lambda: pos in allowed, 10):
+                return 0
+        return preadv(fd, bufs, pos)
+
+    monkeypatch.setattr(safetensors_file.os, "preadv", gated)
+    copied, copy_read = [], ckpt_module.AdapterCheckpoint._copy_read
+    monkeypatch.setattr(ckpt_module.AdapterCheckpoint, "_copy_read",
+                        lambda self, landing, read: copied.append(self.reading.index(read)) or copy_read(self, landing,
+                                                                                                        read))
+    ckpt = read_checkpoint(tmp_path)
+    reads = list(ckpt.reading)
+    assert len(reads) == 3
+    views = ckpt.arriving(torch.device("cpu"))
+    _, lo, hi = ckpt.layout.span
+    raw = ckpt.landing.raw.zero_()
+    ckpt.landing.then(lambda: views["t0"].mul_(2))
+    pause = conversion.AdapterLoad(ckpt, "a", "", {}, True).landing(lambda: None)
+
+    def let(*ks: int) -> None:
+        with cond:
+            allowed.update(reads[k].start for k in ks)
+            cond.notify_all()
+        assert not wait([reads[k] for k in ks], timeout=10).not_done
+
+    let(0)
+    pause()
+    a, b = max(reads[0].start, lo), min(reads[0].end, hi)
+    assert copied == [0] and ckpt.landing is not None  # the first read's bytes in place, not landed
+    assert torch.equal(raw[a - lo:b - lo], data[a:b]) and not raw[b - lo:].any()
+    pause()
+    assert copied == [0]  # once
+    let(1, 2)
+    pause()
+    assert sorted(copied) == [0, 1, 2] and ckpt.landing is None and ckpt.finite is not None
+    adapter = conversion.AdapterLoad(ckpt, "a", "", {}, True).finish()
+    assert torch.equal(views["t0"], 2 * tensors["t0"]) and torch.equal(views["t2"], tensors["t2"])
+    assert adapter.identity == read_checkpoint(tmp_path).identity
