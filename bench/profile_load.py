@@ -260,12 +260,16 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
     p.add_argument("--root", default="/tmp/scute-bench-adapter-load")
     p.add_argument("--readers", type=int, default=None, help="threads that read a file (default: the engine's, "
                    "`safetensors_file.READERS`)")
+    p.add_argument("--part-kb", type=int, default=None, help="bytes a reader thread reads between two calls of "
+                   "the loader's gate, in KiB (default: `safetensors_file.PART`)")
     args = p.parse_args(argv)
-    if args.readers is not None:  # before the first read makes the readers' pool
-        from scute.adapters import safetensors_file
+    from scute.adapters import safetensors_file
 
+    if args.readers is not None:  # before the first read makes the readers' pool
         safetensors_file._readers.cache_clear()
         safetensors_file.READERS = args.readers
+    if args.part_kb is not None:
+        safetensors_file.PART = args.part_kb << 10
     from scute.engine.adapter_loader import AdapterLoader
 
     served = vars(AdapterLoader)["matrix_dtype"]  # the property itself, put back after

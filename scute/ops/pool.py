@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Sequence
+from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -216,8 +217,7 @@ class SlotPool:
             self._joined += (group != s) - (old[s] != s)
             out.add(self.slot_group, (s,), [group])
         self._use(s, keep, mine)
-        for p, row in enumerate(rows):
-            out.add(self.table, (p, s), row)
+        out.add_column(self.table, s, rows)
         if placement is None:
             out.flush()
         self._set_facts(facts)
@@ -247,7 +247,7 @@ class SlotPool:
         self.facts = facts
         self.exact_delta, self.block_b, self.min_block = facts.exact_delta, facts.block_b, facts.min_block
         self.max_rank, self.kind_masks = facts.max_rank, facts.kind_masks
-        self.signature = (self.h_width, tuple(self.step_kinds(None)), self.exact_delta, self.block_b,
+        self.signature = (self.h_width, _any_step_kinds(facts.kind_masks), self.exact_delta, self.block_b,
                           self.min_block, self.max_rank, self.shared_group, self.shared_a_of, self.shared_outs,
                           tuple(tuple(a.shape) for a in self.shared_a), self._owned)
 
@@ -300,3 +300,10 @@ class SlotPool:
         """Slot s's rows and its group's h width (`column_rows`), through the pool's copies."""
         return column_rows([row[s] for row in slots], [row[group] for row in slots], group == s != shared,
                            lambda x, kind: self._dev(x, kind, keep, mine))
+
+
+@lru_cache(maxsize=1024)
+def _any_step_kinds(masks: StepKinds) -> tuple[bool, ...]:
+    """`step_kinds(masks, None)` as a tuple (a pool's `signature`): worked out once per masks, which pools of one
+    kind share."""
+    return tuple(step_kinds(masks, None))

@@ -83,13 +83,14 @@ def column_rows(column: Sequence[Slots | None], group_column: Sequence[Slots | N
 def fill_slot(row: list[int], sl: Slots, dev: Dev) -> None:
     if sl.scale != 1.0:
         raise ValueError("the slot pool needs folded slots (scale 1): call Slots.folded() first")
-    flags, row[F_ROT] = 0, sl.rot_group
+    f = sl.__dict__  # the fields, read without an attribute lookup each (as `slot_facts` does)
+    flags, row[F_ROT] = 0, f["rot_group"]
     for name, field, bit in _VECTORS:
-        x = getattr(sl, name)
+        x = f[name]
         if x is not None:
             row[field], flags = dev(x, "vec").data_ptr(), flags | bit
-    if sl.t_blocks is not None:
-        tb = dev(sl.t_blocks, "mat")
+    if f["t_blocks"] is not None:
+        tb = dev(f["t_blocks"], "mat")
         row[F_TB], row[F_TBN], row[F_TBB] = tb.data_ptr(), tb.shape[0], tb.shape[-1]
         flags |= HAS_TB
     row[F_FLAGS] = flags

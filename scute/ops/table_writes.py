@@ -8,6 +8,8 @@ step in flight runs, per table. `TableWrites` gathers a placement's rows and wri
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 
@@ -20,31 +22,47 @@ class TableWrites:
     a placement's hundreds of rows: each call lets the loader thread take the interpreter lock, and the step loop
     waits to get it back. On the CPU each row is written by itself."""
 
+    # `_table`'s answers by the table's id, across writes (a placement writes a few rows into each of a hundred
+    # tables and more, the same tables every placement): the entry's weak reference tells a table that died, whose
+    # id a new one may have, from the one it was made for
+    _TABLES: dict[int, tuple[weakref.ref, tuple[int, int, int, tuple[int, ...]]]] = {}
+    _MAX_TABLES = 4096
+
     def __init__(self) -> None:
         self.rows: list[tuple[Tensor, tuple[int, ...], list[int]]] = []
         self.copies: list[tuple[Tensor, tuple[int, ...], Tensor | None]] = []
-        # `_table` by the table's id (the entry holds the table: the id stays its own, and so does its address)
-        self._tables: dict[int, tuple[Tensor, int, int, int, tuple[int, ...]]] = {}
 
     def add(self, table: Tensor, index: tuple[int, ...], values: list[int]) -> None:
         """Write `values` at the flush along the last, contiguous dimension of an int64 table: as the row
         ``table[index]`` (an index of all but the last dimension), or from the element ``table[index]`` on."""
-        _, dim, width, _, _ = self._table(table)
+        dim, width, _, _ = self._table(table)
         first = index[-1] if len(index) == dim else 0
         if width < 0 or first + len(values) > width or (len(index) < dim and len(values) != width):
             raise ValueError("TableWrites writes rows of contiguous int64 tables, within a row")
         self.rows.append((table, index, values))
 
-    def _table(self, table: Tensor) -> tuple[Tensor, int, int, int, tuple[int, ...]]:
-        """(table, its dims, its last dimension's size (-1 unless an int64 table contiguous along it), its
-        address, its strides in bytes), looked up once per table: a placement writes a few rows into each of a
-        hundred tables and more."""
-        got = self._tables.get(id(table))
-        if got is None:
-            ok = table.dtype == torch.int64 and table.stride(-1) == 1
-            got = self._tables[id(table)] = (table, table.dim(), table.shape[-1] if ok else -1, table.data_ptr(),
-                                             tuple(st * table.element_size() for st in table.stride()))
-        return got
+    def add_column(self, table: Tensor, s: int, rows: list[list[int]]) -> None:
+        """`add` each of `rows` as the whole row ``table[p, s]`` of a [P, slots, width] table, p = 0, 1, ...:
+        checked once for all of them."""
+        dim, width, _, _ = self._table(table)
+        if width < 0 or dim != 3 or len(rows) > table.shape[0] or any(len(row) != width for row in rows):
+            raise ValueError("TableWrites.add_column writes whole rows of a contiguous int64 [P, slots, width] table")
+        self.rows += [(table, (p, s), row) for p, row in enumerate(rows)]
+
+    @classmethod
+    def _table(cls, table: Tensor) -> tuple[int, int, int, tuple[int, ...]]:
+        """(the table's dims, its last dimension's size (-1 unless an int64 table contiguous along it), its
+        address, its strides in bytes), worked out once per table (`_TABLES`)."""
+        got = cls._TABLES.get(id(table))
+        if got is not None and got[0]() is table:
+            return got[1]
+        ok = table.dtype == torch.int64 and table.stride(-1) == 1
+        facts = (table.dim(), table.shape[-1] if ok else -1, table.data_ptr(),
+                 tuple(st * table.element_size() for st in table.stride()))
+        if len(cls._TABLES) >= cls._MAX_TABLES:
+            cls._TABLES.clear()
+        cls._TABLES[id(table)] = (weakref.ref(table), facts)
+        return facts
 
     def _address(self, table: Tensor, index: tuple[int, ...]) -> int:
         """The address of ``table[index]``."""

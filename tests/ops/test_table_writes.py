@@ -105,3 +105,33 @@ def test_the_flush_addresses_are_the_rows_own():
     for table, indices in cases:
         for index in indices:
             assert writes._address(table, index) == table[index].data_ptr(), (table.shape, index)
+
+
+def test_add_column_writes_a_slots_rows_of_every_projection():
+    """`add_column`: rows p = 0, 1, ... of slot s, as `add` of each; checked once, whole rows of a [P, slots,
+    width] int64 table only."""
+    ints = torch.zeros(3, 4, 18, dtype=torch.int64, device=DEVICE)
+    rows = [[p * 100 + f for f in range(18)] for p in range(3)]
+    writes = tw.TableWrites()
+    writes.add_column(ints, 2, rows)
+    writes.flush()
+    assert ints[:, 2].tolist() == rows and not ints[:, [0, 1, 3]].any()
+    for bad, col in [(ints, [[1] * 17] * 3), (ints, [[1] * 18] * 4), (ints[0], [[1] * 18]),
+                     (torch.zeros(3, 4, 18, device=DEVICE), [[1] * 18])]:
+        with pytest.raises(ValueError, match="whole rows"):
+            writes.add_column(bad, 0, col)
+
+
+def test_a_tables_geometry_is_kept_across_writes_until_the_table_dies(monkeypatch):
+    """`_table` works a table out once for every `TableWrites` (a placement's): later ones find it; a table that
+    died is never taken for the one made at its id (its weak reference tells them apart)."""
+    monkeypatch.setattr(tw.TableWrites, "_TABLES", {})
+    table = torch.zeros(3, 5, 7, dtype=torch.int64)
+    first = tw.TableWrites._table(table)
+    assert tw.TableWrites()._table(table) is first and len(tw.TableWrites._TABLES) == 1
+    ident = id(table)
+    del table
+    other = torch.zeros(2, 9, dtype=torch.int64)  # at the dead one's id: CPython gives its memory back at once
+    assert id(other) == ident
+    assert tw.TableWrites._table(other) == (2, 9, other.data_ptr(), (72, 8))
+    assert tw.TableWrites()._address(other, (1,)) == other[1].data_ptr()
