@@ -8,6 +8,7 @@ step in flight runs, per table. `TableWrites` gathers a placement's rows and wri
 
 from __future__ import annotations
 
+import array
 import weakref
 
 import torch
@@ -95,7 +96,9 @@ class TableWrites:
                    for _, _, x in copies]  # kept until the copy is queued (stream order keeps the memory theirs)
         tail = [self._address(t, i) for t, i, _ in copies] + [0 if x is None else x.data_ptr() for x in sources] + \
             [t.shape[-1] for t, _, _ in copies]
-        buf = torch.tensor(head + tail, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+        # through array.array: torch.tensor of a list of thousands of ints costs 4x as much
+        buf = torch.frombuffer(array.array("q", head + tail), dtype=torch.int64).pin_memory()
+        buf = buf.to(device, non_blocking=True)
         if rows:
             scatter_rows(buf[:len(head)], len(rows), max(len(r) for _, _, r in rows))
         if copies:
