@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gc", default="on", choices=["on", "off"], help="off: the garbage collector's automatic "
                    "collections are off while the phases run (what its collections cost the steps)")
     p.add_argument("--readers", type=int, default=None, help="threads that read a file (default: the engine's "
-                   "READERS, all cores but two, at most 16)")
+                   "READERS: 6, or all cores but two where fewer)")
     p.add_argument("--ablate", default="", help="comma-separated, of: " + "; ".join(
         f"{k}: {v}" for k, v in ABLATIONS.items()))
     p.add_argument("--root", default="/tmp/scute-bench-background")

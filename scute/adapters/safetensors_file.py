@@ -111,9 +111,11 @@ PART = 1 << 20
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-# Threads that read a file: all cores but two (left to the step loop and the loader, which run Python), at most 16
-# (the reads and the hashing release the interpreter lock).
-READERS = max(1, min(16, (os.cpu_count() or 1) - 2))
+# Threads that read a file: 6, or all cores but two (left to the step loop and the loader, which run Python) where
+# that is fewer. A read from the page cache is bound by the host's copy rate, which a few threads reach: on the
+# H200 machine (16 cores) 14 threads read a LoRA's 84 MB no sooner than 6, and slowed the loader's Python beside
+# them (the views of its tensors took 2-3x as long: `bench/profile_load.py --readers`).
+READERS = max(1, min(6, (os.cpu_count() or 1) - 2))
 
 
 @cache
