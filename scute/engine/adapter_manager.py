@@ -253,7 +253,8 @@ class AdapterManager:
             return adapter, self.loader.move(adapter, self._moved)
         load = self._start_load(source)
         if load.arriving:  # its slots are the file's own device copy: their rows are prepared while the read
-            # ends and the values land (`AdapterLoad.landing`: queued at the first pause point after the read)
+            # ends and the values land (`AdapterLoad.landing`: each run of the file copied at a pause point as its
+            # read ends, the rest queued at the first after the read)
             staged = self.loader.stage(load.adapter(""), lambda: self._checked(load.finish()),
                                        load.landing(self.loader.turns.pause), load.then)
             return staged.adapter, staged
