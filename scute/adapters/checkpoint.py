@@ -41,8 +41,8 @@ class Landing:
     dtype: torch.dtype
     raw: Tensor  # the span's bytes on the device, filled by `land` (and `land_arrived`)
     after: list[Callable[[], None]] = field(default_factory=list)
-    copied: set[int] = field(default_factory=set)  # the reads (`AdapterCheckpoint.reading`) whose bytes are in
-    # `raw` already (their copies queued)
+    copied: list[tuple[int, int]] = field(default_factory=list)  # the file's byte ranges whose copies into `raw`
+    # are queued already (`AdapterCheckpoint.land_arrived`)
 
     def then(self, fn: Callable[[], None]) -> None:
         """Run `fn` (work on the tensors' values: an in-place fold) once the values are there, in the order given."""
@@ -157,29 +157,28 @@ class AdapterCheckpoint:
         landing = self.landing
         if landing is None:
             return
-        for k, read in enumerate(self.reading):
-            if k not in landing.copied and read.done() and read.exception() is None:
-                self._copy_read(landing, read)
-                landing.copied.add(k)
+        for read in self.reading:
+            if read.done() and read.exception() is None and (read.start, read.end) not in landing.copied:
+                self._copy_bytes(landing, read.start, read.end)
+                landing.copied.append((read.start, read.end))
         if self.is_read:
             self.land()
 
     def land(self) -> None:
         """The values of the tensors `arriving` made put in place: the file's span copied there (non-blocking from
-        pinned memory, on the current stream; the reads `land_arrived` copied, not again), its check for NaN and
-        Inf queued behind the copy (`verify` reads it), then the work given to `Landing.then` run (queued too, on
-        a GPU). Without an `arriving`: nothing."""
+        pinned memory, on the current stream; of the bytes `land_arrived` copied, none again), its check for NaN
+        and Inf queued behind the copy (`verify` reads it), then the work given to `Landing.then` run (queued too,
+        on a GPU). Without an `arriving`: nothing."""
         landing, self.landing = self.landing, None
         if landing is None:
             return
         _, lo, hi = self.layout.span
-        left = [read for k, read in enumerate(self.reading) if k not in landing.copied]
-        buffer = self.buffer  # every read ended (or its error raised)
-        if not landing.copied:  # the span in one copy
-            landing.raw.copy_(buffer[lo:hi], non_blocking=True)
-        else:
-            for read in left:
-                self._copy_read(landing, read)
+        self.buffer  # noqa: B018 - every read ended (or its error raised)
+        at = lo  # the span's bytes not copied yet: the gaps between the copied ranges, in order
+        for a, b in sorted(landing.copied) + [(hi, hi)]:
+            if a > at:
+                self._copy_bytes(landing, at, a)
+            at = max(at, b)
         self.digest.hash_span(landing.raw)
         raw = landing.raw.view(landing.dtype)
         self.finite = _finite_flags([raw]) if raw.is_cuda else torch.tensor(_finite([raw]))
@@ -193,10 +192,10 @@ class AdapterCheckpoint:
         if finite is not None and not bool((read_back(finite) if finite.is_cuda else finite).all()):
             raise self.error(f"tensor {first_nonfinite(self.tensors)!r} has NaN or Inf values")
 
-    def _copy_read(self, landing: Landing, read: RunRead) -> None:
-        """The bytes `read` put in the buffer that lie in the span copied to their place in `landing.raw`."""
+    def _copy_bytes(self, landing: Landing, start: int, end: int) -> None:
+        """The file's bytes `start`..`end` (read) that lie in the span copied to their place in `landing.raw`."""
         _, lo, hi = self.layout.span
-        a, b = max(read.start, lo), min(read.end, hi)
+        a, b = max(start, lo), min(end, hi)
         if a < b:
             landing.raw[a - lo:b - lo].copy_(self.data[a:b], non_blocking=True)
 

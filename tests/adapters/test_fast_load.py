@@ -573,12 +573,16 @@ def test_a_loads_reads_land_one_by_one_at_its_pause_points(tmp_path, monkeypatch
         return preadv(fd, bufs, pos)
 
     monkeypatch.setattr(safetensors_file.os, "preadv", gated)
-    copied, copy_read = [], ckpt_module.AdapterCheckpoint._copy_read
-    monkeypatch.setattr(ckpt_module.AdapterCheckpoint, "_copy_read",
-                        lambda self, landing, read: copied.append(self.reading.index(read)) or copy_read(self, landing,
-                                                                                                        read))
+    ranges, copy_bytes = [], ckpt_module.AdapterCheckpoint._copy_bytes
+    monkeypatch.setattr(ckpt_module.AdapterCheckpoint, "_copy_bytes",
+                        lambda self, landing, a, b: ranges.append((a, b)) or copy_bytes(self, landing, a, b))
     ckpt = read_checkpoint(tmp_path)
     reads = list(ckpt.reading)
+    spans = [(read.start, read.end) for read in reads]
+
+    def copied() -> list[int]:  # the reads whose bytes were copied, by index, in order (any other range: -1)
+        return [spans.index(r) if r in spans else -1 for r in ranges]
+
     assert len(reads) == 3
     views = ckpt.arriving(torch.device("cpu"))
     _, lo, hi = ckpt.layout.span
@@ -595,13 +599,35 @@ def test_a_loads_reads_land_one_by_one_at_its_pause_points(tmp_path, monkeypatch
     let(0)
     pause()
     a, b = max(reads[0].start, lo), min(reads[0].end, hi)
-    assert copied == [0] and ckpt.landing is not None  # the first read's bytes in place, not landed
+    assert copied() == [0] and ckpt.landing is not None  # the first read's bytes in place, not landed
     assert torch.equal(raw[a - lo:b - lo], data[a:b]) and not raw[b - lo:].any()
     pause()
-    assert copied == [0]  # once
+    assert copied() == [0]  # once
     let(1, 2)
     pause()
-    assert sorted(copied) == [0, 1, 2] and ckpt.landing is None and ckpt.finite is not None
+    assert sorted(copied()) == [0, 1, 2] and ckpt.landing is None and ckpt.finite is not None  # no gap left
     adapter = conversion.AdapterLoad(ckpt, "a", "", {}, True).finish()
     assert torch.equal(views["t0"], 2 * tensors["t0"]) and torch.equal(views["t2"], tensors["t2"])
     assert adapter.identity == read_checkpoint(tmp_path).identity
+
+
+def test_land_copies_what_land_arrived_did_not(tmp_path, monkeypatch):
+    """`land` after some reads were copied (`land_arrived`) copies the rest of the span, the gaps between them,
+    even when the reads' list is gone (`buffer` waited for it): the values are the file's."""
+    monkeypatch.setattr(safetensors_file, "CHUNK", 1024)
+    monkeypatch.setattr(safetensors_file, "LEAF", 256)
+    monkeypatch.setattr(safetensors_file, "READERS", 3)
+    tensors = {f"t{k}": torch.randn(32, 64).bfloat16() for k in range(3)}
+    saved(tmp_path, tensors)
+    ckpt = read_checkpoint(tmp_path)
+    views = ckpt.arriving(torch.device("cpu"))
+    ckpt.landing.raw.zero_()
+    assert not wait(ckpt.reading, timeout=10).not_done
+    middle = ckpt.reading[1]
+    ckpt._copy_bytes(ckpt.landing, middle.start, middle.end)  # as `land_arrived` copies one read
+    ckpt.landing.copied.append((middle.start, middle.end))
+    ckpt.buffer  # noqa: B018 - the reads' list cleared
+    assert not ckpt.reading
+    ckpt.land()
+    ckpt.verify()
+    assert all(torch.equal(views[k], x) for k, x in tensors.items())
