@@ -327,8 +327,9 @@ class AdapterLoader:
         the rows are prepared from `moved` before its values are there (`scute.adapters.AdapterLoad.arriving`),
         and the adapter staged is what `finish` then returns (the same slots, its values in place); `then` runs
         work that reads the values once they are (`AdapterLoad.then`; default: at once). `pause`: the
-        preparation's pause points (default `Turns.pause`)."""
+        preparation's pause points, and one before it (default `Turns.pause`)."""
         pause = pause or self.turns.pause
+        pause()  # between the conversion's last pause point and the rows' first (the warm-up's key comes first)
         prepared = {} if self.prepare is None else self.prepare(moved, pause, then)
         cuda = self.device.type == "cuda"
         buffers = buffers_of(moved, pause) if cuda else []  # before `finish`: its slots are these, and the walk

@@ -156,11 +156,14 @@ def fold_layers(layers: Mapping[str, Slots], pause: Callable[[], None] = lambda:
     a per-adapter B scaled by s alone (LoRA's ``B ← s·B``) is multiplied by one call per distinct s, its dtype
     and device (`torch._foreach_mul`, 32 layers per call: a few launches on a GPU where each layer made its own).
     Elementwise the same product as `folded()`, so the same values; such a slot folded already (s merged, scale
-    1) is kept as it is. `pause` is called before each such call and every 16 layers folded one by one."""
+    1) is kept as it is. `pause` is called every 32 layers looked at, before each such call and every 16 layers
+    folded one by one."""
     alone: list[str] = []
     scaled: dict[tuple, list[str]] = {}
     out: dict[str, Slots] = {}
-    for name, sl in layers.items():
+    for k, (name, sl) in enumerate(layers.items()):
+        if k % 32 == 0:
+            pause()
         if sl.A is not None and sl.m is None and sl.v is None and not sl.shared:
             if sl.scale == 1.0 and "s" in sl.merged:  # folded already (LoRA folded in the serving dtype)
                 out[name] = sl

@@ -60,6 +60,15 @@ def test_fold_layers_equals_each_layers_fold():
     assert all(torch.equal(layers[name].B, b) for name, b in before.items()), "the layers' own tensors are kept"
 
 
+def test_fold_layers_pauses_over_layers_folded_already():
+    """A LoRA folded in the serving dtype (s merged, scale 1: kept as it is) still gets a pause point every 32
+    layers looked at: the loader's pause points bound how long it holds the interpreter lock beside a step."""
+    layers = {f"l{k}": Slots(8, 6, A=rand(3, 8), B=rand(6, 3), merged=("s",)) for k in range(100)}
+    calls = []
+    got = fold_layers(layers, lambda: calls.append(1))
+    assert all(got[n] is sl for n, sl in layers.items()) and len(calls) == 4  # layers 0, 32, 64, 96
+
+
 @pytest.mark.parametrize("kwargs,problem", [
     (dict(t=torch.ones(7)), "slot t"),
     (dict(o=torch.ones(5)), "slot o"),
