@@ -202,6 +202,7 @@ def convert_checkpoint(
     expected = targeted_modules(ckpt.config, tuple(modules))
     order = {n: i for i, n in enumerate(modules)}  # model order: the first problem first
     groups = _layer_tensors(keys, tensors_here)
+    pause()  # between the views' last pause point and the converter's first: a few passes over 448 tensors
     if missing := sorted(expected - set(groups), key=order.__getitem__):
         if not method.tensorless_targets:
             raise ckpt.error(f"the config targets {missing[0]} but the file has no tensors for it "
