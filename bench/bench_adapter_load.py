@@ -9,14 +9,15 @@ Per method, the median of ``--repeats`` timed runs after a warm-up (which reads 
 warm, and places the adapter once so that the layers' slot pools exist): ``read_s``, the file read into memory
 with ``safetensors.torch.load_file`` (the floor: what just reading it costs); ``read_checkpoint_s``, Scute's read
 of it (`read_checkpoint`, into pinned memory on a GPU) until its hash is done; ``servable_s``, what a request's
-load on the adapter loader does (`AdapterManager._job`: read, validate and convert where W0 is, copy to the
+load on the adapter loader does (`AdapterManager._job` on the loader thread, `AdapterLoader.call`, as the engine
+runs it: read, validate and convert where W0 is, copy to the
 device in the serving dtype, its rows in the slot pools prepared: `prepare_adapter`) and then the placement in a
 device slot with those rows (`place_adapter`, as the engine's `Placer` does), synchronized; its split
 ``load_s`` (read + convert, the CPU tier's adapter), ``move_s`` (to the device, when the conversion ran on the
 CPU) and ``place_s``; ``ratio`` = servable / read. The placement goes into slot 2 with two other adapters of the
 method in slots 0 and 1 (a server that serves the method already; the slot above theirs, as the engine gives a
-VeRA adapter: `AdapterManager._free_slot`). cProfile of one load (by own and by
-cumulative time): ``--profile METHOD``.
+VeRA adapter: `AdapterManager._free_slot`). cProfile of one load on the loader thread (by own and by
+cumulative time): ``--profile METHOD``; ``--readers N``: the threads that read a file (the JSON's ``readers``).
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/bench_adapter_load.py --device cuda --out bench/results/adapter_load.json``.
 On the CPU: ``PYTHONPATH=. python3 bench/bench_adapter_load.py --device cpu --layers 4`` (fp32; ~8 GiB of memory).
