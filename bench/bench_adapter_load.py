@@ -17,7 +17,8 @@ device slot with those rows (`place_adapter`, as the engine's `Placer` does), sy
 CPU) and ``place_s``; ``ratio`` = servable / read. The placement goes into slot 2 with two other adapters of the
 method in slots 0 and 1 (a server that serves the method already; the slot above theirs, as the engine gives a
 VeRA adapter: `AdapterManager._free_slot`). cProfile of one load on the loader thread (by own and by
-cumulative time): ``--profile METHOD``; ``--readers N``: the threads that read a file (the JSON's ``readers``).
+cumulative time): ``--profile METHOD``; ``--readers N``, ``--part-kb K``: how a file is read (the JSON's
+``readers``).
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/bench_adapter_load.py --device cuda --out bench/results/adapter_load.json``.
 On the CPU: ``PYTHONPATH=. python3 bench/bench_adapter_load.py --device cpu --layers 4`` (fp32; ~8 GiB of memory).
@@ -45,6 +46,28 @@ from bench_request_rate import TINY  # noqa: E402
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def add_read_args(p: argparse.ArgumentParser) -> None:
+    """``--readers`` and ``--part-kb``: how the engine's loads read a file (`set_reads`)."""
+    p.add_argument("--readers", type=int, default=None, help="threads that read a file (default: the engine's, "
+                   "`safetensors_file.READERS`)")
+    p.add_argument("--part-kb", type=int, default=None, help="bytes a reader thread reads between two calls of "
+                   "the loader's gate, in KiB (default: `safetensors_file.PART`)")
+
+
+def set_reads(readers: int | None, part_kb: int | None = None) -> int:
+    """The threads that read a file (`safetensors_file.READERS`, its pool made anew) and the part they read
+    between two calls of the gate (`safetensors_file.PART`), where given; call before the first read. Returns the
+    readers in use."""
+    from scute.adapters import safetensors_file
+
+    if readers is not None:
+        safetensors_file._readers.cache_clear()
+        safetensors_file.READERS = readers
+    if part_kb is not None:
+        safetensors_file.PART = part_kb << 10
+    return safetensors_file.READERS
 
 
 def timed(fn, device: torch.device) -> tuple[float, object]:
@@ -111,14 +134,9 @@ def main(argv: list[str] | None = None) -> dict:
                    "top 40 by own time, 50 by cumulative)")
     p.add_argument("--root", default="/tmp/scute-bench-adapter-load")
     p.add_argument("--out", default="adapter_load.json")
-    p.add_argument("--readers", type=int, default=None, help="threads that read a file (default: the engine's, "
-                   "`safetensors_file.READERS`)")
+    add_read_args(p)
     args = p.parse_args(argv)
-    from scute.adapters import safetensors_file
-
-    if args.readers is not None:  # before the first read makes the readers' pool
-        safetensors_file._readers.cache_clear()
-        safetensors_file.READERS = args.readers
+    readers = set_reads(args.readers, args.part_kb)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from scute import Engine
@@ -136,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     result = dict(device=name, torch=torch.__version__, command="PYTHONPATH=. python3 " + " ".join(sys.argv),
                   layers=cfg.num_hidden_layers, dtype=str(dtype), threads=torch.get_num_threads(),
-                  readers=safetensors_file.READERS, rows=[])
+                  readers=readers, rows=[])
     import peft
     import safetensors
     import transformers

@@ -34,7 +34,7 @@ waits for the step loop's turn), ``--slice`` `Turns.slice_s` (0: it waits at eve
 ``--gc off`` turns the garbage collector's automatic collections off for both phases (the engine's `Collections`
 then hold nothing: what collections cost the steps). ``--ablate`` changes parts of a load's work (`ABLATIONS`,
 comma-separated; bench-only stand-ins, not options of the engine) to tell what each costs the steps: run it beside
-a run without, on one machine (``bash bench/run_gpu.sh ablate``); ``--readers`` the threads that read a file.
+a run without, on one machine (``bash bench/run_gpu.sh ablate``); ``--readers``, ``--part-kb`` how a file is read.
 ``--phases-of RESULT`` runs nothing: it reads a saved result step by step (`phases_of`).
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/bench_background_loads.py --out background_loads.json``.
@@ -57,6 +57,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_engine as B  # noqa: E402
+from bench_adapter_load import add_read_args, set_reads  # noqa: E402
 from bench_request_rate import TINY, percentile  # noqa: E402
 from schedstat import ThreadTimes  # noqa: E402
 from stretches import Stretches  # noqa: E402
@@ -382,8 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "every pause point inside the step loop's turn; default: the engine's)")
     p.add_argument("--gc", default="on", choices=["on", "off"], help="off: the garbage collector's automatic "
                    "collections are off while the phases run (what its collections cost the steps)")
-    p.add_argument("--readers", type=int, default=None, help="threads that read a file (default: the engine's "
-                   "READERS: 6, or all cores but two where fewer)")
+    add_read_args(p)
     p.add_argument("--ablate", default="", help="comma-separated, of: " + "; ".join(
         f"{k}: {v}" for k, v in ABLATIONS.items()))
     p.add_argument("--root", default="/tmp/scute-bench-background")
@@ -392,10 +392,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.phases_of:
         return phases_of(args.phases_of)
-    if args.readers is not None:  # before the first read makes the readers' pool
-        from scute.adapters import safetensors_file
-
-        safetensors_file.READERS = args.readers
+    args.readers = set_reads(args.readers, args.part_kb)  # the threads in use, saved with the result
     with ablated([a for a in args.ablate.split(",") if a], "cpu" if args.tiny else "cuda"):
         return run(args)
 

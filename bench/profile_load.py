@@ -47,7 +47,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_engine as B  # noqa: E402
-from bench_adapter_load import sync  # noqa: E402
+from bench_adapter_load import add_read_args, set_reads, sync  # noqa: E402
 from stretches import Stretches  # noqa: E402
 from stretches import summary as stretch_summary  # noqa: E402
 
@@ -258,18 +258,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
     p.add_argument("--served", action="store_true", help="on the CPU: load as a GPU's loader does, a LoRA file in "
                    "the serving dtype served as its own copy (the loader's matrix dtype the files' bf16)")
     p.add_argument("--root", default="/tmp/scute-bench-adapter-load")
-    p.add_argument("--readers", type=int, default=None, help="threads that read a file (default: the engine's, "
-                   "`safetensors_file.READERS`)")
-    p.add_argument("--part-kb", type=int, default=None, help="bytes a reader thread reads between two calls of "
-                   "the loader's gate, in KiB (default: `safetensors_file.PART`)")
+    add_read_args(p)
     args = p.parse_args(argv)
-    from scute.adapters import safetensors_file
-
-    if args.readers is not None:  # before the first read makes the readers' pool
-        safetensors_file._readers.cache_clear()
-        safetensors_file.READERS = args.readers
-    if args.part_kb is not None:
-        safetensors_file.PART = args.part_kb << 10
+    set_reads(args.readers, args.part_kb)
     from scute.engine.adapter_loader import AdapterLoader
 
     served = vars(AdapterLoader)["matrix_dtype"]  # the property itself, put back after
@@ -284,7 +275,6 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
 def run(args) -> dict[str, dict[str, dict[str, float]]]:
     """The tables and stretches of `main` (the loader's matrix dtype as it set it)."""
     from scute import Engine
-
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -196,7 +196,7 @@ def read_safetensors(file: str, pin_memory: bool, digest: Digest,
         def task(k: int) -> list[bytes]:
             nonlocal left
             error = None
-            lo, hi = runs[k][0], min(runs[k][-1] + chunk, size)
+            lo, hi = runs[k][0], reads[k].end  # the run's first chunk (its leaves), its read's end
             try:
                 step = hi if gate is None else PART  # the run in one read call, or a part at a time behind the gate
                 for a in range(reads[k].start, hi, step):

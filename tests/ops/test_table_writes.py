@@ -123,15 +123,14 @@ def test_add_column_writes_a_slots_rows_of_every_projection():
 
 
 def test_a_tables_geometry_is_kept_across_writes_until_the_table_dies(monkeypatch):
-    """`_table` works a table out once for every `TableWrites` (a placement's): later ones find it; a table that
-    died is never taken for the one made at its id (its weak reference tells them apart)."""
+    """`_table` works a table out once for every `TableWrites` (a placement's): later ones find it; an entry made
+    for another table, one that died and whose id a new table has, is never taken for it (its weak reference tells
+    them apart)."""
     monkeypatch.setattr(tw.TableWrites, "_TABLES", {})
     table = torch.zeros(3, 5, 7, dtype=torch.int64)
     first = tw.TableWrites._table(table)
     assert tw.TableWrites()._table(table) is first and len(tw.TableWrites._TABLES) == 1
-    ident = id(table)
-    del table
-    other = torch.zeros(2, 9, dtype=torch.int64)  # at the dead one's id: CPython gives its memory back at once
-    assert id(other) == ident
+    other = torch.zeros(2, 9, dtype=torch.int64)
+    tw.TableWrites._TABLES[id(other)] = tw.TableWrites._TABLES.pop(id(table))  # as if `other` had `table`'s id
     assert tw.TableWrites._table(other) == (2, 9, other.data_ptr(), (72, 8))
     assert tw.TableWrites()._address(other, (1,)) == other[1].data_ptr()
