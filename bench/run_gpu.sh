@@ -56,11 +56,11 @@ steps=${*:-tests profile sweep}
 for step in $steps; do
   start=$(date +%s)
   case $step in
-    tests) timeout 300 python3 -m pytest -q -x tests/ops/test_ops_triton.py tests/ops/test_ops_gpu.py tests/ops/test_ops_elementwise.py \
+    tests) timeout 300 python3 -m pytest -q -x tests/ops/test_ops_triton.py tests/ops/test_ops_gpu.py tests/ops/test_ops_elementwise.py tests/ops/test_mapped.py \
              tests/ops/test_sha256.py tests/model/test_linear_groups.py > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log" ;;
     engine) timeout 300 python3 -m pytest -q tests/engine/test_engine_gpu.py tests/engine/test_cuda_graph_gpu.py \
              tests/engine/test_penalties.py tests/adapters/test_peft_equality.py tests/adapters/test_fast_load.py tests/model/test_attention.py > "$OUT/engine.log" 2>&1; tail -3 "$OUT/engine.log" ;;
-    loadtests) timeout 400 python3 -m pytest -q -x tests/ops/test_sha256.py tests/ops/test_table_writes.py tests/adapters/test_fast_load.py \
+    loadtests) timeout 400 python3 -m pytest -q -x tests/ops/test_sha256.py tests/ops/test_table_writes.py tests/ops/test_mapped.py tests/adapters/test_fast_load.py \
              tests/engine/test_adapter_loading.py tests/engine/test_odd_rank_rows.py tests/ops/test_pool.py \
              tests/engine/test_engine_gpu.py tests/engine/test_cuda_graph_gpu.py > "$OUT/loadtests.log" 2>&1
              tail -3 "$OUT/loadtests.log" ;;

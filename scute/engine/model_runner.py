@@ -32,12 +32,13 @@ from scute.engine.step_inputs import GraphStep, StepInputs, device_inputs, eager
 from scute.engine.utils import host_to_device
 from scute.model.attention import AttentionMetadata, flash_attn_available
 from scute.model.loader import LoadedModel
+from scute.ops.mapped import copy_by_kernel, device_view
 
 
 @dataclass
 class InFlight:
-    """A decode step launched on the GPU whose sampled tokens the host has not read yet: they are being copied
-    into pinned host memory behind the step's kernels (`event` marks the end of the copy)."""
+    """A decode step launched on the GPU whose sampled tokens the host has not read yet: a kernel behind the step's
+    writes them into pinned host memory (`event` marks its end)."""
 
     sampling: list[Request]
     result: SamplerOutput  # on the device
@@ -68,8 +69,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
         # Fixed-address inputs; each step fills a prefix of each. The per-token int64 ones are the rows of one
         # tensor, the per-sequence int32 ones (room for a mixed graph's padding request) of another and the LM
-        # head's kept rows and their slots of a third, so that a graph step writes all of them with three copies
-        # from pinned host mirrors, four for a mixed step (`_write_inputs`).
+        # head's kept rows and their slots of a third, so that a graph step writes all of them from three pinned
+        # host mirrors, four for a mixed step (`_write_inputs`).
         self._tokens, self._seqs = self._zeros((4, max_tokens), torch.int64), self._zeros((2, max_seqs + 2), torch.int32)
         self._rows = self._zeros((2, max_seqs), torch.int64)
         self.buffers = {
@@ -78,13 +79,14 @@ class ModelRunner:
             "block_tables": self._zeros((max_seqs + 1, self.max_blocks_per_seq), torch.int32),
             "logits_indices": self._rows[0], "sample_slots": self._rows[1],
         }
-        # Two sets of pinned host mirrors, used in turn: a graph step's copies may still be queued behind the step
-        # in flight when the next step writes its inputs, but the copies of the step before it are done (the host
-        # waited for that step's tokens).
+        # Two sets of pinned host mirrors, used in turn: a graph step's reads of them may still be queued behind
+        # the step in flight when the next step writes its inputs, but the reads of the step before it are done
+        # (the host waited for that step's tokens). A kernel reads them where they are (`device_view`): a copy
+        # would queue on a copy engine behind an adapter load's copies (`scute.ops.mapped`).
         self._inputs = (self._tokens, self._seqs, self.buffers["block_tables"], self._rows)
         pinned = self.device.type == "cuda"
-        self._mirrors = [[torch.zeros(t.shape, dtype=t.dtype, pin_memory=pinned) for t in self._inputs]
-                         for _ in range(2)]
+        self._mirrors = [_mirrored([torch.zeros(t.shape, dtype=t.dtype, pin_memory=pinned) for t in self._inputs],
+                                   self.device) for _ in range(2)]
         seed_gen = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(seed_gen)
         self.max_model_len = max_model_len
@@ -101,8 +103,8 @@ class ModelRunner:
         shapes = [GraphShape(n) for n in self.decode_sizes] + [GraphShape(n, True) for n in self.mixed_sizes]
         self.graphs = StepGraphs(self._graph_forward, self._pad_inputs, shapes, self.device, max_seqs) \
             if use_graphs else None
-        self._host_token_bufs = [torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)] \
-            if padded else []
+        self._host_token_bufs = [_mirrored([torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True)], self.device)
+                                 for _ in range(2)] if padded else []  # the sampled tokens, written by a kernel
         self.broadcast = broadcast
 
     def step_sizes(self) -> tuple[int, ...]:
@@ -165,8 +167,8 @@ class ModelRunner:
         logits = self._replay(sched, shape, flight)[: len(sampling)]
         result = self.sampler(logits, self.sampling_batch(sampling))
         self._host_token_bufs.reverse()  # two buffers: the other one may still hold the previous step's tokens
-        host = self._host_token_bufs[0]
-        host[: len(sampling)].copy_(result.token_ids, non_blocking=True)
+        (host,), (view,) = self._host_token_bufs[0]
+        copy_by_kernel(view[: len(sampling)], result.token_ids)
         event = torch.cuda.Event()
         event.record()
         return InFlight(sampling, result, host, event, {req: row for row, req in enumerate(sampling)})
@@ -238,12 +240,16 @@ class ModelRunner:
         self._write_inputs(GraphStep(shape))
 
     def _write_inputs(self, step: GraphStep) -> None:
-        """A graph step's inputs and padding (`write_padded`) into the next host mirrors, copied whole,
-        asynchronously (the LM head's rows only for a mixed step: a decode graph keeps every row)."""
+        """A graph step's inputs and padding (`write_padded`) into the next host mirrors, read whole by kernels
+        queued on the current stream (the LM head's rows only for a mixed step: a decode graph keeps every row)."""
         self._mirrors.reverse()
-        write_padded(step, [m.numpy() for m in self._mirrors[0]], self.max_num_seqs)
-        for dst, src in zip(self._inputs[: 4 if step.shape.mixed else 3], self._mirrors[0]):
-            dst.copy_(src, non_blocking=True)
+        hosts, views = self._mirrors[0]
+        write_padded(step, [m.numpy() for m in hosts], self.max_num_seqs)
+        for dst, src in zip(self._inputs[: 4 if step.shape.mixed else 3], views):
+            if src.is_cuda:
+                copy_by_kernel(dst, src)
+            else:
+                dst.copy_(src)
 
     def _graph_forward(self, shape: GraphShape, active_slots: frozenset[int]) -> Tensor:
         """The forward a graph captures, over the buffers at `shape`: the logits of every row (decode), or of the
@@ -302,3 +308,7 @@ class ModelRunner:
         return SamplingBatch(temps, top_ks, top_ps, gens, (rows, cols), num_logprobs,
                              self.sampler.penalty_tokens.batch(sampling))
 
+
+def _mirrored(hosts: list[Tensor], device: torch.device) -> tuple[list[Tensor], list[Tensor]]:
+    """Host mirrors and what `device` reads them through: a pinned one's `device_view`, else itself."""
+    return hosts, [device_view(h, device) if h.is_pinned() else h for h in hosts]

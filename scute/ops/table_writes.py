@@ -3,7 +3,7 @@
 A decode step in flight reads the slot pools' tables while the host places the next adapter. A pageable
 host-to-device copy waits for the device first (the driver stages it), and pinning each table's few rows alone
 allocates pinned memory per table, which waits too: a placement would stall the step loop for as long as the
-step in flight runs, per table. `TableWrites` gathers a placement's rows and writes them in one copy.
+step in flight runs, per table. `TableWrites` gathers a placement's rows and writes them from one pinned buffer.
 """
 
 from __future__ import annotations
@@ -14,14 +14,17 @@ import weakref
 import torch
 from torch import Tensor
 
+from scute.ops.mapped import to_device
+
 
 class TableWrites:
-    """Rows of device tables written from the host together (`flush`): one pinned buffer, one copy to the device
-    queued on the current stream behind the step in flight (which keeps reading the old contents; the host goes
-    on), and a kernel per kind of row that stores each where it belongs: rows of int64 values from the host
-    (`scatter_rows`), rows of float32 copied on the device or set to ones (`copy_rows`). A few calls into torch for
-    a placement's hundreds of rows: each call lets the loader thread take the interpreter lock, and the step loop
-    waits to get it back. On the CPU each row is written by itself."""
+    """Rows of device tables written from the host together (`flush`): one pinned buffer, read to the device by a
+    kernel queued on the current stream behind the step in flight (which keeps reading the old contents; the host
+    goes on; `scute.ops.mapped`: not a copy engine, where it would wait behind an adapter load's copies), and a
+    kernel per kind of row that stores each where it belongs: rows of int64 values from the host (`scatter_rows`),
+    rows of float32 copied on the device or set to ones (`copy_rows`). A few calls into torch for a placement's
+    hundreds of rows: each call lets the loader thread take the interpreter lock, and the step loop waits to get it
+    back. On the CPU each row is written by itself."""
 
     # `_table`'s answers by the table's id, across writes (a placement writes a few rows into each of a hundred
     # tables and more, the same tables every placement): the entry's weak reference tells a table that died, whose
@@ -97,8 +100,7 @@ class TableWrites:
         tail = [self._address(t, i) for t, i, _ in copies] + [0 if x is None else x.data_ptr() for x in sources] + \
             [t.shape[-1] for t, _, _ in copies]
         # through array.array: torch.tensor of a list of thousands of ints costs 4x as much
-        buf = torch.frombuffer(array.array("q", head + tail), dtype=torch.int64).pin_memory()
-        buf = buf.to(device, non_blocking=True)
+        buf = to_device(torch.frombuffer(array.array("q", head + tail), dtype=torch.int64).pin_memory(), None, device)
         if rows:
             scatter_rows(buf[:len(head)], len(rows), max(len(r) for _, _, r in rows))
         if copies:
@@ -128,10 +130,10 @@ def copy_rows(buf: Tensor, n_rows: int, width: int) -> None:
 
 
 def write(dst: Tensor, src: Tensor) -> None:
-    """``dst.copy_(src)`` from the host, one tensor (a rebuild's shared buffers): on CUDA from pinned memory,
-    queued behind the step in flight."""
+    """``dst.copy_(src)`` from the host, one tensor (a rebuild's shared buffers): on CUDA read from pinned memory
+    by a kernel queued behind the step in flight (`scute.ops.mapped.to_device`)."""
     if dst.is_cuda:
-        dst.copy_(src.pin_memory(), non_blocking=True)
+        to_device(src.to(dst.dtype).contiguous().pin_memory(), dst)
     else:
         dst.copy_(src)
 
