@@ -11,8 +11,10 @@ sha256, the finite check). Two measurements, each the median of ``--repeats``:
   ``--chunks-kb`` (0: no side copy); the inputs copied (a copy engine's work) or read by a kernel from the pinned
   buffers' device addresses (`_Mapped`). Reported: the time from the stand-in's end to the small kernel's end (the
   step's inputs waiting behind the side stream's copies on the copy engine), and the side copy's rate.
-- *kernels*: the same stand-in timed alone and beside the side stream's sha256 of ``--hash-mb`` (`sha256_leaves`),
-  its finite check (`torch.isfinite(..).all()`) and one ``--hash-mb`` copy: how much each slows the step's kernels.
+- *kernels*: the same stand-in timed alone and beside the side stream's sha256 of ``--hash-mb`` (`sha256_leaves`,
+  and its kernel at other launch shapes: lanes per program, warps), the landing's finite check (`_finite_flags`)
+  and two others (one ``vector_norm``, ``isfinite(..).all()``) over it as bf16, and one ``--hash-mb`` copy: how
+  much each slows the step's kernels.
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/bench_side_stream.py --out side_stream.json``.
 """
@@ -25,6 +27,7 @@ import statistics
 
 import torch
 
+from scute.adapters.checkpoint import _finite_flags
 from scute.adapters.safetensors_file import LEAF
 from scute.ops.sha256 import sha256_leaves
 
@@ -108,10 +111,23 @@ def copies(args, weights, x, times, side_stream) -> list[dict]:
 def kernels(args, weights, x, times, side_stream) -> list[dict]:
     data = torch.randint(0, 255, (args.hash_mb << 20,), dtype=torch.uint8, device="cuda")
     src = torch.empty(args.hash_mb << 20, dtype=torch.uint8, pin_memory=True)
+    from scute.ops import sha256 as sha  # the kernel at other launch shapes than `sha256_leaves`'
+    from scute.ops.sha256_kernels import sha256_leaves_kernel
+
+    sha256_leaves(data[:LEAF], LEAF)  # its table made
+    n, out = data.numel() // LEAF, torch.empty(data.numel() // LEAF, 8, dtype=torch.int32, device="cuda")
+
+    def sha256_at(block: int, warps: int):
+        return lambda: sha256_leaves_kernel[(-(-n // block),)](data, out, sha._TABLES[data.device], n, 0, LEAF=LEAF,
+                                                                 BLOCK=block, num_warps=warps)
+    values = data.view(torch.bfloat16)
     works = {
         "none": lambda: None,
         "sha256": lambda: sha256_leaves(data, LEAF),
-        "finite": lambda: torch.isfinite(data.view(torch.bfloat16)).all(),
+        **{f"sha256 b{b} w{w}": sha256_at(b, w) for b, w in ((64, 2), (128, 4), (32, 2))},
+        "finite": lambda: _finite_flags([values]),  # the landing's check
+        "finite norm": lambda: torch.linalg.vector_norm(values, float("inf")).isfinite(),
+        "isfinite": lambda: torch.isfinite(values).all(),
         "copy": lambda: data.copy_(src, non_blocking=True),
     }
     rows = []
@@ -131,7 +147,7 @@ def kernels(args, weights, x, times, side_stream) -> list[dict]:
             times_ms.append(ev[0].elapsed_time(ev[1]))
             side_ms.append(ev[2].elapsed_time(ev[3]))
         rows.append({"side": name, "step_ms": statistics.median(times_ms), "side_ms": statistics.median(side_ms)})
-        print(f"stand-in beside {name:<7}: {rows[-1]['step_ms']:.3f} ms (side work {rows[-1]['side_ms']:.3f} ms)",
+        print(f"stand-in beside {name:<14}: {rows[-1]['step_ms']:.3f} ms (side work {rows[-1]['side_ms']:.3f} ms)",
               flush=True)
     return rows
 

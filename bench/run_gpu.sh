@@ -31,6 +31,8 @@
 #   loadphases bench/profile_load.py --methods lora: a LoRA load's phases, synchronized one by one and as the loader
 #            runs them, and the loader's longest stretches between pause points (profile_load.log)
 #   background bench/bench_background_loads.py: the decode step while cold adapters load (background_loads.json)
+#   sidestream bench/bench_side_stream.py: a step's input copies queued behind a side stream's copies, and its
+#            kernels beside the loader's (side_stream.json, side_stream.log)
 #   ablate   bench/bench_background_loads.py once per $ABLATE_VARIANTS (default: "none ungated-readers readers4 priority";
 #            a variant is an --ablate value, "none" for none, or readers<N>: --readers N), alternating for
 #            $ABLATE_ROUNDS rounds (default 1), on one machine: what each part of a load's work costs the steps
@@ -103,6 +105,8 @@ for step in $steps; do
                   > "$OUT/background.log" 2>&1
                 grep -E 'round [0-9]|GPU in the|"(quiet_median_ms|loading_p99_ms|p99_over_quiet_fit|load_latency_median_ms)"' \
                   "$OUT/background.log"; grep -A12 "longest stretches" "$OUT/background.log" | head -13 ;;
+    sidestream) timeout 150 python3 bench/bench_side_stream.py --out "$OUT/side_stream.json" > "$OUT/side_stream.log" 2>&1
+                tail -16 "$OUT/side_stream.log" ;;
     ablate) for round in $(seq "${ABLATE_ROUNDS:-1}"); do
               for v in ${ABLATE_VARIANTS:-none ungated-readers readers4 priority}; do
                 a=(--ablate "$v"); [ "$v" = none ] && a=(); [[ "$v" = readers* ]] && a=(--readers "${v#readers}")

@@ -64,6 +64,8 @@ def to_device(host: Tensor, out: Tensor | None = None, device: torch.device | st
     caching host allocator keeps the memory of a copy it queued. Shapes: host pinned, contiguous; out alike."""
     if out is None:
         out = torch.empty(host.shape, dtype=host.dtype, device=device)
+    if host.numel() == 0:  # nothing to read (and no memory to view)
+        return out
     copy_by_kernel(out, device_view(host, out.device))
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(out.device))

@@ -133,7 +133,7 @@ def write(dst: Tensor, src: Tensor) -> None:
     """``dst.copy_(src)`` from the host, one tensor (a rebuild's shared buffers): on CUDA read from pinned memory
     by a kernel queued behind the step in flight (`scute.ops.mapped.to_device`)."""
     if dst.is_cuda:
-        to_device(src.to(dst.dtype).contiguous().pin_memory(), dst)
+        to_device(src.to(dst.dtype).expand(dst.shape).contiguous().pin_memory(), dst)
     else:
         dst.copy_(src)
 

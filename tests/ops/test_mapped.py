@@ -99,3 +99,9 @@ def test_to_device_writes_into_a_slice():
     want = torch.zeros(4, 6, dtype=torch.int64)
     want[:2, :4] = torch.arange(8).reshape(2, 4)
     assert torch.equal(out.cpu(), want)
+
+
+@cuda
+def test_to_device_of_nothing():
+    out = mapped.to_device(torch.empty(0, 3, dtype=torch.int64).pin_memory())
+    assert out.shape == (0, 3) and out.is_cuda
