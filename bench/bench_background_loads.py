@@ -31,10 +31,11 @@ the quiet median, and (the figure) p99 of each loading step's time over the quie
 tokens at its own (the context grows as the phases run, and a decode step with it). ``--switch-interval`` sets
 `AdapterLoader.switch_interval` (``default`` keeps it), ``--max-pause`` `Turns.max_pause` (0: the loader never
 waits for the step loop's turn), ``--slice`` `Turns.slice_s` (0: it waits at every pause point inside the turn),
-``--gc off`` turns the garbage collector's automatic collections off for both phases (the engine's `Collections`
-then hold nothing: what collections cost the steps). ``--ablate`` changes parts of a load's work (`ABLATIONS`,
-comma-separated; bench-only stand-ins, not options of the engine) to tell what each costs the steps: run it beside
-a run without, on one machine (``bash bench/run_gpu.sh ablate``); ``--readers``, ``--part-kb`` how a file is read.
+``--lead`` `Turns.lead_s`, ``--gc off`` turns the garbage collector's automatic collections off for both phases
+(the engine's `Collections` then hold nothing: what collections cost the steps). ``--ablate`` changes parts of a
+load's work (`ABLATIONS`, comma-separated; bench-only stand-ins, not options of the engine) to tell what each costs
+the steps: run it beside a run without, on one machine (``bash bench/run_gpu.sh ablate``); ``--readers``,
+``--part-kb`` how a file is read.
 ``--phases-of RESULT`` runs nothing: it reads a saved result step by step (`phases_of`).
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/bench_background_loads.py --out background_loads.json``.
@@ -381,6 +382,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "waits for the step loop's turn; default: the engine's)")
     p.add_argument("--slice", type=float, default=None, help="Turns.slice_s in seconds (0: the loader waits at "
                    "every pause point inside the step loop's turn; default: the engine's)")
+    p.add_argument("--lead", type=float, default=None, help="Turns.lead_s in seconds (the loader stops that long "
+                   "before the step loop's wait is due to end; default: the engine's)")
     p.add_argument("--gc", default="on", choices=["on", "off"], help="off: the garbage collector's automatic "
                    "collections are off while the phases run (what its collections cost the steps)")
     add_read_args(p)
@@ -451,6 +454,8 @@ def run(args) -> dict:
         Turns.max_pause = args.max_pause
     if args.slice is not None:
         Turns.slice_s = args.slice
+    if args.lead is not None:
+        Turns.lead_s = args.lead
     if args.switch_interval != "default":
         AdapterLoader.switch_interval = None if args.switch_interval == "none" else float(args.switch_interval)
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
@@ -500,7 +505,7 @@ def run(args) -> dict:
     result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
                   command=" ".join(sys.argv), layers=args.layers, batch=args.batch, methods=methods,
                   interval_s=args.interval, placed=placed, switch_interval=AdapterLoader.switch_interval,
-                  max_pause_s=Turns.max_pause, slice_s=Turns.slice_s, gc=args.gc,
+                  max_pause_s=Turns.max_pause, slice_s=Turns.slice_s, lead_s=Turns.lead_s, gc=args.gc,
                   ablate=[a for a in args.ablate.split(",") if a], readers=args.readers)
     return B.save({**result, **summary(rounds)}, args.out, "rounds")
 
