@@ -9,8 +9,9 @@ sha256, the finite check). Two measurements, each the median of ``--repeats``:
   step's input copies (``--input-kb``, three pinned host buffers) and a small kernel; the side stream copies
   ``--side-mb`` from pinned memory to the device, issued as the stand-in starts, in commands of each
   ``--chunks-kb`` (0: no side copy); the inputs copied (a copy engine's work) or read by a kernel from the pinned
-  buffers' device addresses (`_Mapped`). Reported: the time from the stand-in's end to the small kernel's end (the
-  step's inputs waiting behind the side stream's copies on the copy engine), and the side copy's rate.
+  buffers' device addresses (`scute.ops.mapped`: what the engine does). Reported: the time from the stand-in's
+  end to the small kernel's end (the step's inputs waiting behind the side stream's copies on the copy engine),
+  and the side copy's rate.
 - *kernels*: the same stand-in timed alone and beside the side stream's sha256 of ``--hash-mb`` (`sha256_leaves`,
   and its kernel at other launch shapes: lanes per program, warps), the landing's finite check (`_finite_flags`)
   and two others (one ``vector_norm``, ``isfinite(..).all()``) over it as bf16, and one ``--hash-mb`` copy: how
@@ -29,6 +30,7 @@ import torch
 
 from scute.adapters.checkpoint import _finite_flags
 from scute.adapters.safetensors_file import LEAF
+from scute.ops.mapped import copy_by_kernel, device_view
 from scute.ops.sha256 import sha256_leaves
 
 
@@ -48,31 +50,15 @@ def calibrate(weights: torch.Tensor, x: torch.Tensor, step_ms: float) -> int:
     return max(1, round(step_ms / (start.elapsed_time(end) / 10)))
 
 
-class _Mapped:
-    """A pinned host tensor as the GPU sees it (the same address, unified addressing): a CUDA tensor whose kernels
-    read host memory across the bus, without a copy engine."""
-
-    def __init__(self, host: torch.Tensor) -> None:
-        self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "<i4", "version": 3,
-                                         "data": (host.data_ptr(), False), "strides": None}
-
-
 def copies(args, weights, x, times, side_stream) -> list[dict]:
     kb = args.input_kb
     inputs = [torch.zeros(kb * 256 // 3, dtype=torch.int32, pin_memory=True) for _ in range(3)]
-    try:
-        mapped = [torch.as_tensor(_Mapped(t), device="cuda") for t in inputs]
-        inputs[0].fill_(7)
-        assert bool((torch.add(mapped[0], 0) == 7).all()), "a kernel read other values than the host's"
-    except (RuntimeError, TypeError, AssertionError) as e:
-        print(f"no kernel reads of the inputs: {e}")
-        mapped = None
+    views = [device_view(t) for t in inputs]
     dev_inputs = [t.to("cuda") for t in inputs]
     src = torch.empty(args.side_mb << 20, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty_like(src, device="cuda")
     rows = []
-    for chunk_kb, by_kernel in [(c, k) for c in args.chunks_kb for k in (False, True)
-                              if mapped or not k]:
+    for chunk_kb, by_kernel in [(c, k) for c in args.chunks_kb for k in (False, True)]:
         delays, rates = [], []
         for _ in range(args.repeats):
             torch.cuda.synchronize()
@@ -80,9 +66,9 @@ def copies(args, weights, x, times, side_stream) -> list[dict]:
             side = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
             stand_in(weights, x, times)
             ends[0].record()
-            for d, s, m in zip(dev_inputs, inputs, mapped or inputs):
+            for d, s, v in zip(dev_inputs, inputs, views):
                 if by_kernel:
-                    torch.add(m, 0, out=d)
+                    copy_by_kernel(d, v)
                 else:
                     d.copy_(s, non_blocking=True)
             dev_inputs[0].add_(1)

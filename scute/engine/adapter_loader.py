@@ -198,9 +198,10 @@ class Turns:
                 self._free.clear()
                 end = time.perf_counter()
                 self._waited, self._ends, self._in_wait = end - start, (self._ends[1], end), False
-                with self._ended:
-                    self._waits += 1
-                    self._ended.notify_all()
+                if self.lead_s > 0:  # a loader may wait for this (`pause`)
+                    with self._ended:
+                        self._waits += 1
+                        self._ended.notify_all()
 
     def gate(self) -> None:
         """Where another thread's work that runs little Python but takes cores and memory bandwidth from the step

@@ -85,8 +85,8 @@ class ModelRunner:
         # would queue on a copy engine behind an adapter load's copies (`scute.ops.mapped`).
         self._inputs = (self._tokens, self._seqs, self.buffers["block_tables"], self._rows)
         pinned = self.device.type == "cuda"
-        self._mirrors = [_mirrored([torch.zeros(t.shape, dtype=t.dtype, pin_memory=pinned) for t in self._inputs],
-                                   self.device) for _ in range(2)]
+        self._mirrors = [[_mirrored(torch.zeros(t.shape, dtype=t.dtype, pin_memory=pinned), self.device)
+                          for t in self._inputs] for _ in range(2)]
         seed_gen = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(seed_gen)
         self.max_model_len = max_model_len
@@ -103,7 +103,7 @@ class ModelRunner:
         shapes = [GraphShape(n) for n in self.decode_sizes] + [GraphShape(n, True) for n in self.mixed_sizes]
         self.graphs = StepGraphs(self._graph_forward, self._pad_inputs, shapes, self.device, max_seqs) \
             if use_graphs else None
-        self._host_token_bufs = [_mirrored([torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True)], self.device)
+        self._host_token_bufs = [_mirrored(torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True), self.device)
                                  for _ in range(2)] if padded else []  # the sampled tokens, written by a kernel
         self.broadcast = broadcast
 
@@ -167,7 +167,7 @@ class ModelRunner:
         logits = self._replay(sched, shape, flight)[: len(sampling)]
         result = self.sampler(logits, self.sampling_batch(sampling))
         self._host_token_bufs.reverse()  # two buffers: the other one may still hold the previous step's tokens
-        (host,), (view,) = self._host_token_bufs[0]
+        host, view = self._host_token_bufs[0]
         copy_by_kernel(view[: len(sampling)], result.token_ids)
         event = torch.cuda.Event()
         event.record()
@@ -243,13 +243,9 @@ class ModelRunner:
         """A graph step's inputs and padding (`write_padded`) into the next host mirrors, read whole by kernels
         queued on the current stream (the LM head's rows only for a mixed step: a decode graph keeps every row)."""
         self._mirrors.reverse()
-        hosts, views = self._mirrors[0]
-        write_padded(step, [m.numpy() for m in hosts], self.max_num_seqs)
-        for dst, src in zip(self._inputs[: 4 if step.shape.mixed else 3], views):
-            if src.is_cuda:
-                copy_by_kernel(dst, src)
-            else:
-                dst.copy_(src)
+        write_padded(step, [host.numpy() for host, _ in self._mirrors[0]], self.max_num_seqs)
+        for dst, (_, view) in zip(self._inputs[: 4 if step.shape.mixed else 3], self._mirrors[0]):
+            copy_by_kernel(dst, view)
 
     def _graph_forward(self, shape: GraphShape, active_slots: frozenset[int]) -> Tensor:
         """The forward a graph captures, over the buffers at `shape`: the logits of every row (decode), or of the
@@ -309,6 +305,6 @@ class ModelRunner:
                              self.sampler.penalty_tokens.batch(sampling))
 
 
-def _mirrored(hosts: list[Tensor], device: torch.device) -> tuple[list[Tensor], list[Tensor]]:
-    """Host mirrors and what `device` reads them through: a pinned one's `device_view`, else itself."""
-    return hosts, [device_view(h, device) if h.is_pinned() else h for h in hosts]
+def _mirrored(host: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
+    """A host mirror and what `device` reads it through: a pinned one's `device_view`, else itself."""
+    return host, device_view(host, device) if host.is_pinned() else host

@@ -24,7 +24,7 @@ def host_to_device(values: list, dtype: torch.dtype, device: torch.device, out: 
     first len(values) entries; returned as that slice), so tensors can live at fixed addresses. The list is read
     by numpy (about 3x faster than `torch.tensor` per element: a long prompt's inputs, a penalized batch's tokens)."""
     array = np.array(values, dtype=_NUMPY[dtype])
-    dst = None if out is None else out[: array.shape[0]] if array.ndim == 1 else out[: array.shape[0], : array.shape[1]]
+    dst = None if out is None else out[tuple(slice(n) for n in array.shape)]
     if device.type != "cuda":
         host = torch.from_numpy(array)
         return host.to(device) if dst is None else dst.copy_(host)

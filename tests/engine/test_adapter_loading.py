@@ -454,20 +454,25 @@ def test_a_held_turn_lets_the_loader_run_its_slice_then_waits():
     assert passed == [1, 2, 3]
 
 
+def _pausing(turns: Turns, every: float, passed: list[float], stop: threading.Event) -> threading.Thread:
+    """A loader thread (not started) at a pause point every `every` seconds until `stop`: the time it went on from
+    each in `passed`."""
+    def loader() -> None:
+        while not stop.is_set():
+            turns.pause()
+            passed.append(time.perf_counter())
+            time.sleep(every)
+
+    return threading.Thread(target=loader, daemon=True)
+
+
 def test_a_turn_after_a_wait_as_long_as_the_slice_gives_the_loader_none_of_it():
     """A step loop that waited for the GPU at least `slice_s` gave the loader its slice then: inside the turn after
     it, the loader waits at its next pause point, though it went on from one a moment before (where a shorter
     wait would let it run on for `slice_s`)."""
     turns, passed, stop = Turns(), [], threading.Event()
     turns.max_pause, turns.slice_s = 30.0, 0.3
-
-    def loader() -> None:
-        while not stop.is_set():  # a pause point every 10 ms
-            turns.pause()
-            passed.append(time.perf_counter())
-            time.sleep(0.01)
-
-    thread = threading.Thread(target=loader, daemon=True)
+    thread = _pausing(turns, 0.01, passed, stop)
     try:
         with turns.step_loop():
             thread.start()
@@ -491,14 +496,7 @@ def test_with_a_lead_the_loader_stops_before_a_wait_is_due_to_end(lead):
     wait; without, it runs through the whole wait."""
     turns, passed, stop = Turns(), [], threading.Event()
     turns.max_pause, turns.slice_s, turns.lead_s = 30.0, 0.0, lead
-
-    def loader() -> None:
-        while not stop.is_set():  # a pause point every 5 ms
-            turns.pause()
-            passed.append(time.perf_counter())
-            time.sleep(0.005)
-
-    thread = threading.Thread(target=loader, daemon=True)
+    thread = _pausing(turns, 0.005, passed, stop)
     try:
         with turns.step_loop():
             thread.start()

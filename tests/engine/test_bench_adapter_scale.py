@@ -68,8 +68,10 @@ def test_turns_bench_times_the_host_work_beside_the_loads(tmp_path):
     out = tmp_path / "turns.json"
     result = bench_module("bench_turns").main(["--layers", "2", "--hidden", "64", "--cold", "2", "--rounds", "1",
                                                "--steps", "5", "--host-ms", "0.5", "--gpu-ms", "2", "--interval",
-                                               "0.01", "--root", str(tmp_path / "adapters"), "--out", str(out)])
+                                               "0.01", "--lead", "0.0005", "--root", str(tmp_path / "adapters"),
+                                               "--out", str(out)])
     saved = json.loads(out.read_text())
+    assert saved["lead_s"] == 0.0005  # the loads still all land with a lead
     assert saved["loads"] == 2 and saved["quiet_steps"] == 5 and saved["loading_steps"] >= 1
     assert 0 < saved["quiet_host"]["median_ms"] <= saved["quiet_host"]["max_ms"]
     assert saved["quiet_wall"]["median_ms"] >= 2  # the emulated GPU's time at least
