@@ -29,7 +29,6 @@ from scute.engine.request import Request
 from scute.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from scute.engine.scheduler import SchedulerOutput
 from scute.engine.step_inputs import GraphStep, StepInputs, device_inputs, eager_inputs, graph_step, write_padded
-from scute.engine.utils import host_to_device
 from scute.model.attention import AttentionMetadata, flash_attn_available
 from scute.model.loader import LoadedModel
 from scute.ops.mapped import copy_by_kernel, device_view
@@ -83,10 +82,13 @@ class ModelRunner:
         # the step in flight when the next step writes its inputs, but the reads of the step before it are done
         # (the host waited for that step's tokens). A kernel reads them where they are (`device_view`): a copy
         # would queue on a copy engine behind an adapter load's copies (`scute.ops.mapped`).
+        # Each set's fifth mirror is read by kernels alone: a step's `gather` (token rows, rows of the step in
+        # flight's output), which takes the tokens the host does not have yet on the device.
         self._inputs = (self._tokens, self._seqs, self.buffers["block_tables"], self._rows)
         pinned = self.device.type == "cuda"
-        self._mirrors = [[_mirrored(torch.zeros(t.shape, dtype=t.dtype, pin_memory=pinned), self.device)
-                          for t in self._inputs] for _ in range(2)]
+        gather = torch.zeros(2, max_tokens, dtype=torch.int64)
+        self._mirrors = [[_mirrored(torch.zeros_like(t, device="cpu", pin_memory=pinned), self.device)
+                          for t in (*self._inputs, gather)] for _ in range(2)]
         seed_gen = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(seed_gen)
         self.max_model_len = max_model_len
@@ -227,10 +229,7 @@ class ModelRunner:
         key = layout.step_key(step.token_slots)
         if step.capture:
             self.graphs.capture(layout, key, [step.shape])
-        self._write_inputs(step)
-        if step.gather[0]:
-            index = host_to_device(list(step.gather), torch.int64, self.device)
-            self.buffers["input_ids"].index_copy_(0, index[0], flight.result.token_ids[index[1]])
+        self._write_inputs(step, flight)
         if self.graphs is None or not self.graphs.has(layout, key, step.shape):
             return self._graph_forward(step.shape, layout.active_slots(key))
         return self.graphs.replay(layout, key, step.shape)
@@ -239,13 +238,20 @@ class ModelRunner:
         """Inputs of padding alone (what the eager warm-up and a capture run over)."""
         self._write_inputs(GraphStep(shape))
 
-    def _write_inputs(self, step: GraphStep) -> None:
+    def _write_inputs(self, step: GraphStep, flight: InFlight | None = None) -> None:
         """A graph step's inputs and padding (`write_padded`) into the next host mirrors, read whole by kernels
-        queued on the current stream (the LM head's rows only for a mixed step: a decode graph keeps every row)."""
+        queued on the current stream (the LM head's rows only for a mixed step: a decode graph keeps every row),
+        then the tokens sampled by the step in `flight` taken into the ids (`step.gather`, read where it is)."""
         self._mirrors.reverse()
-        write_padded(step, [host.numpy() for host, _ in self._mirrors[0]], self.max_num_seqs)
-        for dst, (_, view) in zip(self._inputs[: 4 if step.shape.mixed else 3], self._mirrors[0]):
+        mirrors = self._mirrors[0]
+        write_padded(step, [host.numpy() for host, _ in mirrors[:4]], self.max_num_seqs)
+        for dst, (_, view) in zip(self._inputs[: 4 if step.shape.mixed else 3], mirrors):
             copy_by_kernel(dst, view)
+        n = len(step.gather[0])
+        if n:
+            host, view = mirrors[4]
+            host.numpy()[:, :n] = step.gather
+            self.buffers["input_ids"].index_copy_(0, view[0, :n], flight.result.token_ids[view[1, :n]])
 
     def _graph_forward(self, shape: GraphShape, active_slots: frozenset[int]) -> Tensor:
         """The forward a graph captures, over the buffers at `shape`: the logits of every row (decode), or of the

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from scute.engine.request import Request
-from scute.engine.utils import host_to_device
+from scute.ops.mapped import host_to_device
 
 
 def prompt_logprobs(logits: Tensor, targets: Tensor, k: int, rows_per_chunk: int = 1024) -> tuple[list, list, list]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from scute.engine.utils import host_to_device
+from scute.ops.mapped import host_to_device
 
 
 ARGMAX_PARTS = 64  # a long row's argmax as this many partial maxima, then their argmax

@@ -20,10 +20,10 @@ from scute.engine.cuda_graph import GraphShape, mixed_rows
 from scute.engine.prompt_logprobs import PromptRows
 from scute.engine.request import Request
 from scute.engine.scheduler import SchedulerOutput
-from scute.engine.utils import host_to_device
 from scute.model.attention import AttentionMetadata, kv_gather_index
 from scute.model.context import ForwardContext
 from scute.ops.groups import ActiveSlots
+from scute.ops.mapped import host_to_device
 
 
 @dataclass

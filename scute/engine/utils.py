@@ -7,31 +7,6 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-import numpy as np
-import torch
-from torch import Tensor
-
-from scute.ops.mapped import to_device
-
-
-_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}  # host_to_device's dtypes
-
-
-def host_to_device(values: list, dtype: torch.dtype, device: torch.device, out: Tensor | None = None) -> Tensor:
-    """A Python list on the device. On CUDA the host tensor is pinned and read by a kernel queued on the current
-    stream (`scute.ops.mapped.to_device`: not a copy engine, where it would wait behind an adapter load's copies),
-    so building a step's inputs never waits for the GPU. `out`: a preallocated buffer to write into (its
-    first len(values) entries; returned as that slice), so tensors can live at fixed addresses. The list is read
-    by numpy (about 3x faster than `torch.tensor` per element: a long prompt's inputs, a penalized batch's tokens)."""
-    array = np.array(values, dtype=_NUMPY[dtype])
-    dst = None if out is None else out[tuple(slice(n) for n in array.shape)]
-    if device.type != "cuda":
-        host = torch.from_numpy(array)
-        return host.to(device) if dst is None else dst.copy_(host)
-    host = torch.empty(array.shape, dtype=dtype, pin_memory=True)
-    host.numpy()[...] = array
-    return to_device(host, dst, device)
-
 
 def tokenize(tokenizer, vocab_size: int, prompt: str | Sequence[int]) -> list[int]:
     """A prompt's token ids (text through `tokenizer`); raises ValueError for an empty prompt or an id outside

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -23,6 +24,7 @@ _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}  # an i
 _TYPESTR = {torch.int64: "<i8", torch.int32: "<i4", torch.int16: "<i2", torch.uint8: "|u1"}
 _IN_FLIGHT: deque[tuple[Tensor, torch.cuda.Event]] = deque()  # `to_device`'s host tensors, until read
 _LOCK = threading.Lock()
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}  # host_to_device's dtypes
 
 
 class _Interface:
@@ -74,3 +76,20 @@ def to_device(host: Tensor, out: Tensor | None = None, device: torch.device | st
         while _IN_FLIGHT and _IN_FLIGHT[0][1].query():
             _IN_FLIGHT.popleft()
     return out
+
+
+
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device, out: Tensor | None = None) -> Tensor:
+    """A Python list on the device. On CUDA the host tensor is pinned and read by a kernel queued on the current
+    stream (`to_device`: not a copy engine, where it would wait behind an adapter load's copies),
+    so building a step's inputs never waits for the GPU. `out`: a preallocated buffer to write into (its
+    first len(values) entries; returned as that slice), so tensors can live at fixed addresses. The list is read
+    by numpy (about 3x faster than `torch.tensor` per element: a long prompt's inputs, a penalized batch's tokens)."""
+    array = np.array(values, dtype=_NUMPY[dtype])
+    dst = None if out is None else out[tuple(slice(n) for n in array.shape)]
+    if device.type != "cuda":
+        host = torch.from_numpy(array)
+        return host.to(device) if dst is None else dst.copy_(host)
+    host = torch.empty(array.shape, dtype=dtype, pin_memory=True)
+    host.numpy()[...] = array
+    return to_device(host, dst, device)

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from scute.ops.groups import (PoolFacts, StepKinds, pool_facts, pool_facts_slot, shared_a_of, shared_facts, step_kinds,
                               storage_key)
+from scute.ops.mapped import host_to_device
 from scute.ops.slots import Slots
 from scute.ops.table_writes import TableWrites, refill, write
 
@@ -272,7 +273,8 @@ class SlotPool:
                                     for sl in column)
         if self._shared_src[:1] != (src,):
             new_a = list(a_src.values())
-            new_b = [torch.zeros(1, rank, dtype=self.dtype) if sl is None or sl.B is None else sl.B for sl in column]
+            new_b = [torch.zeros(1, rank, dtype=self.dtype, device=self.device) if sl is None or sl.B is None
+                     else sl.B for sl in column]
             olds, news = self.shared_a + self.shared_b, new_a + new_b
             same = bool(self.shared_b) and len(olds) == len(news) and \
                 all(o.shape == n.shape for o, n in zip(olds, news))
@@ -289,7 +291,7 @@ class SlotPool:
         for p, row in enumerate(slots):  # the members' m, gathered where they are (the device, when served)
             have = [s for s in members if row[s] is not None and row[s].m is not None]
             if have:
-                m[p].index_copy_(0, torch.tensor(have, device=self.device),
+                m[p].index_copy_(0, host_to_device(have, torch.int64, self.device),
                                  torch.stack([row[s].m.to(self.device, torch.float32) for s in have]))
         self.shared_m = refill(self.shared_m, m, self.device, torch.float32)
         self.shared_group = group

@@ -106,6 +106,34 @@ def test_decode_inputs_padded_to_the_bucket():
     assert runner._mirrors[0] is not used and runner._mirrors[1] is used
 
 
+def test_tokens_sampled_in_flight_are_taken_on_the_device():
+    """A graph step's tokens the host does not have yet (`GraphStep.gather`: token rows, rows of the step in
+    flight's output) land in the ids from that output, through the other host mirrors' gather rows; the tokens the
+    host has stay as written."""
+    from types import SimpleNamespace
+
+    from scute import Engine, SamplingParams
+
+    engine = Engine(tiny_model(), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=8)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i, n in enumerate([3, 17, 5]):
+        engine.add_request(f"r{i}", list(range(1, n + 1)), sp)
+    engine.step()
+    sched = engine.scheduler.schedule()
+    runner, buf = engine.runner, engine.runner.buffers
+    step = graph_step(sched, GraphShape(4), runner.block_size)
+    known = list(step.input_ids)
+    flight = SimpleNamespace(result=SimpleNamespace(token_ids=torch.tensor([501, 502, 503])))
+    for gather in [([0, 2], [2, 0]), ([1], [1])]:  # the second step writes the other mirrors
+        step.gather = gather
+        runner._write_inputs(step, flight)
+        want = list(known)
+        for row, out in zip(*gather):
+            want[row] = 501 + out
+        assert buf["input_ids"][:3].tolist() == want
+    assert runner._mirrors[0][4][0][:, :1].tolist() == [[1], [1]]
+
+
 def test_mixed_inputs_padded_to_the_graph():
     """A mixed step (a prompt beside decode tokens) as its graph reads it: the eager inputs for the real tokens
     and requests, the padding tokens as one request of length 0 that stores no KV, empty requests up to the
