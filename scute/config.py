@@ -39,8 +39,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # KV cache budget in bytes; None = derived from gpu_memory_utilization on GPU, 1 GiB on CPU.
     kv_cache_memory_bytes: int | None = None
-    # False (vLLM's default): on CUDA with the Triton attention, decode steps replay CUDA graphs captured per
-    # padded batch size (the base model's at start-up, others when first needed); True: every step eager.
+    # False (vLLM's default): on CUDA with the Triton attention, decode steps and mixed steps of up to 1024 tokens
+    # replay CUDA graphs captured per padded size (the base model's at start-up, others when first needed); True:
+    # every step eager.
     enforce_eager: bool = False
     # Distinct adapters resident on the device at once, hence the most distinct adapters in one step.
     max_adapters: int = 8

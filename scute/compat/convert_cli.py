@@ -92,5 +92,5 @@ def convert_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m scute.compat.convert ADAPTER --to lora --rank R --out DIR
+if __name__ == "__main__":  # python -m scute.compat.convert_cli ADAPTER --to lora --rank R --out DIR
     raise SystemExit(convert_main())
