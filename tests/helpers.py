@@ -467,7 +467,8 @@ class StandInRunner:
             tokens.append(self.next_token(req, pos, token))
         self.launched += 1
         result = SamplerOutput(torch.tensor(tokens, dtype=torch.int64), None, None, None)
-        return InFlight(sampling, result, result.token_ids.clone(), _Done(), {r: i for i, r in enumerate(sampling)})
+        host = SamplerOutput(result.token_ids.clone(), None, None, None)
+        return InFlight(sampling, result, host, _Done(), {r: i for i, r in enumerate(sampling)})
 
 
 # ---------------------------------------------------------------------------------------------- bad adapters

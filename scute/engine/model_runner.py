@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -31,24 +31,24 @@ from scute.engine.scheduler import SchedulerOutput
 from scute.engine.step_inputs import GraphStep, StepInputs, device_inputs, eager_inputs, graph_step, write_padded
 from scute.model.attention import AttentionMetadata, flash_attn_available
 from scute.model.loader import LoadedModel
-from scute.ops.mapped import copy_by_kernel, device_view
+from scute.ops.mapped import copy_by_kernel, device_view, keep, to_host
 
 
 @dataclass
 class InFlight:
-    """A decode step launched on the GPU whose sampled tokens the host has not read yet: a kernel behind the step's
-    writes them into pinned host memory (`event` marks its end)."""
+    """A decode step launched on the GPU whose sampled tokens the host has not read yet: kernels behind the step's
+    write its output into pinned host memory (`event` marks their end)."""
 
     sampling: list[Request]
     result: SamplerOutput  # on the device
-    host_tokens: Tensor
+    host: SamplerOutput  # in pinned host memory, once `event` has ended
     event: torch.cuda.Event
     rows: dict[Request, int]  # each sampling request's row of result
 
     def wait(self) -> SamplerOutput:
-        """The step's sampler output, its tokens read from the host copy (waits for the GPU if needed)."""
+        """The step's sampler output on the host (waits for the GPU if needed)."""
         self.event.synchronize()
-        return replace(self.result, token_ids=self.host_tokens[: len(self.sampling)])
+        return self.host
 
 
 class ModelRunner:
@@ -70,7 +70,8 @@ class ModelRunner:
         # tensor, the per-sequence int32 ones (room for a mixed graph's padding request) of another and the LM
         # head's kept rows and their slots of a third, so that a graph step writes all of them from three pinned
         # host mirrors, four for a mixed step (`_write_inputs`).
-        self._tokens, self._seqs = self._zeros((4, max_tokens), torch.int64), self._zeros((2, max_seqs + 2), torch.int32)
+        self._tokens = self._zeros((4, max_tokens), torch.int64)
+        self._seqs = self._zeros((2, max_seqs + 2), torch.int32)
         self._rows = self._zeros((2, max_seqs), torch.int64)
         self.buffers = {
             "input_ids": self._tokens[0], "positions": self._tokens[1], "slot_mapping": self._tokens[2],
@@ -155,7 +156,12 @@ class ModelRunner:
             logits = prompt_rows.collect(logits)
         if not sampling:
             return None
-        return self.sampler(logits, self.sampling_batch(sampling))
+        result = self.sampler(logits, self.sampling_batch(sampling))
+        if self.device.type != "cuda":
+            return result
+        host = _to_host(result)
+        torch.cuda.current_stream(self.device).synchronize()
+        return host
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, sampling: list[Request], flight: InFlight | None) -> InFlight | None:
@@ -171,9 +177,9 @@ class ModelRunner:
         self._host_token_bufs.reverse()  # two buffers: the other one may still hold the previous step's tokens
         host, view = self._host_token_bufs[0]
         copy_by_kernel(view[: len(sampling)], result.token_ids)
-        event = torch.cuda.Event()
-        event.record()
-        return InFlight(sampling, result, host, event, {req: row for row, req in enumerate(sampling)})
+        event = keep(host, self.device)  # on this device's stream; the buffer outlives the write even if we do not
+        return InFlight(sampling, result, _to_host(result, host[: len(sampling)]), event,
+                        {req: row for row, req in enumerate(sampling)})
 
     # ------------------------------------------------------------------ graph steps
     def layout(self) -> AdapterLayout:
@@ -239,14 +245,21 @@ class ModelRunner:
         self._write_inputs(GraphStep(shape))
 
     def _write_inputs(self, step: GraphStep, flight: InFlight | None = None) -> None:
-        """A graph step's inputs and padding (`write_padded`) into the next host mirrors, read whole by kernels
-        queued on the current stream (the LM head's rows only for a mixed step: a decode graph keeps every row),
-        then the tokens sampled by the step in `flight` taken into the ids (`step.gather`, read where it is)."""
+        """A graph step's inputs and padding (`write_padded`) into the next host mirrors, of which kernels queued on
+        the current stream read what the graph reads (its tokens, requests and LM head rows; of the block tables,
+        the requests' rows up to the longest table: a table of the longest context is ~8 MB at 256 requests, which
+        the graph never reads; the LM head's rows only for a mixed step: a decode graph keeps every row), then the
+        tokens sampled by the step in `flight` taken into the ids (`step.gather`, read where it is)."""
         self._mirrors.reverse()
         mirrors = self._mirrors[0]
         write_padded(step, [host.numpy() for host, _ in mirrors[:4]], self.max_num_seqs)
-        for dst, (_, view) in zip(self._inputs[: 4 if step.shape.mixed else 3], mirrors):
-            copy_by_kernel(dst, view)
+        size = step.shape.tokens
+        seqs, rows = mixed_rows(size, self.max_num_seqs) if step.shape.mixed else (size, size)
+        width = max([1, *map(len, step.block_tables)])
+        read = [(slice(None), slice(size)), (slice(None), slice(seqs + 1)), (slice(seqs), slice(width)),
+                (slice(None), slice(rows))]
+        for dst, (_, view), at in zip(self._inputs[: 4 if step.shape.mixed else 3], mirrors, read):
+            copy_by_kernel(dst[at], view[at])
         n = len(step.gather[0])
         if n:
             host, view = mirrors[4]
@@ -309,6 +322,17 @@ class ModelRunner:
                 num_logprobs = max(num_logprobs, sp.logprobs)
         return SamplingBatch(temps, top_ks, top_ps, gens, (rows, cols), num_logprobs,
                              self.sampler.penalty_tokens.batch(sampling))
+
+
+def _to_host(result: SamplerOutput, token_ids: Tensor | None = None) -> SamplerOutput:
+    """`result` in pinned host memory, written by kernels queued on the current stream (`scute.ops.mapped.to_host`;
+    `.tolist()` of a device tensor copies on a copy engine, behind whatever an adapter load queued there), for the
+    host to read once the stream has run them. `token_ids`: the tokens' host copy, already queued."""
+    def host(x: Tensor | None) -> Tensor | None:
+        return None if x is None else to_host(x)
+
+    return SamplerOutput(host(result.token_ids) if token_ids is None else token_ids, host(result.logprobs),
+                         host(result.top_logprobs), host(result.top_ids))
 
 
 def _mirrored(host: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:

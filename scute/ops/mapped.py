@@ -7,7 +7,7 @@ queued behind an adapter load's megabytes on the loader's stream wait for all of
 side stream's copies in 1-64 MB commands, 0.03 ms without; read by a kernel instead, 0.02-0.06 ms either way. With
 unified virtual addressing a pinned host tensor has one address on the host and the device: a kernel reads or
 writes it across the bus, beside whatever the copy engines run. The engine's per-step transfers (a graph step's
-inputs and its sampled tokens, a placement's table rows, an eager step's inputs) go through here; the adapter
+inputs, every step's sampler output, a placement's table rows, an eager step's inputs) go through here; the adapter
 loader's bulk copies keep the copy engines.
 """
 
@@ -22,7 +22,9 @@ from torch import Tensor
 
 _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}  # an integer dtype per element size
 _TYPESTR = {torch.int64: "<i8", torch.int32: "<i4", torch.int16: "<i2", torch.uint8: "|u1"}
-_IN_FLIGHT: deque[tuple[Tensor, torch.cuda.Event]] = deque()  # `to_device`'s host tensors, until read
+# `keep`'s host tensors until their events end, a queue per stream (a stream's events end in order; the loader's
+# stream may run its work long after the step loop's)
+_IN_FLIGHT: dict[int, deque[tuple[Tensor, torch.cuda.Event]]] = {}
 _LOCK = threading.Lock()
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}  # host_to_device's dtypes
 
@@ -31,6 +33,7 @@ class _Interface:
     """A pinned host tensor's bytes as ``__cuda_array_interface__`` describes a device array (`device_view`)."""
 
     def __init__(self, host: Tensor) -> None:
+        self.host = host  # the view keeps this object, hence the memory, alive
         self.__cuda_array_interface__ = {"shape": (host.numel(),), "typestr": _TYPESTR[host.dtype],
                                          "data": (host.data_ptr(), False), "version": 3, "strides": None}
 
@@ -38,7 +41,8 @@ class _Interface:
 def device_view(host: Tensor, device: torch.device | str = "cuda") -> Tensor:
     """Semantics: `host` as a tensor on `device` at the same address (its kernels read and write the host's
     memory). Shapes: host any shape, contiguous, pinned, of a dtype of 1, 2, 4 or 8 bytes; returns the same shape
-    and dtype. The caller keeps `host` alive while the view is used."""
+    and dtype; the view keeps `host` alive. Needs the host address to be the device address (unified virtual
+    addressing, as on x86 and Grace hosts with torch's pinned allocator); a view torch would place elsewhere raises."""
     if not host.is_pinned() or not host.is_contiguous():
         raise ValueError("device_view: a contiguous tensor in pinned host memory")
     bits = host.reshape(-1).view(_BITS[host.element_size()])
@@ -69,14 +73,36 @@ def to_device(host: Tensor, out: Tensor | None = None, device: torch.device | st
     if host.numel() == 0:  # nothing to read (and no memory to view)
         return out
     copy_by_kernel(out, device_view(host, out.device))
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(out.device))
-    with _LOCK:
-        _IN_FLIGHT.append((host, event))
-        while _IN_FLIGHT and _IN_FLIGHT[0][1].query():
-            _IN_FLIGHT.popleft()
+    keep(host, out.device)
     return out
 
+
+def to_host(x: Tensor) -> Tensor:
+    """Semantics: a pinned host tensor that a kernel queued on the current stream of `x`'s device fills with `x`
+    (`copy_by_kernel`: not a copy engine, where ``x.cpu()`` would wait behind an adapter load's copies); read it
+    once that stream has run the kernel (an event, a synchronize). Shapes: x any shape, on a CUDA device; returns
+    a contiguous tensor of its shape and dtype."""
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    if host.numel():
+        copy_by_kernel(device_view(host, x.device), x)
+        keep(host, x.device)
+    return host
+
+
+def keep(host: Tensor, device: torch.device) -> torch.cuda.Event:
+    """Keep `host` (pinned memory a kernel queued on `device`'s current stream reads or writes) alive until that
+    stream has run the work queued so far, as the caching host allocator keeps the memory of a copy it queued:
+    freed before, its memory could be handed out again while the kernel still uses it. Returns the event that marks
+    the point."""
+    stream = torch.cuda.current_stream(device)
+    event = torch.cuda.Event()
+    event.record(stream)
+    with _LOCK:
+        queue = _IN_FLIGHT.setdefault(stream.cuda_stream, deque())
+        queue.append((host, event))
+        while queue and queue[0][1].query():
+            queue.popleft()
+    return event
 
 
 def host_to_device(values: list, dtype: torch.dtype, device: torch.device, out: Tensor | None = None) -> Tensor:

@@ -142,8 +142,9 @@ def refill(old: Tensor | None, new: Tensor, device: torch.device, dtype: torch.d
     """`new` in `old`'s memory when the shapes match (a captured graph keeps reading there), else a new copy: the
     buffer is the pool's own, never `new` itself (a later refill writes into it, and `new` may be an adapter's
     tensor that other adapters share, such as VeRA's B)."""
-    out = old if old is not None and old.shape == new.shape else torch.empty(new.shape, dtype=dtype, device=device)
-    if new.device == out.device:
-        return out.copy_(new)
-    write(out, new)  # from the host: by a kernel, not behind an adapter load's copies
-    return out
+    if old is not None and old.shape == new.shape:
+        if new.device == old.device:
+            return old.copy_(new)
+        write(old, new.to(old.dtype))
+        return old
+    return torch.empty(new.shape, dtype=dtype, device=device).copy_(new)

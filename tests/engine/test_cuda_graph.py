@@ -93,6 +93,7 @@ def test_decode_inputs_padded_to_the_bucket():
     want = [t.clone() for t in (ids, positions, ctx.attn.slot_mapping, ctx.token_adapter_slots, ctx.attn.seq_lens)]
     tables = ctx.attn.block_tables.clone()
     buf["slot_mapping"].fill_(7)  # stale values, which the padding must overwrite
+    buf["block_tables"].fill_(9)  # stale entries the graph does not read, which are not copied either
     assert _graph_inputs(runner, sched, GraphShape(4)).token_slots == [-1, -1, -1]
     for name, w in zip(("input_ids", "positions", "slot_mapping", "token_slots", "seq_lens"), want):
         assert buf[name][:3].tolist() == w.tolist(), name
@@ -100,6 +101,8 @@ def test_decode_inputs_padded_to_the_bucket():
     assert buf["query_start_loc"][:5].tolist() == [0, 1, 2, 3, 4]
     assert buf["block_tables"][:3, : tables.shape[1]].tolist() == tables.tolist()
     assert buf["block_tables"][3, 0].item() == 0
+    width = tables.shape[1]
+    assert (buf["block_tables"][:, width:] == 9).all() and (buf["block_tables"][4:] == 9).all()
     # the next step writes the other host mirrors: this step's copies may still be queued behind the step in flight
     used = runner._mirrors[0]
     runner._pad_inputs(GraphShape(4))

@@ -80,7 +80,7 @@ def test_to_device_keeps_the_host_tensor_until_read():
     kept = host.data_ptr()
     del host
     gc.collect()
-    assert any(h.data_ptr() == kept for h, _ in mapped._IN_FLIGHT)  # still referenced: its memory not handed out
+    assert kept in _held()  # still referenced: its memory not handed out
     for _ in range(4):  # pinned tensors allocated meanwhile get other memory
         assert torch.empty(1 << 16, pin_memory=True).data_ptr() != kept
     torch.cuda.synchronize()
@@ -88,7 +88,47 @@ def test_to_device_keeps_the_host_tensor_until_read():
     mapped.to_device(torch.zeros(1, pin_memory=True))
     torch.cuda.synchronize()
     mapped.to_device(torch.zeros(1, pin_memory=True))
-    assert all(h.data_ptr() != kept for h, _ in mapped._IN_FLIGHT)  # let go once read
+    assert kept not in _held()  # let go once read
+
+
+def _held() -> list[int]:
+    """The addresses of the host tensors `mapped.keep` holds."""
+    return [h.data_ptr() for queue in mapped._IN_FLIGHT.values() for h, _ in queue]
+
+
+@cuda
+def test_a_busy_stream_holds_back_only_its_own_host_tensors():
+    """Each stream's host tensors are let go as that stream reads them: a side stream's queued work (an adapter
+    load's) does not keep the step loop's stream's tensors, whose memory the next steps' allocations reuse."""
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(400_000_000)
+        slow = torch.zeros(8, pin_memory=True)
+        mapped.to_device(slow)
+    first = torch.arange(8, pin_memory=True)
+    kept, slow_at = first.data_ptr(), slow.data_ptr()
+    mapped.to_device(first)
+    del first, slow
+    torch.cuda.current_stream().synchronize()
+    mapped.to_device(torch.zeros(1, pin_memory=True))
+    assert kept not in _held() and slow_at in _held()
+    side.synchronize()
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_to_host_writes_by_kernel_bit_exact(dtype):
+    """`to_host` of a (non-contiguous) device tensor: pinned, its values bit for bit once the stream ran the
+    kernel, which is queued behind the stream's earlier work (not run at once)."""
+    src = (torch.tensor([True, False, True, True]) if dtype == torch.bool else _odd_values(dtype, 256)).cuda()
+    src = src.reshape(2, -1).t()  # a transposed view
+    torch.cuda._sleep(100_000_000)
+    host = mapped.to_host(src)
+    assert host.is_pinned() and host.shape == src.shape and host.dtype == dtype and host.is_contiguous()
+    torch.cuda.current_stream().synchronize()
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[src.element_size()]
+    assert torch.equal(host.view(bits), src.cpu().contiguous().view(bits))
+    assert mapped.to_host(src[:0]).numel() == 0
 
 
 @cuda
