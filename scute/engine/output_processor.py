@@ -20,7 +20,7 @@ class OutputProcessor:
     def append_tokens(self, sampling: list[Request], result: SamplerOutput) -> None:
         """Append each request's sampled token (and logprobs), then check its stop conditions. A request that
         finished meanwhile (stopped by the step before, or aborted) ignores its token."""
-        tokens = result.token_ids.tolist()  # the step's one host sync (none if the tokens are on the host)
+        tokens = result.token_ids.tolist()  # on the host: the runner read the step's output back
         chosen = result.logprobs.tolist() if result.logprobs is not None else None
         top = None if result.top_ids is None else (result.top_ids.tolist(), result.top_logprobs.tolist())
         now = time.monotonic()

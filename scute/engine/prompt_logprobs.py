@@ -1,7 +1,7 @@
 """Prompt logprobs (`SamplingParams.prompt_logprobs`): the log-probability of each prompt token after the first
 given the tokens before it, from the logits of the position before it, computed in the steps that compute the
 prompt (chunks included). Only the steps of such requests keep those rows of the LM head (`PromptRows`); the
-others keep only their sampled rows, as before.
+others keep only their sampled rows.
 """
 
 from __future__ import annotations
@@ -10,26 +10,26 @@ import torch
 from torch import Tensor
 
 from scute.engine.request import Request
-from scute.ops.mapped import host_to_device
+from scute.ops.mapped import host_to_device, to_host
 
 
 def prompt_logprobs(logits: Tensor, targets: Tensor, k: int, rows_per_chunk: int = 1024) -> tuple[list, list, list]:
     """Semantics: with logp = log_softmax(logits[i].float()) (raw logits, [R, V]), row i's logp[targets[i]] and
     its k largest logp values with their token ids (none for k = 0). The float32 copies are made
     `rows_per_chunk` rows at a time (a long prompt's rows times the vocabulary). Returns host lists: chosen [R],
-    top ids [R][k], top logprobs [R][k] (one sync per chunk)."""
+    top ids [R][k], top logprobs [R][k] (read in one sync, on CUDA from pinned memory a kernel wrote: `to_host`)."""
     chosen, top_ids, top_values = [], [], []
     for start in range(0, logits.shape[0], rows_per_chunk):
         logp = logits[start:start + rows_per_chunk].float().log_softmax(dim=-1)
-        chosen += logp.gather(-1, targets[start:start + rows_per_chunk, None])[:, 0].tolist()
-        if k > 0:
-            top = logp.topk(min(k, logp.shape[-1]), dim=-1)
-            top_ids += top.indices.tolist()
-            top_values += top.values.tolist()
-        else:
-            top_ids += [[]] * logp.shape[0]
-            top_values += [[]] * logp.shape[0]
-    return chosen, top_ids, top_values
+        chosen.append(logp.gather(-1, targets[start:start + rows_per_chunk, None])[:, 0])
+        top = logp.topk(min(k, logp.shape[-1]), dim=-1)  # k = 0: [rows, 0]
+        top_ids.append(top.indices)
+        top_values.append(top.values)
+    parts = [torch.cat(x) for x in (chosen, top_ids, top_values)]
+    if logits.is_cuda:
+        parts = [to_host(x) for x in parts]
+        torch.cuda.current_stream(logits.device).synchronize()
+    return tuple(x.tolist() for x in parts)
 
 
 class PromptRows:

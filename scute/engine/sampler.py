@@ -5,7 +5,8 @@ request's earlier tokens, kept (`PenaltyTokens`) and counted on the device; the 
 Greedy rows then take the argmax. Sampled rows apply temperature, top-k and top-p, then pick ``argmax(probs / E)``
 with ``E ~ Exponential(1)`` per token (the exponential race: an exact draw from `probs`), where a request with a
 seed draws its noise from its own generator, so its tokens do not depend on the rest of the batch. Everything stays
-on the device; the caller's single `.tolist()` is the step's only host sync. Logprobs are those of the raw logits,
+on the device; the runner's read of the output (`ModelRunner`: kernels into pinned memory, then one wait) is the
+step's only host sync. Logprobs are those of the raw logits,
 before penalties, masking and temperature.
 """
 

@@ -215,6 +215,11 @@ def tinylora_buffers() -> contextlib.AbstractContextManager:
     return perturbed_buffers(lambda name: 1e-3 if ".tinylora_P." in name else 0.5 if ".tinylora_" in name else 0.0)
 
 
+def delora_norms() -> contextlib.AbstractContextManager:
+    """DeLoRA's saved norms of W0's input columns perturbed (a converter computing them from W0 fails)."""
+    return perturbed_buffers(lambda name: 0.5 if ".delora_w_norm." in name else 0.0)
+
+
 def unilora_scales() -> contextlib.AbstractContextManager:
     """UniLoRA's saved scales perturbed (they are 1/√count, nearly constant)."""
     return perturbed_buffers(lambda name: 0.5 if ".unilora_scales_" in name else 0.0)
@@ -322,7 +327,7 @@ CASES: dict[str, Case] = {
     # n=20: rank 40 ≥ 32 on v_proj (served dense), < 64 elsewhere (rank-2n factors)
     "fourierft": Case(lambda: FourierFTConfig(n_frequency=20, scaling=40.0, target_modules=T4,
                                               n_frequency_pattern={"up_proj": 7}), run_ctx=fourierft_fp64),
-    "delora": Case(lambda: DeloraConfig(r=4, delora_lambda=3, target_modules=T4)),
+    "delora": Case(lambda: DeloraConfig(r=4, delora_lambda=3, target_modules=T4), build_ctx=delora_norms),
     # r=5 does not divide the widths: the last basis is partial; in > out on down_proj/k_proj takes the other side
     "osf": Case(lambda: OSFConfig(init_weights=False, target_modules=ALL_LINEAR), BOTH),
     "osf_rank": Case(lambda: OSFConfig(init_weights=False, effective_rank=20, target_modules=T4)),

@@ -117,6 +117,7 @@ def test_few_adapter_slots(oracle):
     specs = [None if a is None else AdapterRequest(names[a]) for a in adapters]
     outputs = engine.generate(prompts, GREEDY, specs, use_tqdm=False)
     check(oracle, outputs, prompts, adapters)
+    assert engine.adapters.evictions["device"] >= 3  # five adapters through two slots
 
 
 def test_output_independent_of_the_batch(oracle):

@@ -36,11 +36,18 @@ def test_samples_follow_the_filtered_distribution():
 
 
 def test_seeded_rows_ignore_their_neighbours():
-    logits = torch.randn(5, 100, generator=torch.Generator().manual_seed(1))
-    gens = lambda: [None, torch.Generator().manual_seed(42), None, None, None]
-    a = sampler(0)(logits, batch(5, generators=gens())).token_ids
-    b = sampler(1)(logits.roll(1, 0).roll(-1, 0), batch(5, generators=gens())).token_ids
-    assert a[1] == b[1]
+    """A seeded row draws the same tokens whatever the batch around it: other rows, another batch size, another
+    position, another engine seed; an unseeded row's draws do change with them."""
+    g = torch.Generator().manual_seed(1)
+    row = torch.randn(1, 100, generator=g).repeat(64, 1)  # one row's logits, drawn 64 times: 64 draws of its noise
+    seeded = lambda n: [torch.Generator().manual_seed(42 + i) for i in range(n)]
+    a = sampler(0)(row, batch(64, generators=seeded(64))).token_ids
+    others = torch.randn(10, 100, generator=g)
+    mixed = torch.cat([others[:7], row, others[7:]])  # the seeded rows 7..70 of 74
+    b = sampler(1)(mixed, batch(74, generators=[None] * 7 + seeded(64) + [None] * 3)).token_ids[7:71]
+    assert torch.equal(a, b) and len(a.unique()) > 8  # the draws themselves vary
+    c = sampler(1)(mixed, batch(74)).token_ids[7:71]  # unseeded: the engine's generator
+    assert not torch.equal(a, c)
 
 
 def test_min_tokens_mask_and_logprobs():

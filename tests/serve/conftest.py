@@ -1,5 +1,5 @@
-"""A real `scute serve` stack for the server tests: a tiny Llama folder (word-level tokenizer with a chat
-template), adapters of the five core methods, the app on a real uvicorn server on 127.0.0.1 (a free port), in a
+"""A real `scute serve` stack for the server tests: a tiny Llama folder (word-level tokenizer, a word per
+id of the vocabulary, with a chat template), adapters of the five core methods, the app on a real uvicorn server on 127.0.0.1 (a free port), in a
 thread of the test process."""
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ def served(tmp_path_factory):
     from tests.helpers import FIVE_METHODS, make_adapter, tiny_model
 
     root = tmp_path_factory.mktemp("serve")
-    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *WORDS])}
+    words = ["<unk>", "<s>", "</s>", *WORDS]
+    words += [f"w{i}" for i in range(len(words), tiny_model("llama").config.vocab_size)]  # every id a word of its own:
+    vocab = {w: i for i, w in enumerate(words)}  # text equal to the engine's means the same tokens
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")

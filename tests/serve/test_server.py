@@ -54,8 +54,8 @@ def test_completion_streamed_and_not_equals_the_engine(server, reference, served
 
 
 def test_a_stream_with_a_stop_string_across_tokens_sends_what_the_engine_keeps(server, reference, served):
-    """A stop string of two words, which tokens (the word-level tokenizer's, and ids past its words that decode to
-    nothing) complete one after the other: the chunks streamed before it completes hold back its start, so that
+    """A stop string of two words, which tokens (the word-level tokenizer's: a word per id) complete one after the
+    other: the chunks streamed before it completes hold back its start, so that
     their text joined is the engine's output cut where the stop string starts."""
     full = want(reference, served, "lora", PROMPT, temperature=0, max_tokens=12, ignore_eos=True)
     words = full.text.split()
