@@ -1,6 +1,6 @@
-"""A real `scute serve` stack for the server tests: a tiny Llama folder (word-level tokenizer, a word per
-id of the vocabulary, with a chat template), adapters of the five core methods, the app on a real uvicorn server on 127.0.0.1 (a free port), in a
-thread of the test process."""
+"""A real `scute serve` stack for the server tests: a tiny Llama folder (word-level tokenizer, a word per id of
+the vocabulary, with a chat template), adapters of the five core methods, the app on a real uvicorn server on
+127.0.0.1 (a free port), in a thread of the test process."""
 
 from __future__ import annotations
 
