@@ -177,9 +177,9 @@ class ModelRunner:
         self._host_token_bufs.reverse()  # two buffers: the other one may still hold the previous step's tokens
         host, view = self._host_token_bufs[0]
         copy_by_kernel(view[: len(sampling)], result.token_ids)
-        event = keep(host, self.device)  # on this device's stream; the buffer outlives the write even if we do not
-        return InFlight(sampling, result, _to_host(result, host[: len(sampling)]), event,
-                        {req: row for row, req in enumerate(sampling)})
+        on_host = _to_host(result, host[: len(sampling)])  # the logprobs, if asked for, by kernels of their own
+        event = keep(host, self.device)  # behind every write; the buffer outlives them even if the runner does not
+        return InFlight(sampling, result, on_host, event, {req: row for row, req in enumerate(sampling)})
 
     # ------------------------------------------------------------------ graph steps
     def layout(self) -> AdapterLayout:
