@@ -48,6 +48,32 @@ def test_cuda_bf16_run_completes(oracle):
     print(f"bf16: first token equal to the fp32 PEFT reference for {sum(first)}/{len(first)} requests")
 
 
+def test_a_steps_logprobs_are_read_once_written(oracle, monkeypatch):
+    """A step's logprobs reach the host by kernels of their own, queued after its tokens' write (`to_host`); the
+    host reads them once the event behind all of them has ended: with each such write held back on the GPU, the
+    tokens and logprobs are those of a run without the delay."""
+    import scute.engine.model_runner as runner_mod
+    from scute import SamplingParams
+
+    prompts, adapters = mixed_requests()
+    sp = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+
+    def run():
+        engine = oracle.engine(device="cuda")
+        assert engine.runner.graphs is not None
+        outs = engine.generate(prompts, sp, specs(oracle, adapters), use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    want = run()
+    to_host = runner_mod.to_host
+    monkeypatch.setattr(runner_mod, "to_host", lambda x: (torch.cuda._sleep(20_000_000), to_host(x))[1])
+    got = run()
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        assert [list(s) for s in a] == [list(s) for s in b]
+        assert [pytest.approx(list(s.values()), rel=1e-5) for s in b] == [list(s.values()) for s in a]
+
+
 def test_decode_steps_in_flight_hold_the_step_loops_turn(oracle, monkeypatch):
     """With CUDA graphs, a step that launches behind a step in flight holds the step loop's turn at the interpreter
     lock (`Turns.step_loop`) and lets the loader run while it waits for the GPU (`Turns.waiting`); the adapters
