@@ -89,6 +89,7 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton", "flash"):
             raise ValueError(f"attention_backend {self.attention_backend!r}: use auto, torch, triton or flash")
         self.torch_dtype()  # validates dtype
+        self.torch_device()  # validates device
 
     @classmethod
     def from_kwargs(cls, options: dict) -> EngineConfig:
@@ -109,6 +110,16 @@ class EngineConfig:
         return _DTYPES[self.dtype]
 
     def torch_device(self) -> torch.device:
+        """The device to serve on; raises ValueError for one this process cannot use."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device {self.device!r}: {e}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: this torch ({torch.__version__}) sees no CUDA device; "
+                             "use device='cpu' or 'auto'")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {self.device!r}: this process sees {torch.cuda.device_count()} CUDA devices")
+        return device

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -218,11 +219,17 @@ def explain_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--bandwidth", type=float, default=H200_BANDWIDTH, help="bytes/s (default: H200, 4.2e12)")
     p.add_argument("--dense", action="store_true", help="serve methods with no low-rank form as dense ΔW")
     args = p.parse_args(argv)
+    if args.batch < 1:
+        p.error("--batch: at least 1 token")
+    if args.adapters is not None and not 1 <= args.adapters <= args.batch:
+        p.error(f"--adapters: 1 to --batch ({args.batch}) distinct adapters")
+    if not args.bandwidth > 0:
+        p.error("--bandwidth: bytes per second, more than 0")
     try:
         table = explain(args.adapter, args.model, batch=args.batch, adapters=args.adapters, dtype=args.dtype,
                         bandwidth=args.bandwidth, dense=args.dense)
     except (AdapterError, ValueError, OSError) as e:
-        print(f"scute explain: {e}")
+        print(f"scute explain: {e}", file=sys.stderr)
         return 2
     print(table)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from torch import nn
@@ -52,16 +53,27 @@ def convert_main(argv: list[str] | None = None) -> int:
     from scute.adapters import AdapterError, load_adapter, read_checkpoint
     from scute.compat.evaluate import LogitsError, SlotModel, probe_ids
 
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.rank < 1:
+        parser.error("--rank: at least 1")
+    if args.probe_tokens < 0:
+        parser.error("--probe-tokens: 0 (no logits comparison) or more")
+    if os.path.realpath(args.out) == os.path.realpath(args.adapter):
+        parser.error("--out is the adapter's own folder: the conversion would overwrite the original")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out!r} is a file, not a folder")
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
     try:
         spec = args.model or read_checkpoint(args.adapter).config.get("base_model_name_or_path") or ""
+        if not spec:
+            raise ValueError("the adapter's config names no base model (base_model_name_or_path): pass --model")
         model = load_base_model(spec)
         adapter = load_adapter(args.adapter, model)
         conv = convert_adapter(adapter, model, args.rank, args.bias)
         save_lora(conv, model, args.out, dtype, base_model_name_or_path=spec)
     except (AdapterError, FileNotFoundError, ValueError) as e:
-        print(f"scute convert: {e}")
+        print(f"scute convert: {e}", file=sys.stderr)
         return 2
     esize = torch.empty(0, dtype=dtype).element_size()
     if not args.quiet:

@@ -72,15 +72,21 @@ NEEDS_A_PATH = ("tensor_parallel_size > 1 needs the model as a path (a Hugging F
 def _from_path(path: str, dtype: torch.dtype | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = {"dtype": dtype or "auto", "attn_implementation": ATTENTION_NAME}
+    # local files only: a folder whose config names a hub model (an adapter's base, a tokenizer's) is not fetched
+    kwargs = {"dtype": dtype or "auto", "attn_implementation": ATTENTION_NAME, "local_files_only": True}
     if os.path.isfile(path) and path.endswith(".gguf"):
         folder, file = os.path.split(os.path.abspath(path))
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True)
         return AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, **kwargs), tokenizer
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model {path!r}: no such folder or .gguf file (Scute never downloads weights)")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        adapter = os.path.exists(os.path.join(path, "adapter_config.json"))
+        raise ValueError(f"model {path!r}: " + ("a PEFT adapter folder, not a base model: give the base model, and "
+                                                "the adapter as an adapter of it" if adapter else
+                                                "no config.json: not a Hugging Face model folder"))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError):
         tokenizer = None  # weights without a tokenizer: token-id prompts only
     return AutoModelForCausalLM.from_pretrained(path, **kwargs), tokenizer

@@ -19,6 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from scute.engine.utils import tokenize
+from scute.sampling_params import SamplingParams
 from scute.serve.async_engine import AsyncEngine, EngineDeadError
 from scute.serve.metrics import Metrics
 from scute.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, LoadAdapterRequest,
@@ -56,7 +58,7 @@ class Authenticate:
 
     async def __call__(self, scope, receive, send) -> None:
         key = self.state.api_key
-        if scope["type"] == "http" and key is not None and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and key and scope["path"].startswith("/v1"):
             given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             if given != f"Bearer {key}".encode():
                 response = JSONResponse(APIError(401, "missing or wrong API key").body(), status_code=401)
@@ -120,6 +122,7 @@ def build_app(state: ServerState) -> FastAPI:
         prompts = [req.prompt] if isinstance(req.prompt, str) or _is_ids(req.prompt) else list(req.prompt)
         if not prompts:
             raise APIError(400, "prompt is empty", "prompt")
+        prompts = [await _prompt_ids(state, p, params) for p in prompts]
         job = Job(state, "cmpl", req, prompts, params, adapter, chat=False)
         return await _respond(job, raw)
 
@@ -127,7 +130,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(req: ChatCompletionRequest, raw: Request):
         adapter = state.adapter_for(req.model)
         params = completion_params(req)
-        prompt = chat_prompt(state.engine.engine.tokenizer, req)
+        # the template and the tokenizer on a worker thread: a long conversation holds neither the event loop nor
+        # the engine's steps
+        prompt = await asyncio.to_thread(chat_prompt, state.engine.engine.tokenizer, req)
+        _check_length(state, prompt, params, "messages")
         job = Job(state, "chatcmpl", req, [prompt], params, adapter, chat=True)
         return await _respond(job, raw)
 
@@ -136,6 +142,8 @@ def build_app(state: ServerState) -> FastAPI:
         path = _allowed_path(state, req.lora_path)
         if req.lora_name in (state.served_model_name, state.model_root):
             raise APIError(400, f"{req.lora_name!r} is the base model's name", "lora_name")
+        if req.lora_name in state.adapters:  # as vLLM: a name is not taken over silently
+            raise APIError(400, f"the adapter {req.lora_name!r} is already loaded: unload it first", "lora_name")
         try:
             # read and converted on a worker thread: the engine keeps stepping (it reads `named` only by key)
             await asyncio.to_thread(state.engine.engine.load_adapter, req.lora_name, path)
@@ -172,15 +180,45 @@ async def _respond(job: Job, raw: Request):
     return StreamingResponse(events, media_type="text/event-stream")
 
 
+async def _prompt_ids(state: ServerState, prompt, params: SamplingParams) -> list[int]:
+    """A completion's prompt as token ids (text tokenized on a worker thread: a long prompt holds neither the event
+    loop nor the engine's steps), checked as the engine checks it and against the context (`_check_length`)."""
+    engine = state.engine.engine
+    if isinstance(prompt, str) and engine.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer: send token ids, or start the server with --tokenizer DIR",
+                       "prompt")
+    try:
+        ids = await asyncio.to_thread(tokenize, engine.tokenizer, engine.vocab_size, prompt)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, f"prompt: {e}", "prompt") from None
+    _check_length(state, ids, params, "prompt")
+    return ids
+
+
+def _check_length(state: ServerState, ids: list[int], params: SamplingParams, param: str) -> None:
+    """vLLM's check: the prompt and the tokens asked for fit the context (400 otherwise, not a silent cut)."""
+    limit, n = state.engine.engine.max_model_len, len(ids)
+    asked = n + (params.max_tokens if params.max_tokens is not None else 1)
+    if asked > limit:
+        wanted = "" if params.max_tokens is None else f" ({n} in the {param}, {params.max_tokens} in the completion)"
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested {asked} "
+                       f"tokens{wanted}. Please reduce the length of the {param} or completion.", param)
+
+
 def _allowed_path(state: ServerState, path: str) -> str:
     """`path` resolved (symlinks too) inside the runtime adapter directory, or a 403 saying why not."""
     root = state.runtime_adapter_dir
     if root is None:
         raise APIError(403, "runtime adapters are disabled: start the server with --allow-runtime-adapters DIR")
+    if "\0" in path:
+        raise APIError(400, f"lora_path {path!r} holds a null byte", "lora_path")
     if ".." in path.replace("\\", "/").split("/"):
         raise APIError(403, f"lora_path {path!r}: '..' is not allowed", "lora_path")
     real = os.path.realpath(os.path.join(root, path))
-    if os.path.commonpath([real, root]) != root or real == root:
+    if real == root:
+        raise APIError(400, f"lora_path {path!r} is the allowed adapter directory itself, not a folder in it",
+                       "lora_path")
+    if os.path.commonpath([real, root]) != root:
         raise APIError(403, f"lora_path {path!r} resolves outside the allowed adapter directory", "lora_path")
     return real
 

@@ -80,8 +80,8 @@ class ChatCompletionRequest(_Sampling):
 
 class LoadAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    lora_name: str
-    lora_path: str
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
 
 
 class UnloadAdapterRequest(BaseModel):

@@ -66,7 +66,10 @@ def completion_params(req: _Sampling) -> SamplingParams:
 def chat_prompt(tokenizer, req: ChatCompletionRequest) -> list[int]:
     """The conversation through the tokenizer's chat template, as token ids (the template writes the special
     tokens itself)."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer: start the server with --tokenizer DIR, or send token ids "
+                       "to /v1/completions", "messages")
+    if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
     messages = []
     for i, m in enumerate(req.messages):
@@ -78,7 +81,14 @@ def chat_prompt(tokenizer, req: ChatCompletionRequest) -> list[int]:
         if not isinstance(m.get("role"), str) or not isinstance(content, str):
             raise APIError(400, f"messages[{i}] needs a string 'role' and text 'content'", "messages")
         messages.append({**m, "content": content})
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=req.add_generation_prompt)
+    if not messages:
+        raise APIError(400, "messages is empty", "messages")
+    from jinja2 import TemplateError
+
+    try:  # the template is the model's code: what it refuses, it refuses by raising
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=req.add_generation_prompt)
+    except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
+        raise APIError(400, f"the chat template refused the messages: {type(e).__name__}: {e}", "messages") from None
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     return list(ids)
 

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import os
 import signal
+import socket
 import sys
 
 from scute.config import EngineConfig
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="the base model's name in the API (default: MODEL)")
-    p.add_argument("--api-key", default=os.environ.get("SCUTE_API_KEY"),
+    p.add_argument("--api-key", default=os.environ.get("SCUTE_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default $SCUTE_API_KEY)")
     p.add_argument("--allow-runtime-adapters", metavar="DIR",
                    help="enable /v1/load_lora_adapter for folders inside DIR (off by default)")
@@ -58,6 +59,8 @@ def parse_adapters(items: list[str]) -> dict[str, str]:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise SystemExit(f"scute serve: --adapter {item!r}: expected NAME=PATH")
+        if name in adapters:
+            raise SystemExit(f"scute serve: --adapter {name!r} is given twice ({adapters[name]!r}, {path!r})")
         adapters[name] = path
     return adapters
 
@@ -102,6 +105,13 @@ def serve_main(argv: list[str]) -> int:
     from scute.serve.api import build_app
 
     adapters = parse_adapters(args.adapters)
+    if (args.served_model_name or args.model) in adapters:
+        print(f"scute serve: the adapter name {args.served_model_name or args.model!r} is the base model's",
+              file=sys.stderr)
+        return 1
+    if (taken := _port_taken(args.host, args.port)) is not None:  # before the minutes of loading, not after
+        print(f"scute serve: cannot listen on {args.host}:{args.port}: {taken}", file=sys.stderr)
+        return 1
     try:
         engine = Engine(args.model, tokenizer=args.tokenizer, **engine_options(args))
         state = make_state(engine, args.model, adapters, args.served_model_name, args.api_key,
@@ -109,6 +119,9 @@ def serve_main(argv: list[str]) -> int:
     except (AdapterError, OSError, ValueError) as e:
         print(f"scute serve: {e}", file=sys.stderr)
         return 1
+    if engine.tokenizer is None:
+        print(f"scute serve: {args.model} has no tokenizer: token-id prompts only (--tokenizer DIR adds one)",
+              file=sys.stderr)
     app = build_app(state)
     url = f"http://{args.host}:{args.port}/v1"
     print(f"scute serve: {url} serving {served_line(state.served_model_name, list(adapters))}", flush=True)
@@ -123,6 +136,22 @@ def serve_main(argv: list[str]) -> int:
         state.engine.shutdown()
         print("scute serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _port_taken(host: str, port: int) -> str | None:
+    """Why `host`:`port` cannot be listened on now (None: it can), checked as uvicorn binds it."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        return str(e)
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
 
 
 def _exit_on_signal(signum, frame) -> None:

@@ -171,8 +171,13 @@ def test_cli(adapters, capsys):
     out = capsys.readouterr().out
     assert "LOHA" in out and "µs @B=4" in out and "A[9×64]" in out and "weights fp32" in out
     assert explain_main([str(adapters / "hira")]) == 2
-    assert "dense=True" in capsys.readouterr().out
+    assert "dense=True" in capsys.readouterr().err
     assert explain_main([str(adapters / "hira"), "--dense", "--model", "/nonexistent"]) == 2
+    for args, fragment in ((["--batch", "0"], "--batch"), (["--adapters", "9", "--batch", "4"], "--adapters"),
+                           (["--bandwidth", "0"], "--bandwidth")):
+        with pytest.raises(SystemExit):
+            explain_main([str(adapters / "loha"), *args])
+        assert fragment in capsys.readouterr().err
     assert math.isfinite(explain(adapters / "hira", tiny_model("qwen2"), dense=True).seconds)
 
 

@@ -189,7 +189,12 @@ def test_cli_writes_a_lora_and_prints_errors_and_memory(tmp_path, capsys):
     assert report["rank"] == 8 and 0 < report["rel_error"] < 1
     rc = convert_main([str(tmp_path / "dora"), "--rank", "8", "--out", str(tmp_path / "o2"), "--model",
                        str(tmp_path / "nowhere")])
-    assert rc == 2 and "no such folder" in capsys.readouterr().out
+    assert rc == 2 and "no such folder" in capsys.readouterr().err
+    out = str(tmp_path / "dora")
+    for args, fragment in ((["--rank", "0"], "--rank"), (["--rank", "8", "--out", out], "own folder")):
+        with pytest.raises(SystemExit):
+            convert_main([out, "--out", str(tmp_path / "o3"), *args])
+        assert fragment in capsys.readouterr().err
 
 
 @pytest.mark.gpu

@@ -51,6 +51,25 @@ def test_load_adapter_raises_and_unknown_option():
         engine.load_adapter("x", "/nonexistent/adapter")
 
 
+def test_model_paths_and_devices_that_cannot_serve(tmp_path):
+    """An adapter folder given as the model, a folder without config.json, a device this process has not: each a
+    ValueError that says so, at once (no network: Scute reads local files only)."""
+    from peft import LoraConfig
+
+    from tests.helpers import make_adapter
+
+    make_adapter(str(tmp_path / "lora"), LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="a PEFT adapter folder, not a base model"):
+        Engine(str(tmp_path / "lora"), device="cpu")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        Engine(str(tmp_path / "empty"), device="cpu")
+    with pytest.raises(ValueError, match="device 'cuda:99'"):
+        Engine(tiny_model(), device="cuda:99")
+    with pytest.raises(ValueError, match="device 'bogus'"):
+        Engine(tiny_model(), device="bogus")
+
+
 def test_config_errors_name_the_fix():
     with pytest.raises(ValueError, match="does not fit the KV cache"):
         Engine(tiny_model(), device="cpu", max_model_len=256, kv_cache_memory_bytes=4 * 8192)

@@ -84,6 +84,18 @@ def test_chat_streamed_and_not_equals_the_engine_on_the_template(server, referen
     assert "".join(ch.choices[0].delta.content or "" for ch in stream) == expected.text
 
 
+def test_bad_chat_requests_get_a_400(server):
+    """No messages, a conversation longer than the context, a completion that would not fit: each a 400 naming
+    its problem (the template and the context are checked before any engine work)."""
+    with http(server) as h:
+        for body, fragment in ((dict(messages=[]), "messages is empty"),
+                               (dict(messages=[{"role": "user", "content": "a " * 80}]), "maximum context length"),
+                               (dict(messages=[{"role": "user", "content": "a"}], max_tokens=62), "in the completion")):
+            r = h.post("/v1/chat/completions", json=dict(model="tiny", **body))
+            assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+            assert r.json()["error"]["param"] == "messages"
+
+
 def test_raw_http_token_ids_logprobs_and_sse_framing(server, reference, served):
     ids = [5, 6, 7, 8, 9]
     expected = want(reference, served, "vera", ids, temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
@@ -147,6 +159,25 @@ def test_n_choices_for_completions_and_chat(server, reference, served):
     assert seeded.choices[0].logprobs.token_logprobs != seeded.choices[1].logprobs.token_logprobs  # seeds 5, 6
 
 
+def test_serve_refuses_bad_start_up_arguments_before_loading(served, capsys):
+    """A name given twice, an adapter named as the base model, a port already listened on: refused with a message
+    before the model loads."""
+    import socket
+
+    from scute.serve.server import serve_main
+
+    model, lora = str(served / "model"), str(served / "lora")
+    with pytest.raises(SystemExit, match="given twice"):
+        serve_main([model, "--adapter", f"a={lora}", f"a={lora}"])
+    assert serve_main([model, "--served-model-name", "a", "--adapter", f"a={lora}"]) == 1
+    assert "is the base model's" in capsys.readouterr().err
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert serve_main([model, "--port", str(s.getsockname()[1])]) == 1
+    assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
+
+
 def test_penalties_reach_the_engine(server, reference, served):
     options = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3)
     expected = want(reference, served, "lora", PROMPT, temperature=0, max_tokens=10, ignore_eos=True, **options)
@@ -189,7 +220,8 @@ BAD = [  # (body or raw bytes, status, a fragment the message must hold)
     (dict(model="tiny", prompt="a", best_of=2), 400, "best_of="),
     (dict(model="tiny", prompt="a", logit_bias={"5": 1.0}), 400, "logit_bias"),
     (dict(model="tiny", prompt="a", temperature=-1), 400, "temperature"),
-    (dict(model="tiny", prompt=[7] * 80), 400, "max_model_len"),
+    (dict(model="tiny", prompt=[7] * 80), 400, "maximum context length is 64"),
+    (dict(model="tiny", prompt=[7] * 40, max_tokens=30), 400, "you requested 70 tokens (40 in the prompt, 30 in"),
     (dict(model="tiny", prompt=[5, 100000]), 400, "vocabulary"),
     (dict(model="tiny"), 400, "prompt"),
 ]
@@ -226,9 +258,12 @@ def test_runtime_adapters_and_their_path_rules(server, reference, served):
                                                 ignore_eos=True))
         assert r.json()["choices"][0]["text"] == expected.text
         for path, status in (("../vera", 403), (str(served / "vera"), 403), ("escape", 403), ("broken", 400),
-                             ("missing", 400)):
+                             ("missing", 400), ("late\0x", 400), (".", 400), ("", 400)):
             r = h.post("/v1/load_lora_adapter", json=dict(lora_name="x", lora_path=path))
-            assert r.status_code == status, (path, r.text)
+            assert r.status_code == status and r.json()["error"]["param"] == "lora_path", (path, r.text)
+        for name in ("late", "", "tiny"):  # taken (as vLLM: not replaced), empty, the base model's
+            r = h.post("/v1/load_lora_adapter", json=dict(lora_name=name, lora_path="late-lora"))
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", (name, r.text)
         assert h.post("/v1/unload_lora_adapter", json=dict(lora_name="late")).status_code == 200
         assert h.post("/v1/completions", json=dict(model="late", prompt="a")).status_code == 404
         assert h.post("/v1/unload_lora_adapter", json=dict(lora_name="late")).status_code == 404
