@@ -13,7 +13,8 @@ sha256, the finite check). Two measurements, each the median of ``--repeats``:
   end to the small kernel's end (the step's inputs waiting behind the side stream's copies on the copy engine),
   and the side copy's rate.
 - *kernels*: the same stand-in timed alone and beside the side stream's sha256 of ``--hash-mb`` (`sha256_leaves`,
-  and its kernel at other launch shapes: lanes per program, warps), the landing's finite check (`_finite_flags`)
+  and its kernel at other launch shapes: lanes per program, warps; at most 16-132 programs, each hashing several
+  groups of leaves: fewer SMs busy for longer), the landing's finite check (`_finite_flags`)
   and two others (one ``vector_norm``, ``isfinite(..).all()``) over it as bf16, and one ``--hash-mb`` copy: how
   much each slows the step's kernels.
 
@@ -111,6 +112,7 @@ def kernels(args, weights, x, times, side_stream) -> list[dict]:
         "none": lambda: None,
         "sha256": lambda: sha256_leaves(data, LEAF),
         **{f"sha256 b{b} w{w}": sha256_at(b, w) for b, w in ((64, 2), (128, 4), (32, 2))},
+        **{f"sha256 p{p}": (lambda p=p: sha256_leaves(data, LEAF, programs=p)) for p in (16, 33, 66, 132)},
         "finite": lambda: _finite_flags([values]),  # the landing's check
         "finite norm": lambda: torch.linalg.vector_norm(values, float("inf")).isfinite(),
         "isfinite": lambda: torch.isfinite(values).all(),

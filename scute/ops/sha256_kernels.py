@@ -160,8 +160,9 @@ def _store(out, lanes, j: tl.constexpr, h, live):
 # a load's leaf count and the phase of its leaves' start (any byte): never a recompile, one compile for every file
 @triton.jit(do_not_specialize=["n_leaves", "phase"])
 def sha256_leaves_kernel(src, out, k_ptr, n_leaves, phase, LEAF: tl.constexpr, BLOCK: tl.constexpr):
-    """Program: BLOCK leaves of LEAF bytes (a multiple of 64), one per lane. src uint8, 16-byte aligned: the leaves
-    are its bytes phase.. (0 <= phase < 16) up to phase + n_leaves·LEAF; out int32 [n_leaves, 8], each row the
+    """Program: groups of BLOCK leaves of LEAF bytes (a multiple of 64), one leaf per lane: the group of its id,
+    then every grid's size on (a grid of a program per group, or fewer, each hashing several: fewer SMs busy
+    beside the steps' kernels for longer). src uint8, 16-byte aligned: the leaves are its bytes phase.. (0 <= phase < 16) up to phase + n_leaves·LEAF; out int32 [n_leaves, 8], each row the
     leaf's digest bytes; k_ptr int32 [72]: the 64 round constants, then the 8 initial hash words (their bits).
     Each 64-byte block of a lane's leaf is read as 16-byte vectors from the aligned bytes around it (four, and
     where phase > 0 the next: 5 loads a lane, where a byte at a time, 64 loads, each touching BLOCK leaves LEAF
@@ -170,34 +171,35 @@ def sha256_leaves_kernel(src, out, k_ptr, n_leaves, phase, LEAF: tl.constexpr, B
     the phase. The aligned 16 bytes around the leaves' first and last byte are read
     whole (inside the allocation, whose blocks are aligned and sized in multiples of 16 bytes); the bytes outside
     the leaves are shifted out."""
-    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = lanes < n_leaves
-    rows = src + lanes.to(tl.int64)[:, None] * LEAF
     vector = tl.arange(0, 16)[None, :]
-    has_tail = ((lanes * 0 + phase) > 0)[:, None]  # a mask per row (the interpreter takes no scalar one)
-    zero = tl.zeros([BLOCK], dtype=tl.uint32)
-    h0, h1, h2, h3 = zero + _k(k_ptr, 64), zero + _k(k_ptr, 65), zero + _k(k_ptr, 66), zero + _k(k_ptr, 67)
-    h4, h5, h6, h7 = zero + _k(k_ptr, 68), zero + _k(k_ptr, 69), zero + _k(k_ptr, 70), zero + _k(k_ptr, 71)
-    for block in range(LEAF // 64 + 1):  # the leaf's blocks, then the padding block of a LEAF-byte message
-        data = (live & (block < LEAF // 64))[:, None]
-        at = rows + block * 64 + vector  # [BLOCK, 16] tiles: a lane's 16 bytes in one thread, no shared memory
-        x0, x1, x2, x3 = _four_words(_be_words(tl.load(at, mask=data, other=0), BLOCK, 16), BLOCK)
-        x4, x5, x6, x7 = _four_words(_be_words(tl.load(at + 16, mask=data, other=0), BLOCK, 16), BLOCK)
-        x8, x9, x10, x11 = _four_words(_be_words(tl.load(at + 32, mask=data, other=0), BLOCK, 16), BLOCK)
-        x12, x13, x14, x15 = _four_words(_be_words(tl.load(at + 48, mask=data, other=0), BLOCK, 16), BLOCK)
-        x16, x17, x18, x19 = _four_words(  # all 16: a mask per row loads a vector (those past the phase unused)
-            _be_words(tl.load(at + 64, mask=data & has_tail, other=0), BLOCK, 16), BLOCK)
-        w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _message(
-            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, x16, x17, x18, x19, phase)
-        pad = (zero + (block == LEAF // 64)).to(tl.uint32)  # 1 in the padding block: a 1 bit, zeros, the length
-        h0, h1, h2, h3, h4, h5, h6, h7 = _compress(
-            h0, h1, h2, h3, h4, h5, h6, h7, w0 | (pad << 31), w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12,
-            w13, w14, w15 | (pad * (LEAF * 8)), k_ptr)
-    _store(out, lanes, 0, h0, live)
-    _store(out, lanes, 1, h1, live)
-    _store(out, lanes, 2, h2, live)
-    _store(out, lanes, 3, h3, live)
-    _store(out, lanes, 4, h4, live)
-    _store(out, lanes, 5, h5, live)
-    _store(out, lanes, 6, h6, live)
-    _store(out, lanes, 7, h7, live)
+    for group in range(tl.program_id(0), tl.cdiv(n_leaves, BLOCK), tl.num_programs(0)):
+        lanes = group * BLOCK + tl.arange(0, BLOCK)
+        live = lanes < n_leaves
+        rows = src + lanes.to(tl.int64)[:, None] * LEAF
+        has_tail = ((lanes * 0 + phase) > 0)[:, None]  # a mask per row (the interpreter takes no scalar one)
+        zero = tl.zeros([BLOCK], dtype=tl.uint32)
+        h0, h1, h2, h3 = zero + _k(k_ptr, 64), zero + _k(k_ptr, 65), zero + _k(k_ptr, 66), zero + _k(k_ptr, 67)
+        h4, h5, h6, h7 = zero + _k(k_ptr, 68), zero + _k(k_ptr, 69), zero + _k(k_ptr, 70), zero + _k(k_ptr, 71)
+        for block in range(LEAF // 64 + 1):  # the leaf's blocks, then the padding block of a LEAF-byte message
+            data = (live & (block < LEAF // 64))[:, None]
+            at = rows + block * 64 + vector  # [BLOCK, 16] tiles: a lane's 16 bytes in a thread, no shared memory
+            x0, x1, x2, x3 = _four_words(_be_words(tl.load(at, mask=data, other=0), BLOCK, 16), BLOCK)
+            x4, x5, x6, x7 = _four_words(_be_words(tl.load(at + 16, mask=data, other=0), BLOCK, 16), BLOCK)
+            x8, x9, x10, x11 = _four_words(_be_words(tl.load(at + 32, mask=data, other=0), BLOCK, 16), BLOCK)
+            x12, x13, x14, x15 = _four_words(_be_words(tl.load(at + 48, mask=data, other=0), BLOCK, 16), BLOCK)
+            x16, x17, x18, x19 = _four_words(  # all 16: a mask per row loads a vector (those past the phase unused)
+                _be_words(tl.load(at + 64, mask=data & has_tail, other=0), BLOCK, 16), BLOCK)
+            w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _message(
+                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, x16, x17, x18, x19, phase)
+            pad = (zero + (block == LEAF // 64)).to(tl.uint32)  # 1 in the padding block: a 1, zeros, the length
+            h0, h1, h2, h3, h4, h5, h6, h7 = _compress(
+                h0, h1, h2, h3, h4, h5, h6, h7, w0 | (pad << 31), w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12,
+                w13, w14, w15 | (pad * (LEAF * 8)), k_ptr)
+        _store(out, lanes, 0, h0, live)
+        _store(out, lanes, 1, h1, live)
+        _store(out, lanes, 2, h2, live)
+        _store(out, lanes, 3, h3, live)
+        _store(out, lanes, 4, h4, live)
+        _store(out, lanes, 5, h5, live)
+        _store(out, lanes, 6, h6, live)
+        _store(out, lanes, 7, h7, live)

@@ -38,6 +38,19 @@ def test_leaves_match_hashlib_at_any_offset(monkeypatch, leaf, n):
         assert sha.sha256_leaves_ref(data[start:start + leaf * n], leaf) == want
 
 
+@pytest.mark.parametrize("programs", [1, 2, 3, 100])
+def test_fewer_programs_than_groups_hash_every_leaf(monkeypatch, programs):
+    """A grid of fewer programs than groups of 32 leaves: each program hashes the groups of its id, then every
+    grid's size on; the grid never exceeds the groups (70 leaves: 3 groups)."""
+    from scute.ops import sha256_kernels
+
+    data = torch.randint(0, 256, (64 * 70 + 3,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    seen = spy_launches(monkeypatch, sha256_kernels, "sha256_leaves_kernel")
+    got = sha.sha256_leaves(data.to(DEVICE)[3:], 64, programs=programs)
+    assert seen[0][1] == (min(programs, 3),)
+    assert got.cpu().numpy().tobytes() == sha.sha256_leaves_ref(data[3:], 64)
+
+
 def test_leaves_at_the_end_of_their_storage_and_in_one_that_begins_unaligned(monkeypatch):
     """The kernel reads the aligned 16 bytes around the leaves' last byte: leaves that end their storage hash as
     hashlib does; a storage that does not begin 16-byte aligned (no room below the leaves) is hashed from a copy."""
