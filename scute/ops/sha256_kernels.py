@@ -161,16 +161,16 @@ def _store(out, lanes, j: tl.constexpr, h, live):
 @triton.jit(do_not_specialize=["n_leaves", "phase"])
 def sha256_leaves_kernel(src, out, k_ptr, n_leaves, phase, LEAF: tl.constexpr, BLOCK: tl.constexpr):
     """Program: groups of BLOCK leaves of LEAF bytes (a multiple of 64), one leaf per lane: the group of its id,
-    then every grid's size on (a grid of a program per group, or fewer, each hashing several: fewer SMs busy
-    beside the steps' kernels for longer). src uint8, 16-byte aligned: the leaves are its bytes phase.. (0 <= phase < 16) up to phase + n_leaves·LEAF; out int32 [n_leaves, 8], each row the
-    leaf's digest bytes; k_ptr int32 [72]: the 64 round constants, then the 8 initial hash words (their bits).
-    Each 64-byte block of a lane's leaf is read as 16-byte vectors from the aligned bytes around it (four, and
-    where phase > 0 the next: 5 loads a lane, where a byte at a time, 64 loads, each touching BLOCK leaves LEAF
-    bytes apart, would keep the load units the steps' kernels beside it busy), each [BLOCK, 16] tile held a lane
-    to a thread (no shared memory, which a kernel beside it may want whole), its words dealt out and shifted by
-    the phase. The aligned 16 bytes around the leaves' first and last byte are read
-    whole (inside the allocation, whose blocks are aligned and sized in multiples of 16 bytes); the bytes outside
-    the leaves are shifted out."""
+    then every grid's size on (a grid of a program per group, or fewer, each hashing several: fewer SMs busy beside
+    the steps' kernels for longer). src uint8, 16-byte aligned: the leaves are its bytes phase.. (0 <= phase < 16)
+    up to phase + n_leaves·LEAF; out int32 [n_leaves, 8], each row the leaf's digest bytes; k_ptr int32 [72]: the 64
+    round constants, then the 8 initial hash words (their bits). Each 64-byte block of a lane's leaf is read as
+    16-byte vectors from the aligned bytes around it (four, and where phase > 0 the next: 5 loads a lane, where a
+    byte at a time, 64 loads, each touching BLOCK leaves LEAF bytes apart, would keep the load units the steps'
+    kernels beside it busy), each [BLOCK, 16] tile held a lane to a thread (no shared memory, which a kernel beside
+    it may want whole), its words dealt out and shifted by the phase. The aligned 16 bytes around the leaves' first
+    and last byte are read whole (inside the allocation, whose blocks are aligned and sized in multiples of 16
+    bytes); the bytes outside the leaves are shifted out."""
     vector = tl.arange(0, 16)[None, :]
     for group in range(tl.program_id(0), tl.cdiv(n_leaves, BLOCK), tl.num_programs(0)):
         lanes = group * BLOCK + tl.arange(0, BLOCK)
