@@ -14,8 +14,8 @@ import re
 import torch
 
 from scute.adapters.checkpoint import GLOBAL_PREFIX, LAYER_PREFIX, AdapterCheckpoint
-from scute.adapters.conversion import linear_modules
-from scute.adapters.registry import SavedShapes, ShapeRule, get_method
+from scute.adapters.conversion import checkpoint_method, linear_modules
+from scute.adapters.registry import SavedShapes, ShapeRule
 
 
 class StandIn:
@@ -47,10 +47,7 @@ def shapes_from_model(model: str | os.PathLike) -> dict[str, tuple[int, int, boo
 def shapes_from_tensors(ckpt: AdapterCheckpoint) -> dict[str, tuple[int, int, bool]]:
     """Layer shapes the adapter's tensors determine, by the method's registered shape rule; raises if some
     layer's are not determined (pass a model then)."""
-    try:
-        method = get_method(ckpt.peft_type)
-    except KeyError as e:
-        raise ckpt.error(e.args[0]) from None
+    method = checkpoint_method(ckpt)
     suffixes = sorted(method.keys + ("base_layer.bias",), key=len, reverse=True)
     groups: dict[str, dict[str, tuple[int, ...]]] = {}
     model_level = {}

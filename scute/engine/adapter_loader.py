@@ -388,23 +388,49 @@ class AdapterLoader:
         stream = self._stream
         while True:
             future, fn, args = self._jobs.get()
-            interval = sys.getswitchinterval()
-            if self.switch_interval is not None:
-                sys.setswitchinterval(self.switch_interval)
             try:
-                with torch.cuda.stream(stream) if stream is not None else nullcontext(), CAPTURE_GUARD.job():
+                with torch.cuda.stream(stream) if stream is not None else nullcontext(), CAPTURE_GUARD.job(), \
+                        _SWITCH_INTERVAL.during(self.switch_interval):
                     self.turns.pause()  # a job begins at a pause point: its read's threads start in the step
                     result = fn(*args)  # loop's wait, not in its turn
             except BaseException as e:  # noqa: BLE001 - the job's error, raised where its future is read
                 future.set_exception(e)
             else:
                 future.set_result(result)
-            finally:
-                sys.setswitchinterval(interval)
             with self._cond:
                 self._pending -= 1
                 self._finished += 1
                 self._cond.notify_all()
+
+
+class _SwitchInterval:
+    """The interpreter's thread switch interval while any loader's job runs (`AdapterLoader.switch_interval`), for
+    the process: the first job in saves the interval it finds, the last one out restores it (two engines' jobs
+    overlap)."""
+
+    def __init__(self) -> None:
+        self._lock, self._jobs, self._saved = threading.Lock(), 0, 0.0
+
+    @contextmanager
+    def during(self, seconds: float | None) -> Iterator[None]:
+        if seconds is None:
+            yield
+            return
+        with self._lock:
+            if self._jobs == 0:
+                self._saved = sys.getswitchinterval()
+            self._jobs += 1
+            sys.setswitchinterval(seconds)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._jobs -= 1
+                if self._jobs == 0:
+                    sys.setswitchinterval(self._saved)
+
+
+_SWITCH_INTERVAL = _SwitchInterval()
 
 
 def _finish_at_exit(ref: weakref.ref) -> None:

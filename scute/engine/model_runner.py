@@ -25,6 +25,7 @@ from scute.config import EngineConfig
 from scute.model.context import ForwardContext, forward_context
 from scute.engine.cuda_graph import (AdapterLayout, GraphShape, StepGraphs, bucket_of, capture_sizes, mixed_rows,
                                      mixed_sizes)
+from scute.engine.prompt_logprobs import PromptRows
 from scute.engine.request import Request
 from scute.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from scute.engine.scheduler import SchedulerOutput
@@ -287,8 +288,8 @@ class ModelRunner:
             return self.model(input_ids=buf["input_ids"][None, :size], position_ids=buf["positions"][None, :size],
                               logits_to_keep=keep, use_cache=False).logits[0]
 
-    def prepare(self, sched: SchedulerOutput, sampling: list[Request]):
-        """`device_inputs` of the step, and its `PromptRows` (or None)."""
+    def prepare(self, sched: SchedulerOutput) -> tuple[Tensor, Tensor, ForwardContext, Tensor, PromptRows | None]:
+        """An eager step's `device_inputs`, and its `PromptRows` (or None)."""
         inputs, prompt_rows = eager_inputs(sched, self.block_size)
         if prompt_rows is not None:
             prompt_rows.to_device(self.device, len(inputs.logits_indices))

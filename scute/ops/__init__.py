@@ -19,9 +19,6 @@ from scute.ops.pool import SlotPool
 from scute.ops.reference import scute_linear_ref
 from scute.ops.triton_ops import merged_gemm, scute_linear_triton, scute_linears_deferred, scute_linears_triton
 
-# The CPU and fallback path.
-scute_linear = scute_linear_ref
-
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -34,8 +31,14 @@ def triton_enabled(x: Tensor) -> bool:
     ``SCUTE_TRITON_CPU=1`` (with ``TRITON_INTERPRET=1``: the kernel tests)."""
     if not _HAVE_TRITON or x.dtype not in _TRITON_DTYPES:
         return False
-    return x.is_cuda or (x.device.type == "cpu" and os.environ.get("SCUTE_TRITON_CPU") == "1")
+    return x.is_cuda or (x.device.type == "cpu" and triton_on_cpu())
 
 
-__all__ = ["LaunchResources", "LoraMeta", "SlotPool", "build_lora_meta", "merged_gemm", "scute_linear", "scute_linear_ref",
-           "scute_linear_triton", "scute_linears_deferred", "scute_linears_triton", "triton_enabled"]
+def triton_on_cpu() -> bool:
+    """Whether the Triton kernels also serve CPU tensors (``SCUTE_TRITON_CPU=1``, with ``TRITON_INTERPRET=1``:
+    the kernel tests, and the benches that time the host's part of a GPU path on a CPU)."""
+    return _HAVE_TRITON and os.environ.get("SCUTE_TRITON_CPU") == "1"
+
+
+__all__ = ["LaunchResources", "LoraMeta", "SlotPool", "build_lora_meta", "merged_gemm", "scute_linear_ref",
+           "scute_linear_triton", "scute_linears_deferred", "scute_linears_triton", "triton_enabled", "triton_on_cpu"]

@@ -5,10 +5,11 @@ host's cores, where the hash of a large file ends well after its read."""
 from __future__ import annotations
 
 import hashlib
-import os
 
 import torch
 from torch import Tensor
+
+from scute.ops import triton_on_cpu
 
 # FIPS 180-4: the round constants, then the initial hash value (the kernel reads them as one table)
 _CONSTANTS = (
@@ -22,7 +23,7 @@ _CONSTANTS = (
     0x748F82EE, 0x78A5636F, 0x84C87814, 0x8CC70208, 0x90BEFFFA, 0xA4506CEB, 0xBEF9A3F7, 0xC67178F2,
     0x6A09E667, 0xBB67AE85, 0x3C6EF372, 0xA54FF53A, 0x510E527F, 0x9B05688C, 0x1F83D9AB, 0x5BE0CD19,
 )
-_TABLES: dict[torch.device, Tensor] = {}
+_TABLES: dict[torch.device, Tensor] = {}  # _CONSTANTS on each device the kernel has run on (made once)
 
 
 def sha256_leaves_ref(data: Tensor | memoryview, leaf: int) -> bytes:
@@ -33,7 +34,7 @@ def sha256_leaves_ref(data: Tensor | memoryview, leaf: int) -> bytes:
 
 
 def sha256_leaves(data: Tensor, leaf: int, programs: int | None = None) -> Tensor:
-    """`sha256_leaves_ref` on the device, not read back: one kernel, a lane per leaf (on CUDA, or on the CPU under
+    """Semantics: `sha256_leaves_ref` on the device, not read back: one kernel, a lane per leaf (on CUDA, or on the CPU under
     ``SCUTE_TRITON_CPU=1`` in Triton's interpreter), a one-warp program per 32 leaves, or at most `programs`
     programs, each then hashing several groups of 32 (fewer of the SMs that the steps' kernels run on busy, for
     longer: `bench/bench_side_stream.py`). Shapes: data [n·leaf] uint8 contiguous, leaf a multiple of 64; returns
@@ -43,7 +44,7 @@ def sha256_leaves(data: Tensor, leaf: int, programs: int | None = None) -> Tenso
             or leaf % 64:
         raise ValueError(f"sha256_leaves: a contiguous uint8 buffer of whole {leaf}-byte leaves (a multiple of 64), "
                          f"not {data.dtype} {list(data.shape)}")
-    if not data.is_cuda and os.environ.get("SCUTE_TRITON_CPU") != "1":
+    if not data.is_cuda and not triton_on_cpu():
         ref = bytearray(sha256_leaves_ref(data, leaf))
         return (torch.frombuffer(ref, dtype=torch.uint8) if ref else torch.empty(0, dtype=torch.uint8)).view(n, 32)
     from scute.ops.sha256_kernels import sha256_leaves_kernel  # lazy: triton.jit reads TRITON_INTERPRET

@@ -260,5 +260,8 @@ def call_transient_bytes(num_tokens: int, in_features: int, out_features: Sequen
 
 def scute_linear_triton(x: Tensor, weight: Tensor, bias: Tensor | None, pool: SlotPool, meta: LoraMeta,
                         resources: LaunchResources, active_slots: Collection[int] | None = None) -> Tensor:
-    """One adapted linear layer (``pool.num_proj == 1``); semantics of `scute_linear_ref`."""
+    """One adapted linear layer by the Triton kernels (`scute_linears_triton` of one projection).
+
+    Semantics: `scute.ops.reference.scute_linear_ref` over the pool's slots (``pool.num_proj == 1``) and the
+    step's token slots (`meta`). Shapes: x [T, in], weight [out, in], bias [out] or None; returns [T, out]."""
     return scute_linears_triton(x, [weight], [bias], pool, meta, resources, active_slots=active_slots)[0]

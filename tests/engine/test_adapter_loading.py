@@ -682,3 +682,20 @@ def test_a_process_exits_once_its_loaders_jobs_are_done(tmp_path):
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert run.returncode == 0, run.stderr
     assert done.exists()
+
+
+def test_the_switch_interval_is_the_processs_own_again_after_overlapping_jobs():
+    """Two loaders' jobs that overlap (two engines in one process): the interval is the loader's while either
+    runs, and the one found before the first, not the first's, once the last ends."""
+    import sys
+
+    from scute.engine.adapter_loader import _SWITCH_INTERVAL
+
+    before = sys.getswitchinterval()
+    first, second = _SWITCH_INTERVAL.during(2e-4), _SWITCH_INTERVAL.during(2e-4)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert sys.getswitchinterval() == pytest.approx(2e-4)
+    second.__exit__(None, None, None)
+    assert sys.getswitchinterval() == before

@@ -89,7 +89,7 @@ def test_decode_inputs_padded_to_the_bucket():
     sched = engine.scheduler.schedule()
     assert [n for _, n in sched.scheduled] == [1, 1, 1]
     runner, buf = engine.runner, engine.runner.buffers
-    ids, positions, ctx, _, _ = runner.prepare(sched, [r for r, _ in sched.scheduled])
+    ids, positions, ctx, _, _ = runner.prepare(sched)
     want = [t.clone() for t in (ids, positions, ctx.attn.slot_mapping, ctx.token_adapter_slots, ctx.attn.seq_lens)]
     tables = ctx.attn.block_tables.clone()
     buf["slot_mapping"].fill_(7)  # stale values, which the padding must overwrite
@@ -152,7 +152,7 @@ def test_mixed_inputs_padded_to_the_graph():
     sched = engine.scheduler.schedule()
     assert [n for _, n in sched.scheduled] == [1, 1, 11]
     runner, buf = engine.runner, engine.runner.buffers
-    ids, positions, ctx, logits, _ = runner.prepare(sched, [r for r, _ in sched.scheduled])
+    ids, positions, ctx, logits, _ = runner.prepare(sched)
     want = [t.clone() for t in (ids, positions, ctx.attn.slot_mapping, ctx.token_adapter_slots)]
     qsl, lens, keep = ctx.attn.query_start_loc.tolist(), ctx.attn.seq_lens.tolist(), logits.tolist()
     buf["slot_mapping"].fill_(7)
