@@ -38,7 +38,8 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """`rms_norm_ref`, one program per row on CUDA. x's rows need a unit last stride."""
+    """Semantics: `rms_norm_ref`, one program per row on CUDA (x's rows need a unit last stride; otherwise the
+    reference). Shapes: x [..., N], weight [N]; returns x's shape in weight's and x's dtypes promoted."""
     if not triton_enabled(x) or x.stride(-1) != 1:
         return rms_norm_ref(x, weight, eps)
     rows = x.reshape(-1, x.shape[-1])
@@ -65,8 +66,9 @@ def add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
                  dx: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """`add_rms_norm_ref`, one program per row on CUDA (one kernel instead of the add and the norm: a decode step
-    of a 32-layer model launches 32 fewer). x and residual need a unit last stride and one shape and dtype."""
+    """Semantics: `add_rms_norm_ref`, one program per row on CUDA (one kernel instead of the add and the norm: a
+    decode step of a 32-layer model launches 32 fewer); x and residual need a unit last stride and one shape and
+    dtype, otherwise the reference. Shapes: as `add_rms_norm_ref`."""
     if not triton_enabled(x) or x.stride(-1) != 1 or residual.stride(-1) != 1 or x.shape != residual.shape or \
             x.dtype != residual.dtype:
         return add_rms_norm_ref(x, residual, weight, eps, dx)
@@ -90,6 +92,7 @@ def _row_launch(n_cols: int) -> dict:
 
 
 def rotate_half(x: Tensor) -> Tensor:
+    """Semantics: [x1 | x2] -> [−x2 | x1] along the last axis (HF's). Shapes: x [..., D], D even."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -102,8 +105,8 @@ def rope_ref(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Te
 
 
 def rope_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """`rope_ref` in place on CUDA (one program per token and tensor); returns (q, k). q and k may be strided
-    views (heads of a merged q/k/v output) with contiguous heads."""
+    """Semantics: `rope_ref`, in place on CUDA (one program per token and tensor; q and k may be strided views,
+    heads of a merged q/k/v output, with contiguous heads), returning (q, k). Shapes: as `rope_ref`."""
     if not triton_enabled(q) or q.stride(-1) != 1 or k.stride(-1) != 1 or q.stride(1) != q.shape[2] or \
             k.stride(1) != k.shape[2]:
         return rope_ref(q, k, cos, sin)
@@ -117,13 +120,15 @@ def rope_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tenso
 
 def silu_mul_ref(gate: Tensor, up: Tensor, d_gate: Tensor | None = None, d_up: Tensor | None = None) -> Tensor:
     """Semantics: ``silu(gate) * up``, silu rounded to the input dtype first (as two PyTorch ops round), gate and
-    up first completed with their deferred deltas (`plus`)."""
+    up first completed with their deferred deltas (`plus`). Shapes: gate, up [T, N]; d_gate, d_up T·N elements or
+    None; returns [T, N] in gate's dtype."""
     return torch.nn.functional.silu(plus(gate, d_gate)) * plus(up, d_up)
 
 
 def silu_mul(gate: Tensor, up: Tensor, d_gate: Tensor | None = None, d_up: Tensor | None = None) -> Tensor:
-    """`silu_mul_ref` in one kernel on CUDA; gate and up [T, N] with a unit last stride (column slices of one
-    merged gate/up output will do); the deltas [T, N] contiguous (one of them alone is added first, apart)."""
+    """Semantics: `silu_mul_ref`, in one kernel on CUDA. Shapes: gate and up [T, N] with a unit last stride
+    (column slices of one merged gate/up output will do); the deltas [T, N] contiguous (one of them alone is added
+    first, apart); returns [T, N]."""
     if not triton_enabled(gate) or gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1:
         return silu_mul_ref(gate, up, d_gate, d_up)
     if (d_gate is None) != (d_up is None):
@@ -138,7 +143,8 @@ def silu_mul(gate: Tensor, up: Tensor, d_gate: Tensor | None = None, d_up: Tenso
 
 def residual_add(residual: Tensor, x: Tensor, dx: Tensor | None = None) -> Tensor:
     """Semantics: ``residual + plus(x, dx)`` (HF's decoder layer's second residual add, x completed with its
-    deferred delta), each sum rounded to the dtype. One kernel on CUDA when there is a delta; else the add."""
+    deferred delta), each sum rounded to the dtype. One kernel on CUDA when there is a delta; else the add.
+    Shapes: residual and x alike; dx x's number of elements or None; returns x's shape."""
     if dx is None or not triton_enabled(x) or not (x.is_contiguous() and residual.is_contiguous()) or \
             x.shape != residual.shape or x.dtype != residual.dtype:
         return residual + plus(x, dx)

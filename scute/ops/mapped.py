@@ -106,11 +106,13 @@ def keep(host: Tensor, device: torch.device) -> torch.cuda.Event:
 
 
 def host_to_device(values: list, dtype: torch.dtype, device: torch.device, out: Tensor | None = None) -> Tensor:
-    """A Python list on the device. On CUDA the host tensor is pinned and read by a kernel queued on the current
-    stream (`to_device`: not a copy engine, where it would wait behind an adapter load's copies),
-    so building a step's inputs never waits for the GPU. `out`: a preallocated buffer to write into (its
-    first len(values) entries; returned as that slice), so tensors can live at fixed addresses. The list is read
-    by numpy (about 3x faster than `torch.tensor` per element: a long prompt's inputs, a penalized batch's tokens)."""
+    """Semantics: ``torch.tensor(values, dtype)`` on `device`. On CUDA the host tensor is pinned and read by a
+    kernel queued on the current stream (`to_device`: not a copy engine, where it would wait behind an adapter
+    load's copies), so building a step's inputs never waits for the GPU. `out`: a preallocated buffer to write
+    into (its first len(values) entries; returned as that slice), so tensors can live at fixed addresses. The list
+    is read by numpy (about 3x faster than `torch.tensor` per element: a long prompt's inputs, a penalized batch's
+    tokens). Shapes: values a list (of lists) of numbers, rectangular; dtype int64, int32 or float32; returns its
+    shape."""
     array = np.array(values, dtype=_NUMPY[dtype])
     dst = None if out is None else out[tuple(slice(n) for n in array.shape)]
     if device.type != "cuda":

@@ -112,7 +112,8 @@ def scatter_rows(buf: Tensor, n_rows: int, width: int) -> None:
 
     Semantics: ``buf = [addresses (n_rows) | offsets (n_rows + 1) | values]`` (int64, on the device the addresses
     are on); row i, ``values[offsets[i]:offsets[i + 1]]`` (at most `width` long), is stored as int64 elements from
-    address i on. Addresses are `Tensor.data_ptr` values of live tensors the caller keeps."""
+    address i on. Addresses are `Tensor.data_ptr` values of live tensors the caller keeps. Shapes: buf int64
+    [2·n_rows + 1 + values]; width ≥ the longest row."""
     from scute.ops.kernels import scatter  # lazy: triton.jit reads TRITON_INTERPRET when decorating
 
     scatter.scatter_rows_kernel[(n_rows,)](buf, n_rows, BLOCK=1 << max(width - 1, 0).bit_length())
@@ -123,7 +124,8 @@ def copy_rows(buf: Tensor, n_rows: int, width: int) -> None:
 
     Semantics: ``buf = [destinations (n_rows) | sources (n_rows) | lengths (n_rows)]`` (int64, on the device);
     ``lengths[i]`` (at most `width`) float32 elements from source i are stored from destination i on, or ones
-    where source i is 0. Addresses are `Tensor.data_ptr` values of live tensors the caller keeps."""
+    where source i is 0. Addresses are `Tensor.data_ptr` values of live tensors the caller keeps. Shapes: buf int64
+    [3·n_rows]; width ≥ the longest length."""
     from scute.ops.kernels import scatter  # lazy: triton.jit reads TRITON_INTERPRET when decorating
 
     scatter.copy_rows_kernel[(n_rows,)](buf, n_rows, BLOCK=min(1 << max(width - 1, 0).bit_length(), 1024))
