@@ -247,20 +247,22 @@ class ModelRunner:
 
     def _write_inputs(self, step: GraphStep, flight: InFlight | None = None) -> None:
         """A graph step's inputs and padding (`write_padded`) into the next host mirrors, of which kernels queued on
-        the current stream read what the graph reads (its tokens, requests and LM head rows; of the block tables,
-        the requests' rows up to the longest table: a table of the longest context is ~8 MB at 256 requests, which
-        the graph never reads; the LM head's rows only for a mixed step: a decode graph keeps every row), then the
-        tokens sampled by the step in `flight` taken into the ids (`step.gather`, read where it is)."""
+        the current stream read what the graph reads, across the bus ahead of the graph: its tokens, requests and
+        LM head rows, and of the block tables the requests' rows up to the longest table (the whole tables of a
+        128k context at 256 requests are ~8 MB; slices cost the host ~15 µs more a step than whole copies), then
+        the tokens sampled by the step in `flight` taken into the ids (`step.gather`, read where it is)."""
         self._mirrors.reverse()
         mirrors = self._mirrors[0]
         write_padded(step, [host.numpy() for host, _ in mirrors[:4]], self.max_num_seqs)
         size = step.shape.tokens
-        seqs, rows = mixed_rows(size, self.max_num_seqs) if step.shape.mixed else (size, size)
-        width = max([1, *map(len, step.block_tables)])
-        read = [(slice(None), slice(size)), (slice(None), slice(seqs + 1)), (slice(seqs), slice(width)),
-                (slice(None), slice(rows))]
-        for dst, (_, view), at in zip(self._inputs[: 4 if step.shape.mixed else 3], mirrors, read):
-            copy_by_kernel(dst[at], view[at])
+        seqs, num_rows = mixed_rows(size, self.max_num_seqs) if step.shape.mixed else (size, 0)
+        width = max(map(len, step.block_tables), default=1)
+        (tokens, requests, tables, rows), views = self._inputs, [view for _, view in mirrors]
+        copy_by_kernel(tokens[:, :size], views[0][:, :size])
+        copy_by_kernel(requests[:, :seqs + 1], views[1][:, :seqs + 1])
+        copy_by_kernel(tables[:seqs, :width], views[2][:seqs, :width])
+        if step.shape.mixed:  # a decode graph keeps every row
+            copy_by_kernel(rows[:, :num_rows], views[3][:, :num_rows])
         n = len(step.gather[0])
         if n:
             host, view = mirrors[4]
