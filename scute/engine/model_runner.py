@@ -29,7 +29,8 @@ from scute.engine.prompt_logprobs import PromptRows
 from scute.engine.request import Request
 from scute.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from scute.engine.scheduler import SchedulerOutput
-from scute.engine.step_inputs import GraphStep, StepInputs, device_inputs, eager_inputs, graph_step, write_padded
+from scute.engine.step_inputs import (GraphStep, StepInputs, TableRows, device_inputs, eager_inputs, graph_step,
+                                      write_padded)
 from scute.model.attention import AttentionMetadata, flash_attn_available
 from scute.model.loader import LoadedModel
 from scute.ops.mapped import copy_by_kernel, device_view, keep, to_host
@@ -91,6 +92,7 @@ class ModelRunner:
         gather = torch.zeros(2, max_tokens, dtype=torch.int64)
         self._mirrors = [[_mirrored(torch.zeros_like(t, device="cpu", pin_memory=pinned), self.device)
                           for t in (*self._inputs, gather)] for _ in range(2)]
+        self._table_rows = [TableRows(mirrors[2][0].numpy()) for mirrors in self._mirrors]  # each set's tables
         seed_gen = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(seed_gen)
         self.max_model_len = max_model_len
@@ -252,8 +254,10 @@ class ModelRunner:
         128k context at 256 requests are ~8 MB; slices cost the host ~15 µs more a step than whole copies), then
         the tokens sampled by the step in `flight` taken into the ids (`step.gather`, read where it is)."""
         self._mirrors.reverse()
+        self._table_rows.reverse()
         mirrors = self._mirrors[0]
-        write_padded(step, [host.numpy() for host, _ in mirrors[:4]], self.max_num_seqs)
+        write_padded(step, [mirrors[0][0].numpy(), mirrors[1][0].numpy(), self._table_rows[0], mirrors[3][0].numpy()],
+                     self.max_num_seqs)
         size = step.shape.tokens
         seqs, num_rows = mixed_rows(size, self.max_num_seqs) if step.shape.mixed else (size, 0)
         width = max(map(len, step.block_tables), default=1)

@@ -109,6 +109,32 @@ def test_decode_inputs_padded_to_the_bucket():
     assert runner._mirrors[0] is not used and runner._mirrors[1] is used
 
 
+def test_graph_block_tables_follow_the_requests_through_preemption_and_the_prefix_cache():
+    """Step after step, with requests growing, preempted (their blocks freed) and admitted again onto cached
+    blocks, the block tables a graph reads (written into each mirror only where they changed, `TableRows`) are
+    the requests' tables."""
+    from scute import Engine, SamplingParams
+
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, 2 layers, 16 tokens, 2 kv heads, head_dim 16, fp32
+    engine = Engine(tiny_model(), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=4,
+                    kv_cache_memory_bytes=9 * block_bytes, enable_prefix_caching=True)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"r{i}", [1, 2, 3] * 6 + [i], sp)
+    runner, checked, preempted = engine.runner, 0, 0
+    while engine.has_unfinished_requests():
+        sched = engine.scheduler.schedule()
+        preempted += len(sched.preempted)
+        if sched.scheduled and all(n == 1 for _, n in sched.scheduled):
+            runner._write_inputs(graph_step(sched, GraphShape(len(sched.scheduled)), runner.block_size))
+            tables = runner.buffers["block_tables"]
+            for row, (req, _) in enumerate(sched.scheduled):  # the entries past a table's length are not read
+                assert tables[row, : len(req.block_table)].tolist() == req.block_table
+            checked += 1
+        engine._run(sched, [r for r, n in sched.scheduled if r.num_computed_tokens + n == r.num_tokens], None)
+    assert checked > 20 and preempted > 0
+
+
 def test_tokens_sampled_in_flight_are_taken_on_the_device():
     """A graph step's tokens the host does not have yet (`GraphStep.gather`: token rows, rows of the step in
     flight's output) land in the ids from that output, through the other host mirrors' gather rows; the tokens the

@@ -59,3 +59,29 @@ def test_a_decoding_token_is_built_as_in_a_chunk():
     for name in ("input_ids", "positions", "slot_mapping", "token_slots"):
         assert getattr(eager, name) == getattr(graph, name), name
     assert eager.sample_slots == graph.sample_slots
+
+
+def test_table_rows_write_what_changed_and_stay_equal_to_the_tables():
+    """`TableRows` writes a row again only where its table changed since this mirror held it: grown in place (its
+    new entries), or another list (all of it); rows given padding hold no table. After every write each row
+    starts with its table, whatever the mirror held before."""
+    import numpy as np
+
+    from scute.engine.step_inputs import TableRows
+
+    rows = TableRows(np.full((4, 6), -1, dtype=np.int32))
+    a, b = [3, 4], [7]
+    rows.write([a, b])
+    a.append(5)  # grown in place: its new entry
+    rows.array[0, :2] = -9  # what the row held stays: only the tail is written
+    rows.write([a, b])
+    assert rows.array[0, :3].tolist() == [-9, -9, 5]
+    b2 = [8]  # another list of the same length (freed and admitted again): written whole
+    rows.write([b2, a])
+    assert rows.array[0, :1].tolist() == [8] and rows.array[1, :3].tolist() == [3, 4, 5]
+    rows.fill_first(0, 2, 0)
+    rows.write([b2, a])  # padding overwrote them: written whole again
+    assert rows.array[0, :1].tolist() == [8] and rows.array[1, :3].tolist() == [3, 4, 5]
+    a.append(6)
+    rows.write([b2, a, [1, 2]])
+    assert rows.array[1, :4].tolist() == [3, 4, 5, 6] and rows.array[2, :2].tolist() == [1, 2]
