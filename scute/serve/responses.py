@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -107,8 +108,8 @@ async def run_job(job: Job) -> list[RequestOutput]:
 
 def _raise_errors(outs) -> None:
     for out in outs:
-        if out is not None and out.error is not None:
-            raise APIError(400, out.error)
+        if out is not None and out.error is not None:  # "ValueError: ...": the engine's type is not the client's
+            raise APIError(400, re.sub(r"^\w+Error: ", "", out.error))
 
 
 def completion_body(job: Job, outs: list[RequestOutput]) -> dict:
