@@ -39,6 +39,7 @@ class _Tracked:
     logprobs: int | None  # top-k asked for
     delta: bool  # its outputs are deltas (`RequestOutputKind.DELTA`): each converted alone
     prompt_logprobs: int | None = None
+    prompt_text: str | None = None  # the outputs' prompt, where the caller gave it (`add_request`'s prompt_text)
     converted: dict = field(default_factory=dict)  # the positions' vLLM logprobs made so far (`to_vllm_output`)
 
 
@@ -53,7 +54,8 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
                          stat_loggers: list | None = None, enable_multiprocessing: bool = False) -> LLMEngine:
-        """An engine for `engine_args` (a Scute `EngineArgs`: its fields were checked when it was built)."""
+        """An engine for `engine_args` (a Scute `EngineArgs`: its fields were checked when it was built).
+        `usage_context` is accepted and has no effect (vLLM reports it to its usage statistics; Scute keeps none)."""
         if not isinstance(engine_args, EngineArgs):
             raise TypeError(f"engine_args must be scute.compat.vllm.EngineArgs, got {type(engine_args).__name__}")
         if stat_loggers is not None:
@@ -73,7 +75,8 @@ class LLMEngine:
                     priority: int = 0, session_id: str | None = None, prompt_text: str | None = None) -> str:
         """Queue a request: `prompt` is a str, token ids, {"prompt": ...} or {"prompt_token_ids": ...};
         `lora_request` any adapter Scute serves. `arrival_time` is accepted and not used (Scute admits requests
-        in the order they are added). Returns `request_id`."""
+        in the order they are added); `prompt_text` is the outputs' prompt, as in vLLM (for a prompt given as
+        token ids). Returns `request_id`."""
         values = dict(locals())
         del values["self"]
         check_defaults(LLMEngine.add_request, values, {"request_id", "prompt", "params", "arrival_time",
@@ -99,7 +102,8 @@ class LLMEngine:
         req = self.engine.requests.get(request_id)
         if req is not None and req.is_finished and req.error is not None:  # failed before it could run
             raise ValueError(f"request {request_id!r} failed: {req.error}")
-        self._tracked[request_id] = _Tracked(lora_request, sp.logprobs, sp.output_kind == "delta", sp.prompt_logprobs)
+        self._tracked[request_id] = _Tracked(lora_request, sp.logprobs, sp.output_kind == "delta", sp.prompt_logprobs,
+                                             prompt_text)
         return request_id
 
     def step(self) -> list[RequestOutput]:
@@ -112,12 +116,16 @@ class LLMEngine:
                 continue
             if out.finished:
                 del self._tracked[out.request_id]
-            outputs.append(to_vllm_output(out, tracked.lora, tracked.logprobs, self.engine.tokenizer,
-                                          None if tracked.delta else tracked.converted, tracked.prompt_logprobs))
+            converted = to_vllm_output(out, tracked.lora, tracked.logprobs, self.engine.tokenizer,
+                                       None if tracked.delta else tracked.converted, tracked.prompt_logprobs)
+            if tracked.prompt_text is not None:
+                converted.prompt = tracked.prompt_text
+            outputs.append(converted)
         return outputs
 
     def abort_request(self, request_ids: str | Iterable[str], internal: bool = False) -> None:
-        """Stop requests (one id or several); `step` does not report them again."""
+        """Stop requests (one id or several); `step` does not report them again. `internal` (vLLM's mark of an
+        abort the engine itself made) changes nothing: every abort is the same here."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self.engine.abort_request(ids)
         for rid in ids:

@@ -203,6 +203,8 @@ class RequestOutput:
         self.num_cached_tokens, self.num_cache_creation_tokens = num_cached_tokens, num_cache_creation_tokens
         self.prompt_token_id_logprobs = prompt_token_id_logprobs
         self.kv_transfer_params, self.ec_transfer_params = kv_transfer_params, ec_transfer_params
+        for name, value in kwargs.items():  # fields of later vLLM versions: kept as given, not dropped
+            setattr(self, name, value)
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "

@@ -74,9 +74,11 @@ def test_dict_prompts_and_final_only(served):
     final = shim.SamplingParams(temperature=0, max_tokens=4, min_tokens=4, output_kind=shim.RequestOutputKind.FINAL_ONLY)
     assert engine.add_request("text", {"prompt": "the quick brown fox"}, final) == "text"
     engine.add_request("ids", {"prompt_token_ids": ids}, final)
-    engine.add_request("list", ids, scute.SamplingParams(temperature=0, max_tokens=4, min_tokens=4))
+    engine.add_request("list", ids, scute.SamplingParams(temperature=0, max_tokens=4, min_tokens=4),
+                       prompt_text="red green blue")  # the outputs' prompt, as vLLM's
     seen = run_loop(engine, [])
     assert [len(seen["text"]), len(seen["ids"]), len(seen["list"])] == [1, 1, 4]  # FINAL_ONLY: once, finished
+    assert all(o.prompt == "red green blue" for o in seen["list"])
     want = reference(served, ["the quick brown fox", ids], [None, None], 4)
     assert seen["text"][0].outputs[0].token_ids == want[0]
     assert seen["ids"][0].outputs[0].token_ids == want[1] == seen["list"][-1].outputs[0].token_ids
