@@ -30,6 +30,7 @@ from scute.ops.slots import Slots
 
 H200_BANDWIDTH = 4.2e12  # bytes/s: a device-to-device copy on the H200, read + write (docs/performance.md)
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # `scute serve --dtype`'s spellings
 
 
 @dataclass
@@ -215,10 +216,12 @@ def explain_main(argv: Sequence[str] | None = None) -> int:
                                    "only); default: shapes from the adapter's tensors")
     p.add_argument("--batch", type=int, default=64, help="tokens per step for the predicted cost (default 64)")
     p.add_argument("--adapters", type=int, help="distinct adapters among those tokens (default: one per token)")
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="served weight dtype")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES) + sorted(_DTYPE_NAMES), default="bf16",
+                   help="served weight dtype (bf16 or bfloat16, ...)")
     p.add_argument("--bandwidth", type=float, default=H200_BANDWIDTH, help="bytes/s (default: H200, 4.2e12)")
     p.add_argument("--dense", action="store_true", help="serve methods with no low-rank form as dense ΔW")
     args = p.parse_args(argv)
+    args.dtype = _DTYPE_NAMES.get(args.dtype, args.dtype)
     if args.batch < 1:
         p.error("--batch: at least 1 token")
     if args.adapters is not None and not 1 <= args.adapters <= args.batch:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (vLLM's endpoints and field names) over an `AsyncEngine`.
 
 `build_app` returns a FastAPI app: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
-``stream: true`` as server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``POST
+``stream: true`` as server-sent events ending in ``data: [DONE]``), ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST
 /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (only with an allowed directory), ``GET /health`` and
 ``GET /metrics``. ``model`` names the base model or a served adapter of any method. Every error is
 OpenAI-shaped JSON with a 4xx status (bad input never gets a 500), and fails only its own request.
@@ -107,13 +107,22 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models():
+    def cards() -> list[dict]:
         base = dict(id=state.served_model_name, object="model", created=state.created, owned_by="scute",
                     root=state.model_root, parent=None, max_model_len=state.engine.engine.max_model_len)
-        cards = [base] + [dict(id=name, object="model", created=state.created, owned_by="scute", root=path,
-                               parent=state.served_model_name) for name, path in state.adapters.items()]
-        return {"object": "list", "data": cards}
+        return [base] + [dict(id=name, object="model", created=state.created, owned_by="scute", root=path,
+                              parent=state.served_model_name) for name, path in state.adapters.items()]
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": cards()}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):  # OpenAI's retrieve
+        card = next((c for c in cards() if c["id"] == model), None)
+        if card is None:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+        return card
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):

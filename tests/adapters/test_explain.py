@@ -170,6 +170,8 @@ def test_cli(adapters, capsys):
     assert explain_main([str(adapters / "loha"), "--batch", "4", "--dtype", "fp32"]) == 0
     out = capsys.readouterr().out
     assert "LOHA" in out and "µs @B=4" in out and "A[9×64]" in out and "weights fp32" in out
+    assert explain_main([str(adapters / "loha"), "--batch", "4", "--dtype", "float32"]) == 0
+    assert capsys.readouterr().out == out  # serve's spelling of the same dtype
     assert explain_main([str(adapters / "hira")]) == 2
     assert "dense=True" in capsys.readouterr().err
     assert explain_main([str(adapters / "hira"), "--dense", "--model", "/nonexistent"]) == 2

@@ -193,6 +193,10 @@ def test_models_lists_the_base_and_every_adapter(server, served):
     data = {m.id: m for m in client(server).models.list().data}
     assert set(MODELS) <= set(data)
     assert all(data[m].parent == "tiny" for m in MODELS[1:]) and data["tiny"].parent is None
+    c = client(server)
+    assert c.models.retrieve("lora").parent == "tiny" and c.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="nope"):
+        c.models.retrieve("nope")
 
 
 def test_the_start_up_line_names_a_few_adapters_and_counts_the_rest():
