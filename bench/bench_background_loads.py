@@ -28,10 +28,10 @@ shares the interpreter lock until it ends), with the longest kinds of stretch ov
 for the slow steps, the other loading steps and the quiet ones, how long the GPU sat idle before each step's
 launch and how long it ran the step (`Clock`: slower GPU work, or a host that launched late). The ratios: p99 over
 the quiet median, and (the figure) p99 of each loading step's time over the quiet steps' linear fit in their KV
-tokens at its own (the context grows as the phases run, and a decode step with it). ``--switch-interval`` sets
-`AdapterLoader.switch_interval` (``default`` keeps it), ``--max-pause`` `Turns.max_pause` (0: the loader never
-waits for the step loop's turn), ``--slice`` `Turns.slice_s` (0: it waits at every pause point inside the turn),
-``--lead`` `Turns.lead_s`, ``--gc off`` turns the garbage collector's automatic collections off for both phases
+tokens at its own (the context grows as the phases run, and a decode step with it). On the bench engine's loader
+alone: ``--switch-interval`` sets `AdapterLoader.switch_interval` (``default`` keeps it), ``--max-pause``
+`Turns.max_pause` (0: the loader never waits for the step loop's turn), ``--slice`` `Turns.slice_s` (0: it waits
+at every pause point inside the turn), ``--lead`` `Turns.lead_s`. ``--gc off`` turns the garbage collector's automatic collections off for both phases
 (the engine's `Collections` then hold nothing: what collections cost the steps). ``--ablate`` changes parts of a
 load's work (`ABLATIONS`, comma-separated; bench-only stand-ins, not options of the engine) to tell what each costs
 the steps: run it beside a run without, on one machine (``bash bench/run_gpu.sh ablate``); ``--readers``,
@@ -448,16 +448,7 @@ def ablated(names: list[str], device: str):
 def run(args) -> dict:
     """The bench's phases and figures (`main`, within its ablations)."""
     from scute import Engine, SamplingParams
-    from scute.engine.adapter_loader import AdapterLoader, Turns
 
-    if args.max_pause is not None:
-        Turns.max_pause = args.max_pause
-    if args.slice is not None:
-        Turns.slice_s = args.slice
-    if args.lead is not None:
-        Turns.lead_s = args.lead
-    if args.switch_interval != "default":
-        AdapterLoader.switch_interval = None if args.switch_interval == "none" else float(args.switch_interval)
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
     model = B.random_llama({**(TINY if args.tiny else B.LLAMA3_8B), "num_hidden_layers": args.layers,
                             "max_position_embeddings": 8192}, device, dtype)
@@ -474,6 +465,12 @@ def run(args) -> dict:
     engine = Engine(model, device=device, dtype=str(dtype).split(".")[1], max_adapters=args.batch + count,
                     max_num_seqs=args.batch, max_model_len=length, max_adapter_rank=256, max_cpu_adapters=2 * count,
                     kv_cache_memory_bytes=int(1.2 * args.batch * length * kv))
+    loader = engine.adapters.loader  # the loader's settings, on this engine's loader alone (not the classes')
+    for name, value in (("max_pause", args.max_pause), ("slice_s", args.slice), ("lead_s", args.lead)):
+        if value is not None:
+            setattr(loader.turns, name, value)
+    if args.switch_interval != "default":
+        loader.switch_interval = None if args.switch_interval == "none" else float(args.switch_interval)
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for i, path in enumerate(running):
@@ -504,8 +501,9 @@ def run(args) -> dict:
     placed = sum(engine.adapters.get_by_path(path).identity in resident for path in cold)
     result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
                   command=" ".join(sys.argv), layers=args.layers, batch=args.batch, methods=methods,
-                  interval_s=args.interval, placed=placed, switch_interval=AdapterLoader.switch_interval,
-                  max_pause_s=Turns.max_pause, slice_s=Turns.slice_s, lead_s=Turns.lead_s, gc=args.gc,
+                  interval_s=args.interval, placed=placed, switch_interval=loader.switch_interval,
+                  max_pause_s=loader.turns.max_pause, slice_s=loader.turns.slice_s, lead_s=loader.turns.lead_s,
+                  gc=args.gc,
                   ablate=[a for a in args.ablate.split(",") if a], readers=args.readers)
     return B.save({**result, **summary(rounds)}, args.out, "rounds")
 

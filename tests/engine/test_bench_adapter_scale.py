@@ -9,17 +9,17 @@ import json
 from tests.helpers import bench_module
 
 
-def test_background_loads_bench_places_every_cold_adapter(tmp_path, monkeypatch):
+def test_background_loads_bench_places_every_cold_adapter(tmp_path):
     from scute.engine.adapter_loader import Turns
 
-    monkeypatch.setattr(Turns, "lead_s", Turns.lead_s)  # the bench sets it for the process: put back after
+    lead = Turns.lead_s
     bench = bench_module("bench_background_loads")
     out = tmp_path / "bg.json"
     result = bench.main(["--tiny", "--layers", "2", "--batch", "3", "--cold", "2", "--rounds", "2", "--steps", "5",
                          "--prompt", "8", "--interval", "0.02", "--max-loading-steps", "300", "--lead", "0.001",
                          "--root", str(tmp_path / "adapters"), "--out", str(out)])
     saved = json.loads(out.read_text())
-    assert saved["lead_s"] == 0.001
+    assert saved["lead_s"] == 0.001 and Turns.lead_s == lead  # set on the bench engine's loader, not the class
     assert saved["loads"] == saved["placed"] == 4  # asked, staged, given a slot and placed: every one
     assert 1 <= result["placement_steps"] <= 4 and result["loading_steps"] >= result["placement_steps"]
     assert [len(r["quiet"]) for r in saved["rounds"]] == [5, 5]
