@@ -31,8 +31,9 @@ the quiet median, and (the figure) p99 of each loading step's time over the quie
 tokens at its own (the context grows as the phases run, and a decode step with it). On the bench engine's loader
 alone: ``--switch-interval`` sets `AdapterLoader.switch_interval` (``default`` keeps it), ``--max-pause``
 `Turns.max_pause` (0: the loader never waits for the step loop's turn), ``--slice`` `Turns.slice_s` (0: it waits
-at every pause point inside the turn), ``--lead`` `Turns.lead_s`. ``--gc off`` turns the garbage collector's automatic collections off for both phases
-(the engine's `Collections` then hold nothing: what collections cost the steps). ``--ablate`` changes parts of a
+at every pause point inside the turn), ``--lead`` `Turns.lead_s`. ``--gc off`` turns the garbage collector's
+automatic collections off for both phases (the engine's `Collections` then hold nothing: what collections cost
+the steps). ``--ablate`` changes parts of a
 load's work (`ABLATIONS`, comma-separated; bench-only stand-ins, not options of the engine) to tell what each costs
 the steps: run it beside a run without, on one machine (``bash bench/run_gpu.sh ablate``); ``--readers``,
 ``--part-kb`` how a file is read.
