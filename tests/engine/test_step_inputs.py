@@ -5,6 +5,7 @@ flight sampled it) and an aLoRA's tokens before its invocation (base)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from scute import SamplingParams
@@ -39,6 +40,9 @@ def test_a_decoding_token_is_built_as_in_a_chunk():
     one = SchedulerOutput([(r, 1) for r in reqs], num_batched_tokens=len(reqs))
     flight_rows = {r: i for i, r in enumerate(pending)}
     step = graph_step(one, GraphShape(64), BLOCK, flight_rows)
+    general = graph_step(one, GraphShape(64, True), BLOCK, flight_rows)  # the loop of mixed steps, on this step
+    fields = [f.name for f in dataclasses.fields(step) if f.name != "shape"]
+    assert [getattr(step, f) for f in fields] == [getattr(general, f) for f in fields]
     # the same tokens as the last of a two-token chunk of each request (the multi-token path)
     for req in reqs:
         req.num_computed_tokens -= 1
