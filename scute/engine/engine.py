@@ -127,6 +127,9 @@ class Engine:
         text, error, adapter_obj, adapter_name = (prompt if isinstance(prompt, str) else None), None, None, None
         try:
             token_ids = tokenize(self.tokenizer, self.vocab_size, prompt)
+            if sp.stop_strings and self.tokenizer is None:
+                raise ValueError("stop strings need a tokenizer to match the text against: pass tokenizer= to "
+                                 "Engine, or stop_token_ids")
             adapter_obj, adapter_name = self._resolve_adapter(adapter)
         except (AdapterError, OSError, ValueError, TypeError) as e:
             token_ids, error = ([] if isinstance(prompt, str) else list(prompt)), f"{type(e).__name__}: {e}"

@@ -43,6 +43,17 @@ def test_bad_requests_fail_alone(oracle, tmp_path):
     assert "never-loaded-name" in errors[7]
 
 
+def test_stop_strings_without_a_tokenizer_fail_their_request_alone():
+    """No tokenizer, no text to find a stop string in: the request is refused with the reason, not run with its
+    stop strings ignored; one with stop token ids beside it runs."""
+    engine = Engine(tiny_model(), device="cpu", max_model_len=64)
+    words = SamplingParams(temperature=0, max_tokens=4, stop=["the end"])
+    ids = SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[3])
+    refused, ran = engine.generate([[5, 6], [5, 6]], [words, ids], use_tqdm=False)
+    assert refused.outputs[0].finish_reason == "error" and "stop strings need a tokenizer" in refused.error
+    assert ran.error is None and ran.outputs[0].token_ids
+
+
 def test_load_adapter_raises_and_unknown_option():
     with pytest.raises(TypeError, match="unknown engine option 'max_lora'"):
         Engine(tiny_model(), device="cpu", max_lora=4)
