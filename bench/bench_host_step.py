@@ -6,9 +6,9 @@ the Python a decode step pays per request, the part of a step that grows with th
 GPU's work is short (a few layers, or a small model). ``--requests`` greedy requests decode (``ignore_eos``) for
 ``--steps`` timed steps after a few untimed ones, for each `SamplingParams.output_kind` (what `Engine.step`
 reports of a running request each step); the best of ``--repeats`` runs, in µs a step and a request. The
-steps run eagerly (`eager_inputs` builds their inputs); what a graph step's inputs cost instead, built
-(`graph_step`) and written into the runner's host mirrors with their padding (`write_padded`), is timed apart on
-the next step's schedule.
+steps run eagerly (`eager_inputs` builds their inputs); what a graph step's inputs cost instead is timed apart on
+the next step's schedule: built (`graph_step`), then written into the runner's host mirrors with their padding
+(`write_padded`) and read into its buffers, each timed alone.
 
 Run: ``PYTHONPATH=. python3 bench/bench_host_step.py --requests 32,128``.
 """
@@ -33,10 +33,11 @@ KV_BYTES_PER_TOKEN = 2 * TINY["num_hidden_layers"] * TINY["num_key_value_heads"]
 
 
 def step_time(engine, requests: int, kind: str, steps: int, prompt: int = 16,
-              presence_penalty: float = 0.0) -> tuple[float, float]:
+              presence_penalty: float = 0.0) -> tuple[float, float, float]:
     """Seconds of one decode step of `requests` requests of `prompt` tokens (their prompts computed first,
-    untimed), and of building and writing the inputs of their next step as a CUDA graph's (`graph_step`,
-    `ModelRunner._write_inputs`)."""
+    untimed), of building the inputs of their next step as a CUDA graph's (`graph_step`), and of writing them into
+    the runner's host mirrors and reading them into its buffers (`ModelRunner._write_inputs`: every step after the
+    first two, each mirror set's, finds the block tables it holds unchanged, as a decode step's mostly are)."""
     from scute import SamplingParams
     from scute.engine.cuda_graph import GraphShape
     from scute.engine.step_inputs import graph_step
@@ -58,12 +59,16 @@ def step_time(engine, requests: int, kind: str, steps: int, prompt: int = 16,
     shape = GraphShape(len(sched.scheduled))
     start = time.perf_counter()
     for _ in range(steps):
-        runner._write_inputs(graph_step(sched, shape, runner.block_size))
-    graph_inputs = (time.perf_counter() - start) / steps
+        step = graph_step(sched, shape, runner.block_size)
+    build = (time.perf_counter() - start) / steps
+    start = time.perf_counter()
+    for _ in range(steps):
+        runner._write_inputs(step)
+    write = (time.perf_counter() - start) / steps
     engine.abort_request([f"{kind}-{requests}-{i}" for i in range(requests)])
     while engine.has_unfinished_requests():
         engine.step()
-    return took, graph_inputs
+    return took, build, write
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -92,11 +97,13 @@ def main(argv: list[str] | None = None) -> dict:
         for kind in KINDS:
             times = [step_time(engine, n, kind, args.steps, args.prompt, args.presence_penalty)
                      for _ in range(args.repeats)]
-            best, graph = min(t[0] for t in times), min(t[1] for t in times)
+            best, build, write = (min(t[i] for t in times) for i in range(3))
             rows.append(dict(requests=n, output_kind=kind, step_us=1e6 * best, request_us=1e6 * best / n,
-                             graph_inputs_us=1e6 * graph))
+                             graph_inputs_us=1e6 * (build + write), graph_build_us=1e6 * build,
+                             graph_write_us=1e6 * write))
             print(f"{n:5d} requests, {kind:<10}: {1e6 * best:8.1f} µs a step, {1e6 * best / n:5.2f} µs a request; "
-                  f"a graph step's inputs {1e6 * graph:6.1f} µs", flush=True)
+                  f"a graph step's inputs {1e6 * (build + write):6.1f} µs (built {1e6 * build:5.1f}, written "
+                  f"{1e6 * write:5.1f})", flush=True)
     result = dict(command="PYTHONPATH=. python3 " + " ".join(sys.argv), rows=rows)
     if args.out:
         with open(args.out, "w") as f:

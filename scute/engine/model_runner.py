@@ -85,14 +85,8 @@ class ModelRunner:
         # the step in flight when the next step writes its inputs, but the reads of the step before it are done
         # (the host waited for that step's tokens). A kernel reads them where they are (`device_view`): a copy
         # would queue on a copy engine behind an adapter load's copies (`scute.ops.mapped`).
-        # Each set's fifth mirror is read by kernels alone: a step's `gather` (token rows, rows of the step in
-        # flight's output), which takes the tokens the host does not have yet on the device.
         self._inputs = (self._tokens, self._seqs, self.buffers["block_tables"], self._rows)
-        pinned = self.device.type == "cuda"
-        gather = torch.zeros(2, max_tokens, dtype=torch.int64)
-        self._mirrors = [[_mirrored(torch.zeros_like(t, device="cpu", pin_memory=pinned), self.device)
-                          for t in (*self._inputs, gather)] for _ in range(2)]
-        self._table_rows = [TableRows(mirrors[2][0].numpy()) for mirrors in self._mirrors]  # each set's tables
+        self._mirrors = [_MirrorSet.like(self._inputs, max_tokens, self.device) for _ in range(2)]
         seed_gen = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(seed_gen)
         self.max_model_len = max_model_len
@@ -109,8 +103,8 @@ class ModelRunner:
         shapes = [GraphShape(n) for n in self.decode_sizes] + [GraphShape(n, True) for n in self.mixed_sizes]
         self.graphs = StepGraphs(self._graph_forward, self._pad_inputs, shapes, self.device, max_seqs) \
             if use_graphs else None
-        self._host_token_bufs = [_mirrored(torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True), self.device)
-                                 for _ in range(2)] if padded else []  # the sampled tokens, written by a kernel
+        tokens_out = [torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)] if padded else []
+        self._host_token_bufs = [(h, device_view(h, self.device)) for h in tokens_out]  # written by a kernel
         self.broadcast = broadcast
 
     def step_sizes(self) -> tuple[int, ...]:
@@ -251,25 +245,24 @@ class ModelRunner:
         """A graph step's inputs and padding (`write_padded`) into the next host mirrors, of which kernels queued on
         the current stream read what the graph reads, across the bus ahead of the graph: its tokens, requests and
         LM head rows, and of the block tables the requests' rows up to the longest table (the whole tables of a
-        128k context at 256 requests are ~8 MB; slices cost the host ~15 µs more a step than whole copies), then
-        the tokens sampled by the step in `flight` taken into the ids (`step.gather`, read where it is)."""
+        128k context at 256 requests are ~8 MB; a slice's copy costs the host more than a whole one, a strided
+        kernel's set-up), then the tokens sampled by the step in `flight` taken into the ids (`step.gather`, read
+        where it is)."""
         self._mirrors.reverse()
-        self._table_rows.reverse()
-        mirrors = self._mirrors[0]
-        write_padded(step, [mirrors[0][0].numpy(), mirrors[1][0].numpy(), self._table_rows[0], mirrors[3][0].numpy()],
-                     self.max_num_seqs)
+        m = self._mirrors[0]
+        write_padded(step, m.arrays, self.max_num_seqs)
         size = step.shape.tokens
         seqs, num_rows = mixed_rows(size, self.max_num_seqs) if step.shape.mixed else (size, 0)
         width = max(map(len, step.block_tables), default=1)
-        (tokens, requests, tables, rows), views = self._inputs, [view for _, view in mirrors]
-        copy_by_kernel(tokens[:, :size], views[0][:, :size])
-        copy_by_kernel(requests[:, :seqs + 1], views[1][:, :seqs + 1])
-        copy_by_kernel(tables[:seqs, :width], views[2][:seqs, :width])
+        tokens, requests, tables, rows = self._inputs
+        copy_by_kernel(tokens[:, :size], m.views[0][:, :size])
+        copy_by_kernel(requests[:, :seqs + 1], m.views[1][:, :seqs + 1])
+        copy_by_kernel(tables[:seqs, :width], m.views[2][:seqs, :width])
         if step.shape.mixed:  # a decode graph keeps every row
-            copy_by_kernel(rows[:, :num_rows], views[3][:, :num_rows])
+            copy_by_kernel(rows[:, :num_rows], m.views[3][:, :num_rows])
         n = len(step.gather[0])
         if n:
-            host, view = mirrors[4]
+            host, view = m.gather
             host.numpy()[:, :n] = step.gather
             self.buffers["input_ids"].index_copy_(0, view[0, :n], flight.result.token_ids[view[1, :n]])
 
@@ -342,6 +335,24 @@ def _to_host(result: SamplerOutput, token_ids: Tensor | None = None) -> SamplerO
                          host(result.top_logprobs), host(result.top_ids))
 
 
-def _mirrored(host: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
-    """A host mirror and what `device` reads it through: a pinned one's `device_view`, else itself."""
-    return host, device_view(host, device) if host.is_pinned() else host
+@dataclass
+class _MirrorSet:
+    """One set of a graph step's host mirrors (pinned on CUDA): of the runner's inputs (tokens, requests, block
+    tables, LM head rows) and of its `gather` (token rows, rows of the step in flight's output: read by the index
+    kernels alone). `views`: what the device reads each input's mirror through (a pinned one's `device_view`, else
+    itself); `arrays`: what `write_padded` writes, the tables' as `TableRows`."""
+
+    views: list[Tensor]
+    arrays: list
+    gather: tuple[Tensor, Tensor]  # (host, view)
+
+    @classmethod
+    def like(cls, inputs: tuple[Tensor, ...], max_tokens: int, device: torch.device) -> _MirrorSet:
+        pinned = device.type == "cuda"
+        hosts = [torch.zeros_like(t, device="cpu", pin_memory=pinned) for t in inputs]
+        hosts.append(torch.zeros(2, max_tokens, dtype=torch.int64, pin_memory=pinned))
+        views = [device_view(h, device) if pinned else h for h in hosts]
+        arrays = [h.numpy() for h in hosts[:4]]
+        arrays[2] = TableRows(arrays[2])
+        return cls(views[:4], arrays, (hosts[4], views[4]))
+

@@ -133,8 +133,8 @@ def _decode_step(sched: SchedulerOutput, shape: GraphShape, bs: int,
                  flight_rows: dict[Request, int] | None) -> GraphStep:
     """`graph_step` of a decode graph's step (every request computes its one next token and samples, as
     `ModelRunner` runs a decode graph only for such a step): `_append_tokens`' one-token branch and the rest of the
-    loop inlined, each list appended to as a bound method: 27 µs for 128
-    requests on the CPU of `bench/bench_host_step.py`, where the general loop takes 65."""
+    loop inlined, each list appended to as a bound method, in the step loop's host work every step (the build
+    column of `bench/bench_host_step.py`)."""
     step = GraphStep(shape)
     ids, positions, kv_slots, slots = (step.input_ids.append, step.positions.append, step.slot_mapping.append,
                                        step.token_slots.append)
@@ -160,8 +160,8 @@ def _decode_step(sched: SchedulerOutput, shape: GraphShape, bs: int,
 class TableRows:
     """A host mirror's block tables ([rows, width] int32) and the request table each row holds, up to which length:
     a step writes only what changed since this mirror was last written (a request's table grows in place, a block
-    at a time; any other change is a new list: `BlockManager`), where writing every row of a 128-request step
-    costs 30-70 µs of the step loop's host time (`bench/bench_host_step.py`)."""
+    at a time; any other change is a new list: `BlockManager`), not a numpy write per row every step (the write
+    column of `bench/bench_host_step.py`)."""
 
     def __init__(self, array: np.ndarray) -> None:
         self.array = array

@@ -37,8 +37,8 @@ def sha256_leaves(data: Tensor, leaf: int, programs: int | None = None) -> Tenso
     """Semantics: `sha256_leaves_ref` on the device, not read back: one kernel, a lane per leaf (on CUDA, or on the
     CPU under ``SCUTE_TRITON_CPU=1`` in Triton's interpreter), a one-warp program per 32 leaves, or at most
     `programs` programs, each then hashing several groups of 32 (fewer of the SMs that the steps' kernels run on
-    busy, for longer: `bench/bench_side_stream.py`). Shapes: data [n·leaf] uint8 contiguous, leaf a multiple of 64; returns
-    uint8 [n, 32] on data's device, each row a leaf's digest."""
+    busy, for longer: `bench/bench_side_stream.py`). Shapes: data [n·leaf] uint8 contiguous, leaf a multiple of
+    64; returns uint8 [n, 32] on data's device, each row a leaf's digest."""
     n = data.numel() // leaf
     if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous() or n * leaf != data.numel() \
             or leaf % 64:
@@ -58,7 +58,8 @@ def sha256_leaves(data: Tensor, leaf: int, programs: int | None = None) -> Tenso
     block = 32
     if n:
         aligned, phase = _aligned_below(data)
-        grid = -(-n // block) if programs is None else max(1, min(programs, -(-n // block)))
+        groups = -(-n // block)
+        grid = groups if programs is None else max(1, min(programs, groups))
         sha256_leaves_kernel[(grid,)](aligned, out, table, n, phase, LEAF=leaf, BLOCK=block, num_warps=1)
     return out.view(torch.uint8)
 

@@ -8,13 +8,12 @@ step in flight runs, per table. `TableWrites` gathers a placement's rows and wri
 
 from __future__ import annotations
 
-import array
 import weakref
 
 import torch
 from torch import Tensor
 
-from scute.ops.mapped import to_device
+from scute.ops.mapped import host_to_device, to_device
 
 
 class TableWrites:
@@ -99,8 +98,7 @@ class TableWrites:
                    for _, _, x in copies]  # kept until the copy is queued (stream order keeps the memory theirs)
         tail = [self._address(t, i) for t, i, _ in copies] + [0 if x is None else x.data_ptr() for x in sources] + \
             [t.shape[-1] for t, _, _ in copies]
-        # through array.array: torch.tensor of a list of thousands of ints costs 4x as much
-        buf = to_device(torch.frombuffer(array.array("q", head + tail), dtype=torch.int64).pin_memory(), None, device)
+        buf = host_to_device(head + tail, torch.int64, device)  # numpy reads the list straight into pinned memory
         if rows:
             scatter_rows(buf[:len(head)], len(rows), max(len(r) for _, _, r in rows))
         if copies:

@@ -160,7 +160,7 @@ def test_tokens_sampled_in_flight_are_taken_on_the_device():
         for row, out in zip(*gather):
             want[row] = 501 + out
         assert buf["input_ids"][:3].tolist() == want
-    assert runner._mirrors[0][4][0][:, :1].tolist() == [[1], [1]]
+    assert runner._mirrors[0].gather[0][:, :1].tolist() == [[1], [1]]
 
 
 def test_mixed_inputs_padded_to_the_graph():
