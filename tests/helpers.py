@@ -377,17 +377,29 @@ class Oracle:
             self.paths[name] = str(root / f"{family}-{name}")
             make_adapter(self.paths[name], config(), family, seed=10 + i)
 
+    def model(self, adapter: str | None):
+        """transformers' model in float32, with PEFT's `adapter` alone (None: the base model)."""
+        model = tiny_model(self.family)
+        return model if adapter is None else PeftModel.from_pretrained(model, self.paths[adapter]).eval()
+
     def reference(self, adapter: str | None, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
         key = (adapter, tuple(prompt), new_tokens)
         if key not in self._refs:
-            model = tiny_model(self.family)
-            if adapter is not None:
-                model = PeftModel.from_pretrained(model, self.paths[adapter]).eval()
+            model = self.model(adapter)
             with torch.no_grad():
                 out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                      do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
             self._refs[key] = out[0, len(prompt):].tolist()
         return self._refs[key]
+
+    @property
+    def eos_token_id(self) -> int:
+        return tiny_model(self.family).config.eos_token_id
+
+    def logits(self, adapter: str | None, ids: list[int]) -> torch.Tensor:
+        """The float32 logits [len(ids), vocab] of `ids` under transformers + PEFT with `adapter` alone."""
+        with torch.no_grad():
+            return self.model(adapter)(torch.tensor([ids])).logits[0].float()
 
     def engine(self, **options):
         from scute import Engine

@@ -38,14 +38,40 @@ def test_cuda_fp32_chunked_prefill_preemption_prefix_cache(oracle):
     assert engine.stats["preemptions"] > 0
 
 
-def test_cuda_bf16_run_completes(oracle):
+def bf16_margins(oracle, outputs, adapters) -> list[float]:
+    """Per request, the largest amount by which a token the engine chose falls short of the best token's logit
+    (end of sequence aside), under float32 transformers + PEFT with the request's adapter fed the engine's own
+    tokens."""
+    margins = []
+    for out, adapter in zip(outputs, adapters, strict=True):
+        prompt, tokens = out.prompt_token_ids, out.outputs[0].token_ids
+        ref = oracle.logits(adapter, prompt + tokens[:-1])[len(prompt) - 1:]
+        ref[:, oracle.eos_token_id] = -torch.inf  # GREEDY's min_tokens: no end of sequence
+        chosen = ref.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        margins.append(float((ref.amax(1) - chosen).max()))
+    return margins
+
+
+# The tiny model's logits span ~0.8; a bf16 run's logits are within a few thousandths of float32's, and another
+# adapter's greedy token falls short by more than this for most requests (checked below).
+BF16_MARGIN = 0.02
+
+
+def test_cuda_bf16_tokens_are_near_greedy_under_peft(oracle):
+    """A bfloat16 run's tokens may part from float32 PEFT's at near-ties, so each token is checked as a choice:
+    its float32 PEFT logit (with the request's own adapter, on the engine's own tokens) is within BF16_MARGIN of
+    the best. The same check fails most requests when every adapter's requests are given another's."""
     prompts, adapters = mixed_requests()
     engine = oracle.engine(device="cuda", dtype="bfloat16")
     outputs = engine.generate(prompts, GREEDY, specs(oracle, adapters), use_tqdm=False)
     for out in outputs:
         assert out.error is None and len(out.outputs[0].token_ids) == NEW_TOKENS
-    first = [o.outputs[0].token_ids[0] == oracle.reference(a, o.prompt_token_ids)[0] for o, a in zip(outputs, adapters)]
-    print(f"bf16: first token equal to the fp32 PEFT reference for {sum(first)}/{len(first)} requests")
+    margins = bf16_margins(oracle, outputs, adapters)
+    assert max(margins) <= BF16_MARGIN, [f"{a}: {m:.4f}" for a, m in zip(adapters, margins)]
+    names = [None, *METHODS]
+    swapped = [names[(names.index(a) + 1) % len(names)] for a in adapters]
+    wrong = bf16_margins(oracle, outputs, swapped)
+    assert sum(m > BF16_MARGIN for m in wrong) > len(wrong) // 2, "the check cannot tell adapters apart"
 
 
 def test_a_steps_logprobs_are_read_once_written(oracle, monkeypatch):
