@@ -32,9 +32,10 @@ class APIError(Exception):
 
 
 class _Sampling(BaseModel):
-    """The sampling fields both endpoints take."""
+    """The sampling fields both endpoints take: JSON's types as they are (``"max_tokens": true`` or ``"5"`` is a
+    400, not 1 or 5)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)

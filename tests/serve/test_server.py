@@ -224,6 +224,8 @@ BAD = [  # (body or raw bytes, status, a fragment the message must hold)
     (dict(model="tiny", prompt="a", best_of=2), 400, "best_of="),
     (dict(model="tiny", prompt="a", logit_bias={"5": 1.0}), 400, "logit_bias"),
     (dict(model="tiny", prompt="a", temperature=-1), 400, "temperature"),
+    (dict(model="tiny", prompt="a", max_tokens=True), 400, "max_tokens"),
+    (dict(model="tiny", prompt="a", stream="yes"), 400, "stream"),
     (dict(model="tiny", prompt=[7] * 80), 400, "maximum context length is 64"),
     (dict(model="tiny", prompt=[7] * 40, max_tokens=30), 400, "you requested 70 tokens (40 in the prompt, 30 in"),
     (dict(model="tiny", prompt=[5, 100000]), 400, "vocabulary"),
