@@ -49,19 +49,24 @@ def sync(device: torch.device) -> None:
 
 
 def add_read_args(p: argparse.ArgumentParser) -> None:
-    """``--readers`` and ``--part-kb``: how the engine's loads read a file (`set_reads`)."""
+    """``--readers``, ``--part-kb`` and ``--hash-programs``: how the engine's loads read and hash a file
+    (`set_reads`)."""
     p.add_argument("--readers", type=int, default=None, help="threads that read a file (default: the engine's, "
                    "`safetensors_file.READERS`)")
     p.add_argument("--part-kb", type=int, default=None, help="bytes a reader thread reads between two calls of "
                    "the loader's gate, in KiB (default: `safetensors_file.PART`)")
+    p.add_argument("--hash-programs", type=int, default=None, help="programs of the GPU's hash kernel at most "
+                   "(default: the engine's, `safetensors_file.HASH_PROGRAMS`)")
 
 
-def set_reads(readers: int | None, part_kb: int | None = None) -> int:
-    """The threads that read a file (`safetensors_file.READERS`, its pool made anew) and the part they read
-    between two calls of the gate (`safetensors_file.PART`), where given; call before the first read. Returns the
-    readers in use."""
+def set_reads(readers: int | None, part_kb: int | None = None, hash_programs: int | None = None) -> int:
+    """The threads that read a file (`safetensors_file.READERS`, its pool made anew), the part they read between
+    two calls of the gate (`safetensors_file.PART`) and the hash kernel's programs at most
+    (`safetensors_file.HASH_PROGRAMS`), where given; call before the first read. Returns the readers in use."""
     from scute.adapters import safetensors_file
 
+    if hash_programs is not None:
+        safetensors_file.HASH_PROGRAMS = hash_programs
     if readers is not None:
         safetensors_file._readers.cache_clear()
         safetensors_file.READERS = readers
@@ -136,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="adapter_load.json")
     add_read_args(p)
     args = p.parse_args(argv)
-    readers = set_reads(args.readers, args.part_kb)
+    readers = set_reads(args.readers, args.part_kb, args.hash_programs)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from scute import Engine

@@ -396,7 +396,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.phases_of:
         return phases_of(args.phases_of)
-    args.readers = set_reads(args.readers, args.part_kb)  # the threads in use, saved with the result
+    # the threads in use, saved with the result
+    args.readers = set_reads(args.readers, args.part_kb, args.hash_programs)
     with ablated([a for a in args.ablate.split(",") if a], "cpu" if args.tiny else "cuda"):
         return run(args)
 
@@ -505,7 +506,8 @@ def run(args) -> dict:
                   interval_s=args.interval, placed=placed, switch_interval=loader.switch_interval,
                   max_pause_s=loader.turns.max_pause, slice_s=loader.turns.slice_s, lead_s=loader.turns.lead_s,
                   gc=args.gc,
-                  ablate=[a for a in args.ablate.split(",") if a], readers=args.readers)
+                  ablate=[a for a in args.ablate.split(",") if a], readers=args.readers,
+                  part_kb=args.part_kb, hash_programs=args.hash_programs)
     return B.save({**result, **summary(rounds)}, args.out, "rounds")
 
 

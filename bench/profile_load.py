@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
     p.add_argument("--root", default="/tmp/scute-bench-adapter-load")
     add_read_args(p)
     args = p.parse_args(argv)
-    set_reads(args.readers, args.part_kb)
+    set_reads(args.readers, args.part_kb, args.hash_programs)
     from scute.engine.adapter_loader import AdapterLoader
 
     served = vars(AdapterLoader)["matrix_dtype"]  # the property itself, put back after

@@ -77,7 +77,7 @@ class SpanLeaves:
             leaves = file_leaves.to(torch.cuda.current_device(), non_blocking=True)
         if leaves.is_cuda:
             self._stream = torch.cuda.current_stream(leaves.device)
-            self._hashed = sha256_leaves(leaves, leaf)
+            self._hashed = sha256_leaves(leaves, leaf, programs=HASH_PROGRAMS)
             return
         self.hash_on_readers(leaves)
 
@@ -101,6 +101,9 @@ class SpanLeaves:
 # Bytes per leaf of the hash tree (`Digest`) of a file read for a GPU: small enough that a large file's leaves keep
 # the GPU busy (a leaf is hashed serially), and few: 10,240 for a LoRA of the 8B shape.
 LEAF = 8 << 10
+# Programs of the hash kernel at most (`sha256_leaves`' `programs`); None: one per 32 leaves (320 for a LoRA of the
+# 8B shape, on every SM, 0.4 ms on an H200). Fewer take fewer SMs from the steps beside the load, for longer.
+HASH_PROGRAMS: int | None = None
 # Bytes per chunk of a read (a multiple of `LEAF`), and per leaf of the hash tree of a file read for the CPU: files
 # of a few chunks and more are read by several threads (`_readers`), each over its share of the chunks, then
 # hashing their leaves outside the span while the conversion goes on (`bench/bench_adapter_load.py`:
