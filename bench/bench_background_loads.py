@@ -417,7 +417,7 @@ def ablated(names: list[str], device: str):
     saved = (safetensors_file.sha256_leaves, AdapterManager._host_copy, safetensors_file.LEAF, SpanLeaves.hash,
              Turns.gate)
 
-    def stand_in(data, leaf):
+    def stand_in(data, leaf, programs=None):
         return data.view(-1, leaf)[:, :32].contiguous()
 
     def on_readers(leaves, span):  # the file's own leaves, from its buffer once read

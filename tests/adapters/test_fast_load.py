@@ -102,7 +102,8 @@ def test_identity_is_the_files_hash_tree_wherever_its_span_is_hashed(tmp_path, m
     monkeypatch.setattr(safetensors_file, "LEAF", 128)
     monkeypatch.setattr(safetensors_file, "READERS", readers)
     on_gpu = []
-    monkeypatch.setattr(safetensors_file, "sha256_leaves", lambda x, leaf: on_gpu.append(x) or sha256_leaves(x, leaf))
+    monkeypatch.setattr(safetensors_file, "sha256_leaves",
+                        lambda x, leaf, **kw: on_gpu.append(x) or sha256_leaves(x, leaf, **kw))
     saved(tmp_path, {f"t{k}": torch.randn(57, 29).bfloat16() for k in range(5)})
     pinned, action = where.startswith("pinned-"), where.removeprefix("pinned-")
     device = torch.device(action.split("-")[0] if action != "read" else "cpu")
