@@ -133,8 +133,7 @@ class Engine:
             adapter_obj, adapter_name = self._resolve_adapter(adapter)
         except (AdapterError, OSError, ValueError, TypeError) as e:
             token_ids, error = ([] if isinstance(prompt, str) else list(prompt)), f"{type(e).__name__}: {e}"
-            adapter_name = adapter_name or (os.fspath(adapter) if isinstance(adapter, (str, os.PathLike))
-                                            else getattr(adapter, "name", None))
+            adapter_name = adapter_name or _spec_name(adapter)
         req = Request(request_id, text, token_ids, sp, adapter_obj, adapter_name, next(self._arrivals))
         req.eos_token_ids = self.eos_token_ids
         self.requests[request_id] = req
@@ -318,3 +317,11 @@ class Engine:
                 rate = (self.stats["generated_tokens"] - generated) / max(time.perf_counter() - start, 1e-9)
                 bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
         return [results[rid] for rid in ids]
+
+
+def _spec_name(spec: AdapterSpec) -> str | None:
+    """The name a request's adapter would have had, for one that failed: a folder's own name (as a loaded one's),
+    an `AdapterRequest`'s name, or the name given."""
+    if isinstance(spec, (str, os.PathLike)):
+        return os.path.basename(os.path.normpath(os.fspath(spec))) or os.fspath(spec)
+    return getattr(spec, "name", None)

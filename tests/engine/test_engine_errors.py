@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from scute import Engine, SamplingParams
@@ -41,6 +43,10 @@ def test_bad_requests_fail_alone(oracle, tmp_path):
     assert "outside the vocabulary" in errors[5]
     assert "tokenizer" in errors[6]
     assert "never-loaded-name" in errors[7]
+    # a failed folder is named as a loaded one is: by its own name, whether or not it could be read
+    assert [o.adapter_name for o in outputs[:n_bad]] == ["does-not-exist", "corrupt", "other-model", "big-rank"]
+    assert [o.adapter_name for o in outputs[n_bad + 1:n_bad + 3]] == [
+        os.path.basename(oracle.paths[a]) for a in good_adapters[1:]]
 
 
 def test_stop_strings_without_a_tokenizer_fail_their_request_alone():
