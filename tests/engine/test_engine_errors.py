@@ -16,7 +16,8 @@ def oracle(tmp_path_factory):
 
 
 def test_bad_requests_fail_alone(oracle, tmp_path):
-    bad = {k: v for k, v in bad_adapters(oracle, tmp_path).items() if k in ("missing", "corrupt", "other model", "rank")}
+    kept = ("missing", "corrupt", "other model", "rank")
+    bad = {k: v for k, v in bad_adapters(oracle, tmp_path).items() if k in kept}
     engine = oracle.engine(max_model_len=40, max_adapter_rank=8)
     good_prompts = PROMPTS[:3]
     good_adapters = [None, "lora", "oft"]
