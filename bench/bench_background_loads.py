@@ -31,12 +31,11 @@ the quiet median, and (the figure) p99 of each loading step's time over the quie
 tokens at its own (the context grows as the phases run, and a decode step with it). On the bench engine's loader
 alone: ``--switch-interval`` sets `AdapterLoader.switch_interval` (``default`` keeps it), ``--max-pause``
 `Turns.max_pause` (0: the loader never waits for the step loop's turn), ``--slice`` `Turns.slice_s` (0: it waits
-at every pause point inside the turn), ``--lead`` `Turns.lead_s`. ``--gc off`` turns the garbage collector's
-automatic collections off for both phases (the engine's `Collections` then hold nothing: what collections cost
-the steps). ``--ablate`` changes parts of a
-load's work (`ABLATIONS`, comma-separated; bench-only stand-ins, not options of the engine) to tell what each costs
-the steps: run it beside a run without, on one machine (``bash bench/run_gpu.sh ablate``); ``--readers``,
-``--part-kb`` how a file is read.
+at every pause point inside the turn). ``--gc off`` turns the garbage collector's automatic collections off for
+both phases (the engine's `Collections` then hold nothing: what collections cost the steps). ``--ablate`` changes
+parts of a load's work (`ABLATIONS`, comma-separated; bench-only stand-ins, not options of the engine) to tell
+what each costs the steps: run it beside a run without, on one machine (``bash bench/run_gpu.sh ablate``);
+``--readers``, ``--part-kb`` and ``--hash-programs`` how a file is read and hashed.
 ``--phases-of RESULT`` runs nothing: it reads a saved result step by step (`phases_of`).
 
 Run on a GPU: ``PYTHONPATH=. python3 bench/bench_background_loads.py --out background_loads.json``.
@@ -383,8 +382,6 @@ def main(argv: list[str] | None = None) -> dict:
                    "waits for the step loop's turn; default: the engine's)")
     p.add_argument("--slice", type=float, default=None, help="Turns.slice_s in seconds (0: the loader waits at "
                    "every pause point inside the step loop's turn; default: the engine's)")
-    p.add_argument("--lead", type=float, default=None, help="Turns.lead_s in seconds (the loader stops that long "
-                   "before the step loop's wait is due to end; default: the engine's)")
     p.add_argument("--gc", default="on", choices=["on", "off"], help="off: the garbage collector's automatic "
                    "collections are off while the phases run (what its collections cost the steps)")
     add_read_args(p)
@@ -468,7 +465,7 @@ def run(args) -> dict:
                     max_num_seqs=args.batch, max_model_len=length, max_adapter_rank=256, max_cpu_adapters=2 * count,
                     kv_cache_memory_bytes=int(1.2 * args.batch * length * kv))
     loader = engine.adapters.loader  # the loader's settings, on this engine's loader alone (not the classes')
-    for name, value in (("max_pause", args.max_pause), ("slice_s", args.slice), ("lead_s", args.lead)):
+    for name, value in (("max_pause", args.max_pause), ("slice_s", args.slice)):
         if value is not None:
             setattr(loader.turns, name, value)
     if args.switch_interval != "default":
@@ -504,9 +501,8 @@ def run(args) -> dict:
     result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
                   command=" ".join(sys.argv), layers=args.layers, batch=args.batch, methods=methods,
                   interval_s=args.interval, placed=placed, switch_interval=loader.switch_interval,
-                  max_pause_s=loader.turns.max_pause, slice_s=loader.turns.slice_s, lead_s=loader.turns.lead_s,
-                  gc=args.gc,
-                  ablate=[a for a in args.ablate.split(",") if a], readers=args.readers,
+                  max_pause_s=loader.turns.max_pause, slice_s=loader.turns.slice_s,
+                  gc=args.gc, ablate=[a for a in args.ablate.split(",") if a], readers=args.readers,
                   part_kb=args.part_kb, hash_programs=args.hash_programs)
     return B.save({**result, **summary(rounds)}, args.out, "rounds")
 

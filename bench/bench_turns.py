@@ -117,8 +117,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-loading-steps", type=int, default=2000)
     p.add_argument("--root", default="/tmp/scute-bench-turns")
-    p.add_argument("--lead", type=float, default=None, help="the loader's Turns.lead_s in seconds (default: the "
-                   "engine's)")
     p.add_argument("--out", default="turns.json")
     args = p.parse_args(argv)
     from scute import Engine, SamplingParams
@@ -129,8 +127,6 @@ def main(argv: list[str] | None = None) -> dict:
                     max_model_len=64, max_num_seqs=2, kv_cache_memory_bytes=64 << 20)
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=1), [paths[0]], use_tqdm=False)  # the pools exist
     engine.adapters.loader.submit(engine.adapters._job, paths[0]).result()  # compiled, warmed
-    if args.lead is not None:
-        engine.adapters.loader.turns.lead_s = args.lead
     steps = Steps(engine, args.host_ms, args.gpu_ms)
     quiet, loading = [], []
     with Stretches() as stretches:
@@ -141,7 +137,6 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  round {r}: {len(loading)} loading steps so far", flush=True)
     result = dict(command=" ".join(sys.argv), torch=torch.__version__, layers=args.layers, hidden=args.hidden,
                   host_ms=args.host_ms, gpu_ms=args.gpu_ms, interval_s=args.interval,
-                  lead_s=engine.adapters.loader.turns.lead_s,
                   loads=args.cold * args.rounds, quiet_steps=len(quiet), loading_steps=len(loading),
                   free_84mb_ms=free_ms(),
                   quiet_host=stats(quiet, 1), loading_host=stats(loading, 1), quiet_wall=stats(quiet, 0),

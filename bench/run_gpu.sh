@@ -35,8 +35,8 @@
 #            kernels beside the loader's (side_stream.json, side_stream.log)
 #   ablate   bench/bench_background_loads.py once per $ABLATE_VARIANTS (default: "none ungated-readers readers4 priority";
 #            a variant is an --ablate value, "none" for none, readers<N>: --readers N, part<KB>: --part-kb KB (the
-#            bytes a reader reads between two calls of the gate), hashp<N>: --hash-programs N (the hash kernel's
-#            programs at most), or lead<MS>: --lead MS/1000),
+#            bytes a reader reads between two calls of the gate), or hashp<N>: --hash-programs N (the hash kernel's
+#            programs at most)),
 #            alternating for $ABLATE_ROUNDS rounds (default 1), on one machine: what each part of a load's work
 #            costs the steps (background_<variant>_<round>.json, one line each; a run takes 80-120 s: four fit one call)
 #   decode   bench/profile_decode.py: GPU time per kernel and idle gaps of graph-replayed decode steps (decode.json)
@@ -112,7 +112,6 @@ for step in $steps; do
     ablate) for round in $(seq "${ABLATE_ROUNDS:-1}"); do
               for v in ${ABLATE_VARIANTS:-none ungated-readers readers4 priority}; do
                 a=(--ablate "$v"); [ "$v" = none ] && a=(); [[ "$v" = readers* ]] && a=(--readers "${v#readers}")
-                [[ "$v" = lead* ]] && a=(--lead "$(python3 -c "print(${v#lead} / 1000)")")
                 [[ "$v" = part* ]] && a=(--part-kb "${v#part}")
                 [[ "$v" = hashp* ]] && a=(--hash-programs "${v#hashp}")
                 timeout 200 python3 bench/bench_background_loads.py "${a[@]}" \

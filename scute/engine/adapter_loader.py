@@ -145,8 +145,7 @@ class Staging:
 
 class Turns:
     """The step loop's turn at the interpreter lock. Inside `step_loop` another thread's `pause` waits (at most
-    `max_pause` seconds) until the step loop waits (`waiting`) or leaves its turn, and with `lead_s` also near the
-    expected end of such a wait, until the next. If the step loop's last wait
+    `max_pause` seconds) until the step loop waits (`waiting`) or leaves its turn. If the step loop's last wait
     lasted less than `slice_s`, that thread first runs on through its pause points until `slice_s` past the last
     one it went on from: a step loop that never waits for the GPU (a small model's, host-bound) gives a load that
     much of every step, where a wait at every pause point would make a load of a few hundred pause points last as
@@ -157,12 +156,6 @@ class Turns:
 
     max_pause: float = 0.05  # seconds; 0: the loader never pauses
     slice_s: float = 5e-4  # seconds the loader runs into a turn after a shorter wait, at most one pause point more
-    # seconds: inside a wait of the step loop's, from this long before it is due to end (the last wait's end plus the
-    # time between the last two waits' ends: a GPU-bound step loop's waits end a step apart) to as long after, the
-    # loader stops at its pause points until the step loop's next wait (or the turn's end, or `max_pause`): a
-    # stretch between two pause points begun there would run on into the step loop's turn, which then shares the
-    # interpreter lock with it. 0: never
-    lead_s: float = 0.0
 
     def __init__(self) -> None:
         self.idle: Callable[[], object] = lambda: None  # run at a pause point while the step loop waits (below)
@@ -171,10 +164,6 @@ class Turns:
         self._holder: int | None = None  # the thread in `step_loop`
         self._went_on = -math.inf  # when the pausing thread last went on (perf_counter)
         self._waited = 0.0  # seconds the step loop's last wait lasted
-        self._ends = (-math.inf, -math.inf)  # when the step loop's last two waits inside its turn ended
-        self._in_wait = False  # the step loop waits inside its turn
-        self._ended = threading.Condition()  # notified as such a wait ends (`_waits`: how many have)
-        self._waits = 0
 
     @contextmanager
     def step_loop(self) -> Iterator[None]:
@@ -189,19 +178,13 @@ class Turns:
     def waiting(self) -> Iterator[None]:
         """The step loop waits (for the GPU, for a load): the loader runs meanwhile."""
         held, start = not self._free.is_set(), time.perf_counter()
-        self._in_wait = held
         self._free.set()
         try:
             yield
         finally:
             if held:
                 self._free.clear()
-                end = time.perf_counter()
-                self._waited, self._ends, self._in_wait = end - start, (self._ends[1], end), False
-                if self.lead_s > 0:  # a loader may wait for this (`pause`)
-                    with self._ended:
-                        self._waits += 1
-                        self._ended.notify_all()
+                self._waited = time.perf_counter() - start
 
     def gate(self) -> None:
         """Where another thread's work that runs little Python but takes cores and memory bandwidth from the step
@@ -211,14 +194,6 @@ class Turns:
         if not self._free.is_set():
             self._free.wait(self.max_pause)
 
-    def _due_soon(self) -> bool:
-        """The step loop waits inside its turn, and that wait is due to end within `lead_s` (or did as long ago)."""
-        if self.lead_s <= 0 or not self._in_wait:
-            return False
-        before, last = self._ends
-        due = 2 * last - before
-        return abs(time.perf_counter() - due) < self.lead_s
-
     def pause(self) -> None:
         """A pause point of the loader's work: waits while the step loop holds its turn, once its slice is spent;
         runs `idle` where the step loop does not hold it (the engine's garbage collections due: those of the
@@ -226,13 +201,9 @@ class Turns:
         CAPTURE_GUARD.pause()
         if threading.get_ident() == self._holder:
             return
-        waits, held = self._waits, not self._free.is_set()
+        held = not self._free.is_set()
         if held and self._waited < self.slice_s and time.perf_counter() - self._went_on < self.slice_s:
             return  # within its slice: the step loop's wait gave it less, and it went on less than `slice_s` ago
-        if not held and self._due_soon():
-            with self._ended, CAPTURE_GUARD.released():  # the wait's end, then the turn after it (below)
-                self._ended.wait_for(lambda: self._waits != waits or not self._in_wait, self.max_pause)
-            held = not self._free.is_set()
         if held:
             with CAPTURE_GUARD.released():  # a capture of the step loop's may run while this waits
                 self._free.wait(self.max_pause)

@@ -489,39 +489,6 @@ def test_a_turn_after_a_wait_as_long_as_the_slice_gives_the_loader_none_of_it():
     assert not thread.is_alive()
 
 
-@pytest.mark.parametrize("lead", [0.0, 0.15])
-def test_with_a_lead_the_loader_stops_before_a_wait_is_due_to_end(lead):
-    """With `lead_s`, inside a wait of the step loop's that is due to end within `lead_s` (the last wait's end plus
-    the time between the last two waits' ends), the loader stops at its pause points until the step loop's next
-    wait; without, it runs through the whole wait."""
-    turns, passed, stop = Turns(), [], threading.Event()
-    turns.max_pause, turns.slice_s, turns.lead_s = 30.0, 0.0, lead
-    thread = _pausing(turns, 0.005, passed, stop)
-    try:
-        with turns.step_loop():
-            thread.start()
-            for _ in range(2):  # waits that end 0.5 s apart: the next is due 0.5 s after the last's end
-                with turns.waiting():
-                    time.sleep(0.3)
-                time.sleep(0.2)
-            due = turns._ends[1] + 0.5
-            with turns.waiting():
-                time.sleep(due - time.perf_counter())
-            ended = time.perf_counter()
-            time.sleep(0.2)
-            with turns.waiting():
-                time.sleep(0.05)
-    finally:
-        stop.set()
-    thread.join(5)
-    start = due - 0.3  # the third wait's start
-    early = [t for t in passed if start + 0.03 < t < due - 0.15 - 0.03]
-    late = [t for t in passed if due - 0.15 + 0.03 < t < ended]  # the last 0.15 s of the wait
-    assert len(early) > 10
-    assert (len(late) > 10) if lead == 0 else not late
-    assert any(t > ended + 0.2 for t in passed)  # on again in the next wait
-
-
 def test_the_loader_runs_idle_work_only_where_the_step_loop_does_not_hold_its_turn():
     """`Turns.idle` (the engine's garbage collections due) runs at a pause point of another thread while the step
     loop waits or outside its turn; never inside its turn, where it would delay the step's host work."""

@@ -12,14 +12,14 @@ from tests.helpers import bench_module
 def test_background_loads_bench_places_every_cold_adapter(tmp_path):
     from scute.engine.adapter_loader import Turns
 
-    lead = Turns.lead_s
+    slice_s = Turns.slice_s
     bench = bench_module("bench_background_loads")
     out = tmp_path / "bg.json"
     result = bench.main(["--tiny", "--layers", "2", "--batch", "3", "--cold", "2", "--rounds", "2", "--steps", "5",
-                         "--prompt", "8", "--interval", "0.02", "--max-loading-steps", "300", "--lead", "0.001",
+                         "--prompt", "8", "--interval", "0.02", "--max-loading-steps", "300", "--slice", "0.0002",
                          "--root", str(tmp_path / "adapters"), "--out", str(out)])
     saved = json.loads(out.read_text())
-    assert saved["lead_s"] == 0.001 and Turns.lead_s == lead  # set on the bench engine's loader, not the class
+    assert saved["slice_s"] == 0.0002 and Turns.slice_s == slice_s  # set on the bench engine's loader, not the class
     assert saved["loads"] == saved["placed"] == 4  # asked, staged, given a slot and placed: every one
     assert 1 <= result["placement_steps"] <= 4 and result["loading_steps"] >= result["placement_steps"]
     assert [len(r["quiet"]) for r in saved["rounds"]] == [5, 5]
@@ -68,10 +68,9 @@ def test_turns_bench_times_the_host_work_beside_the_loads(tmp_path):
     out = tmp_path / "turns.json"
     result = bench_module("bench_turns").main(["--layers", "2", "--hidden", "64", "--cold", "2", "--rounds", "1",
                                                "--steps", "5", "--host-ms", "0.5", "--gpu-ms", "2", "--interval",
-                                               "0.01", "--lead", "0.0005", "--root", str(tmp_path / "adapters"),
+                                               "0.01", "--root", str(tmp_path / "adapters"),
                                                "--out", str(out)])
     saved = json.loads(out.read_text())
-    assert saved["lead_s"] == 0.0005  # the loads still all land with a lead
     assert saved["loads"] == 2 and saved["quiet_steps"] == 5 and saved["loading_steps"] >= 1
     assert 0 < saved["quiet_host"]["median_ms"] <= saved["quiet_host"]["max_ms"]
     assert saved["quiet_wall"]["median_ms"] >= 2  # the emulated GPU's time at least
