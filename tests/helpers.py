@@ -103,11 +103,13 @@ def perturbed_buffers(scale: Callable[[str], float]):
 
     def randomize(peft_model, seed: int = 1) -> None:
         original(peft_model, seed)
-        g = torch.Generator().manual_seed(seed + 100)
+        g, perturbed = torch.Generator().manual_seed(seed + 100), 0
         with torch.no_grad():
             for name, b in peft_model.named_buffers():
                 if s := scale(name):
                     b.mul_(1 + s * torch.randn(b.shape, generator=g, dtype=torch.float64).to(b.dtype))
+                    perturbed += 1
+        assert perturbed, "perturbed_buffers: no buffer of this adapter matched (renamed by PEFT?)"
 
     randomize_adapter = randomize
     try:

@@ -102,7 +102,8 @@ class SpanLeaves:
 # the GPU busy (a leaf is hashed serially), and few: 10,240 for a LoRA of the 8B shape.
 LEAF = 8 << 10
 # Programs of the hash kernel at most (`sha256_leaves`' `programs`); None: one per 32 leaves (320 for a LoRA of the
-# 8B shape, on every SM, 0.4 ms on an H200). Fewer take fewer SMs from the steps beside the load, for longer.
+# 8B shape, on every SM, 0.4 ms on an H200). Fewer spread the hash over more of a step without taking less from it:
+# a cap of 33 made the steps beside loads slower (docs/performance.md, "Loads while requests run").
 HASH_PROGRAMS: int | None = None
 # Bytes per chunk of a read (a multiple of `LEAF`), and per leaf of the hash tree of a file read for the CPU: files
 # of a few chunks and more are read by several threads (`_readers`), each over its share of the chunks, then

@@ -14,7 +14,8 @@ two pinned buffers of the loader's (`Staging`), never from or to pageable memory
 
 The loader's Python (validation, conversion) shares the interpreter lock with the step loop. While a job runs,
 the interpreter's thread switch interval is `switch_interval` (Python's default, 5 ms, would let a load keep the
-lock that long while the step loop waits to launch its next step), then restored. Two threads that both run
+lock that long while the step loop waits to launch its next step), then the process's own again once the last
+job running in the process ends (`_SWITCH_INTERVAL`). Two threads that both run
 Python still take the lock in turns, each at half speed; so while the step loop holds its turn (`Turns`: the host
 work of a decode step launched behind the one in flight, whose outputs the requests wait for), the loader stops at
 its next pause point (`Turns.pause`: between two layers it converts, moves or prepares), until the step loop

@@ -98,7 +98,7 @@ class TableWrites:
                    for _, _, x in copies]  # kept until the copy is queued (stream order keeps the memory theirs)
         tail = [self._address(t, i) for t, i, _ in copies] + [0 if x is None else x.data_ptr() for x in sources] + \
             [t.shape[-1] for t, _, _ in copies]
-        buf = host_to_device(head + tail, torch.int64, device)  # numpy reads the list straight into pinned memory
+        buf = host_to_device(head + tail, torch.int64, device)  # through numpy into a pinned buffer
         if rows:
             scatter_rows(buf[:len(head)], len(rows), max(len(r) for _, _, r in rows))
         if copies:

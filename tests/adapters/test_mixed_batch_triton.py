@@ -1,7 +1,8 @@
 """The mixed batch of `test_peft_equality` (rows of 19 adapters of 15 methods in shuffled slots, and base rows)
 through the Triton kernels on the CPU, in Triton's interpreter (float32: its bf16 math is not the GPU's), against
 PEFT with each adapter alone: every converter's slot forms through the kernels a GPU runs, without a GPU. The op
-calls are counted, so a forward that silently took the reference path fails. On CUDA the same batch runs on the
+calls are counted and the reference op refused, so a forward any of whose layers silently took the reference path
+fails. On CUDA the same batch runs on the
 GPU (`test_mixed_batch_of_many_methods_triton`)."""
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def test_mixed_batch_of_many_methods_through_the_kernels(tmp_path, monkeypatch):
     for name in ("scute_linears_triton", "scute_linears_deferred"):  # the model's forwards call both
         op = getattr(linear_mod, name)
         monkeypatch.setattr(linear_mod, name, lambda *a, _op=op, **kw: calls.append(1) or _op(*a, **kw))
+    monkeypatch.setattr(linear_mod, "scute_linear_cpu", lambda *a, **kw: pytest.fail("a layer took the reference op"))
     ids = torch.randint(0, 128, (len(MIXED) + 2, 2), generator=torch.Generator().manual_seed(3))
     refs, adapters = mixed_adapters(tmp_path, torch.float32, ids)
     model = tiny_model("qwen2", torch.float32)

@@ -564,8 +564,9 @@ def test_mixed_batch_of_many_methods_triton(dtype, tmp_path):
 
     float32: error ≤ 5e-3 of the adapter's effect (Triton's fp32 dots run in TF32; the vector and block slots are
     exact to ~1e-6). bf16: the base model itself is ~1e-2 off float32, so each row's relative error is bounded like
-    the base rows', and its error relative to the effect by 0.3 (a dropped or another's adapter is ~1; PyTorch's
-    bf16 run of this batch on the CPU is within 0.11, hira's effect of 0.08 being the smallest)."""
+    the base rows', and its error relative to the effect by 3e-2 where the effect is large, by 0.3 where it is not
+    (a dropped or another's adapter is ~1; PyTorch's bf16 run of this batch on the CPU is within 0.11, hira's
+    effect of 0.08 being the smallest)."""
     ids = torch.randint(0, 128, (len(MIXED) + 2, 5), generator=torch.Generator().manual_seed(3))
     refs, adapters = mixed_adapters(tmp_path, torch.float32, ids)
     with torch.no_grad():
@@ -584,6 +585,6 @@ def test_mixed_batch_of_many_methods_triton(dtype, tmp_path):
     print("\n".join(f"{k:16} err/effect {e:.1e} rel {r:.1e} effect {f:.1e}" for k, (e, r, f) in errors.items()))
     for name, (err, rel, effect) in errors.items():
         if bf16:
-            assert rel <= 4e-2 and err <= 0.3, name
+            assert rel <= 4e-2 and err <= (3e-2 if effect >= 0.3 else 0.3), name
         else:
             assert err <= 5e-3, name

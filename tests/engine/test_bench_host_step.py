@@ -6,8 +6,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import bench_host_step  # noqa: E402
@@ -19,5 +17,4 @@ def test_host_step_rows(tmp_path):
     rows = result["rows"]
     assert [(r["requests"], r["output_kind"]) for r in rows] == [(n, k) for n in (2, 5) for k in bench_host_step.KINDS]
     assert all(r["step_us"] > 0 and r["graph_build_us"] > 0 and r["graph_write_us"] > 0 for r in rows)
-    assert all(r["graph_inputs_us"] == pytest.approx(r["graph_build_us"] + r["graph_write_us"]) for r in rows)
     assert (tmp_path / "host.json").exists()

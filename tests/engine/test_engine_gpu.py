@@ -93,9 +93,11 @@ def test_a_steps_logprobs_are_read_once_written(oracle, monkeypatch):
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
     want = run()
-    to_host = runner_mod.to_host
-    monkeypatch.setattr(runner_mod, "to_host", lambda x: (torch.cuda._sleep(20_000_000), to_host(x))[1])
+    to_host, delayed = runner_mod.to_host, []
+    monkeypatch.setattr(runner_mod, "to_host",
+                        lambda x: (delayed.append(1), torch.cuda._sleep(20_000_000), to_host(x))[2])
     got = run()
+    assert delayed  # the writes were held back: otherwise this compares two alike runs
     assert [t for t, _ in got] == [t for t, _ in want]
     for (_, a), (_, b) in zip(got, want):
         assert [list(s) for s in a] == [list(s) for s in b]

@@ -7,10 +7,9 @@ import dataclasses
 
 import pytest
 import torch
-from peft import PeftModel
 
 from scute import SamplingParams
-from tests.helpers import GREEDY, NEW_TOKENS, PROMPTS, Oracle, random_prompts, tiny_model
+from tests.helpers import GREEDY, NEW_TOKENS, PROMPTS, Oracle, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -126,11 +125,7 @@ def test_a_failed_n_request_fails_alone(oracle):
 
 # ---------------------------------------------------------------------------------------------- prompt logprobs
 def _reference_logprobs(oracle, adapter, prompt) -> torch.Tensor:
-    model = tiny_model()
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, oracle.paths[adapter]).eval()
-    with torch.no_grad():
-        return model(torch.tensor([prompt])).logits[0].float().log_softmax(dim=-1)
+    return oracle.logits(adapter, prompt).log_softmax(dim=-1)
 
 
 def _check_prompt_logprobs(out, ref: torch.Tensor, prompt: list[int], k: int) -> None:

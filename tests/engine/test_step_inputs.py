@@ -80,7 +80,7 @@ def test_table_rows_write_what_changed_and_stay_equal_to_the_tables():
     rows.array[0, :2] = -9  # what the row held stays: only the tail is written
     rows.write([a, b])
     assert rows.array[0, :3].tolist() == [-9, -9, 5]
-    b2 = [8]  # another list of the same length (freed and admitted again): written whole
+    b2 = [8]  # another, shorter list (freed and admitted again): written whole
     rows.write([b2, a])
     assert rows.array[0, :1].tolist() == [8] and rows.array[1, :3].tolist() == [3, 4, 5]
     rows.fill_first(0, 2, 0)
@@ -89,3 +89,5 @@ def test_table_rows_write_what_changed_and_stay_equal_to_the_tables():
     a.append(6)
     rows.write([b2, a, [1, 2]])
     assert rows.array[1, :4].tolist() == [3, 4, 5, 6] and rows.array[2, :2].tolist() == [1, 2]
+    rows.write([b2, [9, 8, 7, 6], [1, 2]])  # another list of the held one's length: written whole
+    assert rows.array[1, :4].tolist() == [9, 8, 7, 6]

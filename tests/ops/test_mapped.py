@@ -124,6 +124,7 @@ def test_to_host_writes_by_kernel_bit_exact(dtype):
     src = src.reshape(2, -1).t()  # a transposed view
     torch.cuda._sleep(100_000_000)
     host = mapped.to_host(src)
+    assert not torch.cuda.current_stream().query()  # queued behind the sleep, not waited for
     assert host.is_pinned() and host.shape == src.shape and host.dtype == dtype and host.is_contiguous()
     torch.cuda.current_stream().synchronize()
     bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[src.element_size()]
