@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-_DTYPES = {
+DTYPES = {  # the dtype spellings the engine, `scute serve` and `scute explain` take
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -105,9 +105,9 @@ class EngineConfig:
             return self.dtype
         if self.dtype == "auto":
             return None
-        if self.dtype not in _DTYPES:
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: use auto, float32, float16 or bfloat16")
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     def torch_device(self) -> torch.device:
         """The device to serve on; raises ValueError for one this process cannot use."""

@@ -253,6 +253,11 @@ def _layer_tensors(keys: list[tuple[str, str, str]], tensors: Mapping[str, Tenso
     return groups
 
 
+def folder_name(path: str | os.PathLike) -> str:
+    """An adapter's name by default: its folder's own name."""
+    return os.path.basename(os.path.normpath(os.fspath(path)))
+
+
 def checkpoint_method(ckpt: AdapterCheckpoint, options: Mapping[str, object] = {}) -> Method:
     """The registered method of `ckpt`, after checking that it takes every load option in `options`."""
     try:
@@ -450,7 +455,7 @@ def start_load(
     converted = convert_checkpoint(ckpt, modules, dense=dense, interned=interned, pause=pause, dtype=dtype,
                                    **options)
     folded = fold_layers(converted, pause)
-    default, suffix = os.path.basename(os.path.normpath(os.fspath(path))), ""
+    default, suffix = folder_name(path), ""
     for key, value in options.items():  # a variant of the checkpoint: its own device slot and KV prefixes
         if value is not None:
             suffix += method.options[key].suffix.format(value)

@@ -25,12 +25,12 @@ from torch import nn
 from scute.adapters.checkpoint import AdapterError, read_checkpoint
 from scute.adapters.conversion import convert_checkpoint, linear_modules
 from scute.adapters.layer_shapes import StandIn, shapes_from_model, shapes_from_tensors
+from scute.config import DTYPES
 from scute.ops.cost import VEC_BYTES, layer_call_bytes
 from scute.ops.slots import Slots
 
 H200_BANDWIDTH = 4.2e12  # bytes/s: a device-to-device copy on the H200, read + write (docs/performance.md)
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # `scute serve --dtype`'s spellings
+_SHORT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}  # as the table names them
 
 
 @dataclass
@@ -120,7 +120,16 @@ def explain(adapter: str | os.PathLike, model: nn.Module | str | None = None, *,
             dense: bool = False) -> ExplainTable:
     """Explain the PEFT folder `adapter` on `model` (a module, a local HF folder or GGUF file, or None: shapes
     from the adapter's tensors). `batch` tokens over `adapters` distinct adapters (default: one per token);
-    `dtype` of the served weights; `dense` as in `load_adapter`."""
+    `dtype` of the served weights (any of `scute.config.DTYPES`' spellings); `dense` as in `load_adapter`. Raises
+    ValueError for numbers or a dtype that describe no batch."""
+    if batch < 1:
+        raise ValueError(f"batch: at least 1 token, not {batch}")
+    if adapters is not None and not 1 <= adapters <= batch:
+        raise ValueError(f"adapters: 1 to batch ({batch}) distinct adapters, not {adapters}")
+    if not bandwidth > 0:
+        raise ValueError(f"bandwidth: bytes per second, more than 0, not {bandwidth}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: one of {sorted(DTYPES)}, not {dtype!r}")
     ckpt = read_checkpoint(adapter)
     notes: list[str] = []
     no_bias = False
@@ -131,7 +140,7 @@ def explain(adapter: str | os.PathLike, model: nn.Module | str | None = None, *,
         modules = {n: StandIn(o, i, b) for n, (o, i, b) in shapes.items()}
         model_name = os.path.basename(os.path.normpath(os.fspath(model))) if model else "shapes from the adapter"
         no_bias = model is None
-    elem, n_adapters = DTYPE_BYTES[dtype], adapters or batch
+    dtype, elem, n_adapters = _SHORT_NAMES[DTYPES[dtype]], DTYPES[dtype].itemsize, adapters or batch
     layers = convert_checkpoint(ckpt, modules, dense=dense)
     rows, seen = [], {}
     for name, slots in layers.items():
@@ -216,18 +225,11 @@ def explain_main(argv: Sequence[str] | None = None) -> int:
                                    "only); default: shapes from the adapter's tensors")
     p.add_argument("--batch", type=int, default=64, help="tokens per step for the predicted cost (default 64)")
     p.add_argument("--adapters", type=int, help="distinct adapters among those tokens (default: one per token)")
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES) + sorted(_DTYPE_NAMES), default="bf16",
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                    help="served weight dtype (bf16 or bfloat16, ...)")
     p.add_argument("--bandwidth", type=float, default=H200_BANDWIDTH, help="bytes/s (default: H200, 4.2e12)")
     p.add_argument("--dense", action="store_true", help="serve methods with no low-rank form as dense ΔW")
     args = p.parse_args(argv)
-    args.dtype = _DTYPE_NAMES.get(args.dtype, args.dtype)
-    if args.batch < 1:
-        p.error("--batch: at least 1 token")
-    if args.adapters is not None and not 1 <= args.adapters <= args.batch:
-        p.error(f"--adapters: 1 to --batch ({args.batch}) distinct adapters")
-    if not args.bandwidth > 0:
-        p.error("--bandwidth: bytes per second, more than 0")
     try:
         table = explain(args.adapter, args.model, batch=args.batch, adapters=args.adapters, dtype=args.dtype,
                         bandwidth=args.bandwidth, dense=args.dense)

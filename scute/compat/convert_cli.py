@@ -9,18 +9,14 @@ import torch
 from torch import nn
 
 from scute.compat.convert import BIAS_POLICIES, convert_adapter, save_lora
+from scute.model.loader import model_files
 
 def load_base_model(spec: str, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A transformers causal LM from a local folder or a ``.gguf`` file (never downloaded)."""
+    """A transformers causal LM from a local folder or a ``.gguf`` file (`model_files`: local files only)."""
     from transformers import AutoModelForCausalLM
 
-    if os.path.isfile(spec) and spec.endswith(".gguf"):
-        folder, file = os.path.split(os.path.abspath(spec))
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=dtype).eval()
-    if not os.path.isdir(spec):
-        raise FileNotFoundError(f"base model {spec!r}: no such folder or .gguf file (Scute never downloads weights); "
-                                "pass --model with a local folder or .gguf file")
-    return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).eval()
+    folder, file = model_files(spec)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=dtype, local_files_only=True).eval()
 
 
 def _parser():

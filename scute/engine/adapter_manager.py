@@ -39,7 +39,7 @@ from torch import nn
 from scute.adapters import Adapter, AdapterError, AdapterLoad, read_checkpoint, start_load
 from scute.adapters.adapter import Interned, SharedMemo
 from scute.adapters.checkpoint import files_signature
-from scute.adapters.conversion import ModelLayers
+from scute.adapters.conversion import ModelLayers, folder_name
 from scute.engine.adapter_loader import AdapterLoader, Load, PendingAdapter, Staged
 from scute.engine.adapter_memory import AdapterMemory
 from scute.engine.adapter_placer import Placer
@@ -165,7 +165,7 @@ class AdapterManager:
             return cached
         if not key[1]:  # nothing to read: the read fails at once, with its own message
             read_checkpoint(path)
-        load = self._loads.setdefault(("path", *key), Load(path, PendingAdapter(os.path.basename(path), path, key)))
+        load = self._loads.setdefault(("path", *key), Load(path, PendingAdapter(folder_name(path), path, key)))
         return load.pending
 
     def _cached(self, key: tuple, name: str | None) -> Adapter | None:

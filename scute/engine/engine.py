@@ -16,6 +16,7 @@ from contextlib import nullcontext
 from tqdm.auto import tqdm
 
 from scute.adapters import Adapter, AdapterError
+from scute.adapters.conversion import folder_name
 from scute.config import EngineConfig
 from scute.engine.adapter_manager import MAX_PREFETCH, AdapterManager
 from scute.engine.adapter_memory import adapter_budget
@@ -323,5 +324,5 @@ def _spec_name(spec: AdapterSpec) -> str | None:
     """The name a request's adapter would have had, for one that failed: a folder's own name (as a loaded one's),
     an `AdapterRequest`'s name, or the name given."""
     if isinstance(spec, (str, os.PathLike)):
-        return os.path.basename(os.path.normpath(os.fspath(spec))) or os.fspath(spec)
+        return folder_name(spec) or os.fspath(spec)
     return getattr(spec, "name", None)

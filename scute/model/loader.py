@@ -69,15 +69,12 @@ NEEDS_A_PATH = ("tensor_parallel_size > 1 needs the model as a path (a Hugging F
                 "not a built model: every rank's process loads it from there; save it with save_pretrained")
 
 
-def _from_path(path: str, dtype: torch.dtype | None):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    # local files only: a folder whose config names a hub model (an adapter's base, a tokenizer's) is not fetched
-    kwargs = {"dtype": dtype or "auto", "attn_implementation": ATTENTION_NAME, "local_files_only": True}
+def model_files(path: str) -> tuple[str, str | None]:
+    """A base model's folder and its ``.gguf`` file (None: a Hugging Face folder), read from local files only
+    (``local_files_only=True``: a folder whose config names a hub model, an adapter's base or a tokenizer's, is not
+    fetched). Raises FileNotFoundError for no such folder or file, ValueError for a folder that is not a model's."""
     if os.path.isfile(path) and path.endswith(".gguf"):
-        folder, file = os.path.split(os.path.abspath(path))
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True)
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, **kwargs), tokenizer
+        return os.path.split(os.path.abspath(path))
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model {path!r}: no such folder or .gguf file (Scute never downloads weights)")
     if not os.path.exists(os.path.join(path, "config.json")):
@@ -85,6 +82,17 @@ def _from_path(path: str, dtype: torch.dtype | None):
         raise ValueError(f"model {path!r}: " + ("a PEFT adapter folder, not a base model: give the base model, and "
                                                 "the adapter as an adapter of it" if adapter else
                                                 "no config.json: not a Hugging Face model folder"))
+    return path, None
+
+
+def _from_path(path: str, dtype: torch.dtype | None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"dtype": dtype or "auto", "attn_implementation": ATTENTION_NAME, "local_files_only": True}
+    folder, file = model_files(path)
+    if file is not None:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True)
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, **kwargs), tokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError):

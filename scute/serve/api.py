@@ -38,10 +38,16 @@ class ServerState:
     runtime_adapter_dir: str | None = None  # real path of --allow-runtime-adapters, None: runtime loads refused
     metrics: Metrics | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    loading: set[str] = field(default_factory=set)  # names of runtime loads under way (each name loads once)
+
+    @property
+    def base_names(self) -> tuple[str, str]:
+        """The names a request gives the base model by: the served name and the model's path."""
+        return self.served_model_name, self.model_root
 
     def adapter_for(self, model: str) -> str | None:
         """The adapter a request's ``model`` names (None: the base model); 404 for an unknown name."""
-        if model in (self.served_model_name, self.model_root):
+        if model in self.base_names:
             return None
         if model in self.adapters:
             return model
@@ -119,10 +125,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):  # OpenAI's retrieve
-        card = next((c for c in cards() if c["id"] == model), None)
-        if card is None:
-            raise APIError(404, f"The model `{model}` does not exist.", "model")
-        return card
+        adapter = state.adapter_for(model)  # 404 for an unknown name
+        return next(c for c in cards() if c["id"] == (adapter or state.served_model_name))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
@@ -149,16 +153,19 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/load_lora_adapter")
     async def load_adapter(req: LoadAdapterRequest):
         path = _allowed_path(state, req.lora_path)
-        if req.lora_name in (state.served_model_name, state.model_root):
+        if req.lora_name in state.base_names:
             raise APIError(400, f"{req.lora_name!r} is the base model's name", "lora_name")
-        if req.lora_name in state.adapters:  # as vLLM: a name is not taken over silently
+        if req.lora_name in state.adapters or req.lora_name in state.loading:  # as vLLM: not taken over silently
             raise APIError(400, f"the adapter {req.lora_name!r} is already loaded: unload it first", "lora_name")
+        state.loading.add(req.lora_name)  # claimed before the load's await: a second load of the name is refused
         try:
             # read and converted on a worker thread: the engine keeps stepping (it reads `named` only by key)
             await asyncio.to_thread(state.engine.engine.load_adapter, req.lora_name, path)
         except (OSError, ValueError, TypeError) as e:  # AdapterError is a ValueError
             state.metrics.adapter_loads.labels(state.metrics.model_name, "error").inc()
             raise APIError(400, f"adapter {req.lora_name!r} cannot be loaded: {e}", "lora_path") from None
+        finally:
+            state.loading.discard(req.lora_name)
         state.metrics.adapter_loads.labels(state.metrics.model_name, "ok").inc()
         state.adapters[req.lora_name] = path
         return Response(f"Success: adapter {req.lora_name!r} loaded.", media_type="text/plain")

@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="the base model's name in the API (default: MODEL)")
-    p.add_argument("--api-key", default=os.environ.get("SCUTE_API_KEY") or None,
+    p.add_argument("--api-key", default=os.environ.get("SCUTE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default $SCUTE_API_KEY)")
     p.add_argument("--allow-runtime-adapters", metavar="DIR",
                    help="enable /v1/load_lora_adapter for folders inside DIR (off by default)")
@@ -105,9 +105,8 @@ def serve_main(argv: list[str]) -> int:
     from scute.serve.api import build_app
 
     adapters = parse_adapters(args.adapters)
-    if (args.served_model_name or args.model) in adapters:
-        print(f"scute serve: the adapter name {args.served_model_name or args.model!r} is the base model's",
-              file=sys.stderr)
+    if taken := {args.served_model_name or args.model, args.model} & adapters.keys():  # `ServerState.base_names`
+        print(f"scute serve: the adapter name {taken.pop()!r} is the base model's", file=sys.stderr)
         return 1
     if (taken := _port_taken(args.host, args.port)) is not None:  # before the minutes of loading, not after
         print(f"scute serve: cannot listen on {args.host}:{args.port}: {taken}", file=sys.stderr)
@@ -139,7 +138,8 @@ def serve_main(argv: list[str]) -> int:
 
 
 def _port_taken(host: str, port: int) -> str | None:
-    """Why `host`:`port` cannot be listened on now (None: it can), checked as uvicorn binds it."""
+    """Why `host`:`port` cannot be listened on now (None: it can): a bind of its first address, as uvicorn's
+    would fail on a port in use; the port may still be taken before uvicorn binds it, minutes later."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as e:

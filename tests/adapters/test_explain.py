@@ -175,11 +175,13 @@ def test_cli(adapters, capsys):
     assert explain_main([str(adapters / "hira")]) == 2
     assert "dense=True" in capsys.readouterr().err
     assert explain_main([str(adapters / "hira"), "--dense", "--model", "/nonexistent"]) == 2
-    for args, fragment in ((["--batch", "0"], "--batch"), (["--adapters", "9", "--batch", "4"], "--adapters"),
-                           (["--bandwidth", "0"], "--bandwidth")):
-        with pytest.raises(SystemExit):
-            explain_main([str(adapters / "loha"), *args])
-        assert fragment in capsys.readouterr().err
+    for args, fragment in ((["--batch", "0"], "batch"), (["--adapters", "9", "--batch", "4"], "adapters"),
+                           (["--bandwidth", "0"], "bandwidth")):
+        assert explain_main([str(adapters / "loha"), *args]) == 2
+        assert f"scute explain: {fragment}:" in capsys.readouterr().err
+    for kw in (dict(batch=0), dict(batch=4, adapters=9), dict(bandwidth=0.0), dict(dtype="int8")):  # the library's
+        with pytest.raises(ValueError, match=next(iter(kw)) if "adapters" not in kw else "adapters"):
+            explain(adapters / "loha", **kw)
     assert math.isfinite(explain(adapters / "hira", tiny_model("qwen2"), dense=True).seconds)
 
 

@@ -272,6 +272,18 @@ def test_runtime_adapters_and_their_path_rules(server, reference, served):
             assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", (name, r.text)
         assert h.post("/v1/unload_lora_adapter", json=dict(lora_name="late")).status_code == 200
         assert h.post("/v1/completions", json=dict(model="late", prompt="a")).status_code == 404
+        assert h.get("/v1/models/tiny").json()["id"] == h.get(f"/v1/models/{served / 'model'}").json()["id"] == "tiny"
+
+    async def twice():  # one name asked for twice at once: one load, the other refused while the first runs
+        async with httpx.AsyncClient(base_url=server[0], headers={"Authorization": f"Bearer {API_KEY}"},
+                                     timeout=60) as c:
+            return await asyncio.gather(*[c.post("/v1/load_lora_adapter", json=dict(lora_name="twice",
+                                                                                     lora_path="late-lora"))
+                                          for _ in range(2)])
+
+    assert sorted(r.status_code for r in asyncio.run(twice())) == [200, 400]
+    with http(server) as h:
+        assert h.post("/v1/unload_lora_adapter", json=dict(lora_name="twice")).status_code == 200
         assert h.post("/v1/unload_lora_adapter", json=dict(lora_name="late")).status_code == 404
         text = h.get("/metrics").text
         assert 'scute:adapter_loads_total{model_name="tiny",result="ok"}' in text
