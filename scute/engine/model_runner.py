@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -262,8 +263,8 @@ class ModelRunner:
             copy_by_kernel(rows[:, :num_rows], m.views[3][:, :num_rows])
         n = len(step.gather[0])
         if n:
-            host, view = m.gather
-            host.numpy()[:, :n] = step.gather
+            array, view = m.gather
+            array[:, :n] = step.gather
             self.buffers["input_ids"].index_copy_(0, view[0, :n], flight.result.token_ids[view[1, :n]])
 
     def _graph_forward(self, shape: GraphShape, active_slots: frozenset[int]) -> Tensor:
@@ -344,7 +345,7 @@ class _MirrorSet:
 
     views: list[Tensor]
     arrays: list
-    gather: tuple[Tensor, Tensor]  # (host, view)
+    gather: tuple[np.ndarray, Tensor]  # (what the host writes, what the device reads)
 
     @classmethod
     def like(cls, inputs: tuple[Tensor, ...], max_tokens: int, device: torch.device) -> _MirrorSet:
@@ -352,7 +353,7 @@ class _MirrorSet:
         hosts = [torch.zeros_like(t, device="cpu", pin_memory=pinned) for t in inputs]
         hosts.append(torch.zeros(2, max_tokens, dtype=torch.int64, pin_memory=pinned))
         views = [device_view(h, device) if pinned else h for h in hosts]
-        arrays = [h.numpy() for h in hosts[:4]]
+        arrays = [h.numpy() for h in hosts]
         arrays[2] = TableRows(arrays[2])
-        return cls(views[:4], arrays, (hosts[4], views[4]))
+        return cls(views[:4], arrays[:4], (arrays[4], views[4]))
 
