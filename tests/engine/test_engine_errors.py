@@ -71,7 +71,7 @@ def test_load_adapter_raises_and_unknown_option():
 
 def test_model_paths_and_devices_that_cannot_serve(tmp_path):
     """An adapter folder given as the model, a folder without config.json, a device this process has not: each a
-    ValueError that says so, at once (no network: Scute reads local files only)."""
+    ValueError that says so, at once: before transformers is asked to read anything."""
     from peft import LoraConfig
 
     from tests.helpers import make_adapter
